@@ -1,0 +1,186 @@
+"""Run the reference ChatTTS (PyPI chattts==0.2.5) on a checkpoint and record what it produces.
+
+Runs in the reference environment only (build it with ``bash ../shared/oracle/setup_venv.sh DIR``):
+
+    DIR/bin/python scripts/reference_oracle.py CHECKPOINT_DIR CASES.json OUT.npz
+
+CASES.json is a list of cases (see ``tests/fidelity/cases.py``); for each, the reference's public
+``Chat.infer`` runs, and hooks record the refine ids and text, the audio codes, the GPT hidden states,
+the Decoder mel and the Vocos waveform before the reference's |x| <= 1e-5 sample filter. The DVAE
+(codes -> mel) and its encoder (speaker from audio) are recorded as well. Results go into one npz.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import ChatTTS  # noqa: E402  (reference env only)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_reference(ckpt: Path) -> ChatTTS.Chat:
+    from safetensors import safe_open
+
+    chat = ChatTTS.Chat()
+    cfg = json.loads((ckpt / "asset/gpt/config.json").read_text())
+    hidden = cfg["hidden_size"]
+    # Only the GPT trunk sizes itself from config.json; the other modules take Config defaults, so set
+    # them from the checkpoint's tensor shapes (official values for a full-size checkpoint).
+    c = chat.config
+    c.gpt.hidden_size = hidden
+    c.gpt.intermediate_size = cfg["intermediate_size"]
+    c.gpt.num_attention_heads = cfg["num_attention_heads"]
+    c.gpt.num_hidden_layers = cfg["num_hidden_layers"]
+    c.embed.hidden_size = hidden
+
+    def shapes(rel):
+        with safe_open(str(ckpt / rel), "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+    def stack(sh, prefix, target):
+        target.bn_dim, target.idim = sh[f"{prefix}.conv_in.0.weight"][:2]
+        target.hidden = sh[f"{prefix}.conv_in.2.weight"][0]
+        target.odim = sh[f"{prefix}.conv_out.weight"][0]
+        target.n_layer = len({k.split(".")[2] for k in sh if k.startswith(f"{prefix}.decoder_block.")})
+
+    dec = shapes("asset/Decoder.safetensors")
+    stack(dec, "decoder", c.decoder)
+    dv = shapes("asset/DVAE.safetensors")
+    stack(dv, "decoder", c.dvae.decoder)
+    stack(dv, "encoder", c.dvae.encoder)
+    c.dvae.vq.dim = 2 * dv["vq_layer.quantizer.rvqs.0.project_in.weight"][1]
+    vo = shapes("asset/Vocos.safetensors")
+    c.vocos.backbone.init_args.dim = vo["backbone.embed.weight"][0]
+    c.vocos.backbone.init_args.intermediate_dim = vo["backbone.convnext.0.pwconv1.weight"][0]
+    c.vocos.backbone.init_args.num_layers = len({k.split(".")[2] for k in vo if k.startswith("backbone.convnext.")})
+    c.vocos.head.init_args.dim = vo["backbone.embed.weight"][0]
+    spk = ckpt / "asset/spk_stat.txt"
+    if spk.is_file():
+        c.spk_stat = spk.read_text().strip()
+    # The reference checks every file against its sha256 map: register our files' hashes.
+    for key in list(chat.sha256_map):
+        rel = key[len("sha256_") :]
+        for cand in ckpt.rglob("*"):
+            if cand.is_file() and str(cand.relative_to(ckpt)).replace("/", "_").replace(".", "_") == rel:
+                chat.sha256_map[key] = _sha256(cand)
+    if not chat.load(source="custom", custom_path=str(ckpt), device=torch.device("cpu")):
+        raise SystemExit("reference failed to load the checkpoint")
+    return chat
+
+
+def run_case(chat: ChatTTS.Chat, case: dict) -> dict[str, np.ndarray]:
+    rec: dict[str, list] = {"ids": [], "hiddens": [], "mel": [], "wav": [], "refine_ids": []}
+    orig_infer_code, orig_refine, orig_vocos = chat._infer_code, chat._refine_text, chat._vocos_decode
+
+    def infer_code(*a, **k):
+        for r in orig_infer_code(*a, **k):
+            rec["ids"].append([x.clone() for x in r.ids])
+            rec["hiddens"].append([h.clone() for h in r.hiddens])
+            yield r
+
+    def refine(*a, **k):
+        r = orig_refine(*a, **k)
+        rec["refine_ids"].append([x.clone() for x in r.ids])
+        return r
+
+    def vocos_decode(spec):
+        rec["mel"].append(spec.clone())
+        wav = orig_vocos(spec)
+        rec["wav"].append(wav.copy())
+        return wav
+
+    chat._infer_code, chat._refine_text, chat._vocos_decode = infer_code, refine, vocos_decode
+    try:
+        code_p = chat.InferCodeParams(
+            spk_emb=case.get("speaker"),
+            manual_seed=case["seed"],
+            temperature=case.get("temperature", 0.3),
+            top_P=case.get("top_p", 0.7),
+            top_K=case.get("top_k", 20),
+            repetition_penalty=case.get("repetition_penalty", 1.05),
+            min_new_token=case.get("min_new_tokens", 0),
+            max_new_token=case.get("max_new_tokens", 2048),
+            prompt=case.get("prompt", "[speed_5]"),
+            spk_smp=case.get("speaker_sample"),
+            txt_smp=case.get("speaker_sample_text") or None,
+            show_tqdm=False,
+        )
+        refine_p = chat.RefineTextParams(
+            manual_seed=case.get("refine_seed", case["seed"]),
+            max_new_token=case.get("refine_max_new_tokens", 384),
+            prompt=case.get("refine_prompt", ""),
+            show_tqdm=False,
+        )
+        text_out = None
+        if not case.get("skip_refine", True):
+            text_out = chat.infer(
+                case["text"], skip_refine_text=False, refine_text_only=True, params_refine_text=refine_p,
+                do_text_normalization=case.get("normalize", True), split_text=False,
+            )
+            rec["refine_ids"].clear()
+        chat.infer(
+            case["text"],
+            skip_refine_text=case.get("skip_refine", True),
+            params_refine_text=refine_p,
+            params_infer_code=code_p,
+            do_text_normalization=case.get("normalize", True),
+            split_text=False,
+        )
+    finally:
+        chat._infer_code, chat._refine_text, chat._vocos_decode = orig_infer_code, orig_refine, orig_vocos
+    out = {
+        "codes": rec["ids"][-1][0].numpy().astype(np.int64),
+        "hiddens": rec["hiddens"][-1][0].numpy().astype(np.float32),
+        "mel": rec["mel"][-1][0].numpy().astype(np.float32),
+        "wav": rec["wav"][-1][0].astype(np.float32),
+    }
+    if rec["refine_ids"]:
+        out["refine_ids"] = rec["refine_ids"][-1][0].numpy().astype(np.int64)
+        out["refined_text"] = np.array(text_out if isinstance(text_out, str) else text_out[0])
+    # Codes -> mel through the DVAE (use_decoder=False path), on the same codes.
+    with torch.inference_mode():
+        codes = torch.from_numpy(out["codes"]).t()[None].to(torch.int32)
+        out["dvae_mel"] = chat.dvae(codes.clone()).numpy()[0].astype(np.float32)
+    return out
+
+
+def main() -> None:
+    ckpt, cases_path, out_path = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    torch.set_num_threads(1)
+    cases = json.loads(cases_path.read_text())
+    chat = load_reference(ckpt)
+    result: dict[str, np.ndarray] = {}
+    for i, case in enumerate(cases):
+        for k, v in run_case(chat, case).items():
+            result[f"{i}/{k}"] = v
+    # Speaker from audio (DVAE encoder): a deterministic test waveform.
+    t = np.arange(24000 * 2) / 24000.0
+    wav = (0.3 * np.sin(2 * np.pi * 220 * t) * np.sin(2 * np.pi * 1.5 * t)).astype(np.float32)
+    result["encoder/wav"] = wav
+    result["encoder/codes"] = chat.dvae.sample_audio(wav).numpy().astype(np.int64)
+    result["encoder/string"] = np.array(chat.sample_audio_speaker(wav))
+    # Random speakers from the checkpoint's statistics under fixed global seeds.
+    for s in (0, 1, 2):
+        torch.manual_seed(s)
+        result[f"speaker/{s}"] = np.array(chat.sample_random_speaker())
+    result["meta/files"] = np.array(
+        json.dumps({str(p.relative_to(ckpt)): _sha256(p) for p in sorted(ckpt.rglob("*")) if p.is_file()})
+    )
+    result["meta/versions"] = np.array(
+        json.dumps({"chattts": "0.2.5", "torch": torch.__version__, "numpy": np.__version__})
+    )
+    np.savez_compressed(out_path, **result)
+    print(f"wrote {len(cases)} cases to {out_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""GPT outputs -> 24 kHz audio: Decoder (hidden states) or DVAE (codes) to log-mel, then Vocos.
+
+Each utterance is decoded on its own (no zero padding shared with longer neighbours, unlike the
+reference's batched decode), so its audio does not depend on what else was in the batch. N steps give
+``512 * N - 256`` samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..model.checkpoint import LoadedModel
+
+
+@torch.inference_mode()
+def hidden_to_mel(model: LoadedModel, hiddens: torch.Tensor) -> torch.Tensor:
+    """hiddens [T, hidden] -> log-mel [100, 2T]."""
+    x = hiddens.to(model.decoder.coef.device, torch.float32).t()[None]
+    return model.decoder(x)[0]
+
+
+@torch.inference_mode()
+def codes_to_mel(model: LoadedModel, codes: torch.Tensor) -> torch.Tensor:
+    """codes [T, 4] -> log-mel [100, 2T] through the DVAE."""
+    x = codes.to(model.dvae.coef.device).t()[None]
+    return model.dvae(x)[0]
+
+
+@torch.inference_mode()
+def mel_to_wav(model: LoadedModel, mel: torch.Tensor) -> torch.Tensor:
+    """log-mel [100, F] -> waveform [256 * (F - 1)] fp32."""
+    return model.vocos(mel[None].float())[0]
+
+
+def decode(model: LoadedModel, hiddens: torch.Tensor | None, codes: torch.Tensor, use_decoder: bool = True) -> np.ndarray:
+    """One utterance to float32 audio; an empty utterance gives an empty array."""
+    if codes.shape[0] == 0:
+        return np.zeros(0, dtype=np.float32)
+    mel = hidden_to_mel(model, hiddens) if use_decoder else codes_to_mel(model, codes)
+    return mel_to_wav(model, mel).cpu().numpy().astype(np.float32, copy=False)

@@ -1,0 +1,212 @@
+"""The LLaMA-style GPT trunk of ChatTTS with a preallocated static KV cache.
+
+Parameter names follow ``asset/gpt/model.safetensors`` (a Hugging Face ``LlamaModel`` state dict), so
+the checkpoint loads with ``load_state_dict(assign=True)`` and no renaming. The math is written to
+follow the reference op for op in fp32 (separate q/k/v projections, RMSNorm in fp32, SDPA with the
+same causal/mask arguments), because the fidelity tests require identical sampled codes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GPTConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> cos, sin [B, T, head_dim], computed in fp32 then cast."""
+    freqs = positions.float()[..., None] * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """Static cache: one ``[slots, kv_heads, max_len, head_dim]`` buffer pair per layer, written in place.
+
+    A slot holds one sequence. Nothing grows: prefill and decode write at explicit positions.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,  # [B] int64: cache slot of each row
+        start: int,  # cache position of x[:, 0] (the same for every row: rows are left-aligned)
+        attn_mask: torch.Tensor | None,  # [B, 1, T, start + T] bool, or None = plain causal
+    ) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.q_proj(x).view(bsz, seqlen, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        end = start + seqlen
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        contiguous_slots = slots.numel() == k_cache.shape[0]
+        if contiguous_slots:
+            # All slots in order: write and read through views, no gather copy.
+            k_cache[:, :, start:end] = k
+            v_cache[:, :, start:end] = v
+            keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        else:
+            k_cache[slots, :, start:end] = k
+            v_cache[slots, :, start:end] = v
+            keys, values = k_cache[slots, :, :end], v_cache[slots, :, :end]
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+
+        out = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=attn_mask,
+            dropout_p=0.0,
+            is_causal=attn_mask is None and seqlen > 1,
+            scale=self.head_dim**-0.5,
+        )
+        out = out.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, cache, slots, start, attn_mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, slots, start, attn_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GPT(nn.Module):
+    """Embeddings in, final-norm hidden states out. Heads and embeddings live in ``embed.Embed``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.init_buffers()
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the non-persistent buffers, e.g. after loading onto a meta-device module."""
+        inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta)
+        self.register_buffer("inv_freq", inv_freq.to(device) if device else inv_freq, persistent=False)
+
+    def new_cache(self, num_slots: int, max_len: int, dtype=None, device=None) -> KVCache:
+        p = next(self.parameters())
+        return KVCache(
+            self.cfg.num_layers,
+            num_slots,
+            self.cfg.num_kv_heads,
+            max_len,
+            self.cfg.head_dim,
+            dtype or p.dtype,
+            device or p.device,
+        )
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [B, T, hidden]
+        positions: torch.Tensor,  # [B, T] rotary positions
+        cache: KVCache,
+        slots: torch.Tensor,  # [B]
+        start: int,
+        attn_mask: torch.Tensor | None = None,  # [B, 1, T, start + T] bool (True = attend)
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        """Returns final-norm hidden states: [B, hidden] for the last position, or [B, T, hidden]."""
+        if start + embeds.shape[1] > cache.max_len:
+            raise ValueError(f"sequence of {start + embeds.shape[1]} positions exceeds cache {cache.max_len}")
+        h = embeds
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cache, slots, start, attn_mask)
+        if last_only:
+            h = h[:, -1]
+        return self.norm(h)

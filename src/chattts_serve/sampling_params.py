@@ -1,0 +1,122 @@
+"""Per-request parameters. Defaults are the reference's (``InferCodeParams`` / ``RefineTextParams``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from .model.config import NUM_VQ
+
+
+def _check_common(owner: str, p) -> None:
+    temps = p.temperature if isinstance(p.temperature, tuple) else (p.temperature,)
+    for t in temps:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"{owner}.temperature must be a finite number > 0, got {p.temperature!r}")
+    if isinstance(p.top_p, bool) or not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1:
+        raise ValueError(f"{owner}.top_p must be in (0, 1], got {p.top_p!r}")
+    if isinstance(p.top_k, bool) or not isinstance(p.top_k, int) or p.top_k < 0:
+        raise ValueError(f"{owner}.top_k must be an int >= 0 (0 disables it), got {p.top_k!r}")
+    rp = p.repetition_penalty
+    if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
+        raise ValueError(f"{owner}.repetition_penalty must be a finite number > 0, got {rp!r}")
+    for name in ("min_new_tokens", "max_new_tokens"):
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{owner}.{name} must be an int >= 0, got {v!r}")
+    if p.max_new_tokens < 1:
+        raise ValueError(f"{owner}.max_new_tokens must be >= 1, got {p.max_new_tokens}")
+    if p.min_new_tokens > p.max_new_tokens:
+        raise ValueError(
+            f"{owner}.min_new_tokens ({p.min_new_tokens}) must not exceed max_new_tokens ({p.max_new_tokens})"
+        )
+    if p.seed is not None and (isinstance(p.seed, bool) or not isinstance(p.seed, int) or not 0 <= p.seed < 2**63):
+        raise ValueError(f"{owner}.seed must be an int in [0, 2**63) or None, got {p.seed!r}")
+    if not isinstance(p.prompt, str):
+        raise ValueError(f"{owner}.prompt must be a string, got {type(p.prompt).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class RefineParams:
+    """The refine_text pass (text head): rewrites the text with prosody tokens before speech."""
+
+    prompt: str = ""
+    """Appended after [Pbreak], e.g. "[oral_2][laugh_0][break_6]"."""
+    temperature: float = 0.7
+    top_p: float = 0.7
+    top_k: int = 20
+    repetition_penalty: float = 1.0
+    """The reference's text-pass penalty is broken for values != 1; ours applies it correctly."""
+    min_new_tokens: int = 0
+    max_new_tokens: int = 384
+    seed: int | None = None
+    """None: use the request's seed."""
+
+    def __post_init__(self) -> None:
+        _check_common("refine", self)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Everything that shapes one utterance. Frozen: safe to share between requests."""
+
+    seed: int | None = None
+    """With a seed the sampler's generator is re-seeded with it before every step (the reference's
+    ``manual_seed`` semantics), so the same seed, text and speaker give the same codes. None: random."""
+    temperature: float | tuple[float, ...] = 0.3
+    """Audio-code temperature; one value, or one per codebook (4)."""
+    top_p: float = 0.7
+    top_k: int = 20
+    repetition_penalty: float = 1.05
+    """Applied per codebook over the last 16 generated codes."""
+    min_new_tokens: int = 0
+    max_new_tokens: int = 2048
+    """Per text segment; 1 token = 4 codes = 512 samples (46.875 tokens per second of audio)."""
+    speaker: str | None = None
+    """A speaker string (``chattts-serve speaker new``); None = no speaker embedding ([empty_spk])."""
+    prompt: str = "[speed_5]"
+    """Prepended to the text of the audio pass; [speed_0]..[speed_9]."""
+    speaker_sample: str | None = None
+    """Zero-shot voice prompt: a prompt-codes string (``Engine.speaker_from_audio``) of a recording."""
+    speaker_sample_text: str = ""
+    """The transcript of ``speaker_sample`` (placed before the text, as the reference's txt_smp)."""
+    refine_text: bool = True
+    refine: RefineParams = field(default_factory=RefineParams)
+    do_text_normalization: bool = True
+    do_homophone_replacement: bool = True
+    lang: str | None = None
+    """"zh", "en" or None (detect)."""
+    split_text: bool = True
+    """Split long text into sentences, generate each, and join the audio (as the reference)."""
+    ensure_non_empty: bool = True
+    """Unseeded requests whose first step is EOS are generated again (as the reference)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, list):
+            object.__setattr__(self, "temperature", tuple(self.temperature))
+        if isinstance(self.temperature, tuple) and len(self.temperature) != NUM_VQ:
+            raise ValueError(f"temperature must be one number or {NUM_VQ}, got {len(self.temperature)} values")
+        _check_common("params", self)
+        if self.speaker is not None and not isinstance(self.speaker, str):
+            raise ValueError(f"speaker must be a speaker string or None, got {type(self.speaker).__name__}")
+        if self.speaker_sample is not None and not isinstance(self.speaker_sample, str):
+            raise ValueError("speaker_sample must be a prompt-codes string or None")
+        if not isinstance(self.speaker_sample_text, str):
+            raise ValueError("speaker_sample_text must be a string")
+        if self.lang not in (None, "zh", "en"):
+            raise ValueError(f"lang must be 'zh', 'en' or None, got {self.lang!r}")
+        if not isinstance(self.refine, RefineParams):
+            raise ValueError(f"refine must be RefineParams, got {type(self.refine).__name__}")
+
+    @property
+    def temperatures(self) -> tuple[float, ...]:
+        t = self.temperature
+        return t if isinstance(t, tuple) else (float(t),) * NUM_VQ
+
+    @property
+    def refine_seed(self) -> int | None:
+        return self.refine.seed if self.refine.seed is not None else self.seed
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
