@@ -47,9 +47,7 @@ def main() -> None:
         s = speaker.sample_random()
         emb = torch.from_numpy(Speaker._decode(s))
         normed = F.normalize(emb, p=2.0, dim=0, eps=1e-12)
-        samples.append(
-            {"seed": seed, "string": s, "f16_hex": f16_hex(emb), "normalized_f16_hex": f16_hex(normed)}
-        )
+        samples.append({"seed": seed, "string": s, "f16_hex": f16_hex(emb), "normalized_f16_hex": f16_hex(normed)})
 
     fixed = {
         "linspace768": torch.linspace(-3, 3, 768),
@@ -57,9 +55,7 @@ def main() -> None:
         "tiny3": torch.tensor([0.5, -1.25, 65504.0]),
         "float32_rounding": torch.tensor([0.1, 0.2, 0.3, 1 / 3, 1e-5, -7.77777]),
     }
-    encoded = [
-        {"name": name, "f16_hex": f16_hex(t), "string": Speaker._encode(t)} for name, t in fixed.items()
-    ]
+    encoded = [{"name": name, "f16_hex": f16_hex(t), "string": Speaker._encode(t)} for name, t in fixed.items()]
 
     gen = torch.Generator().manual_seed(7)
     prompts = {

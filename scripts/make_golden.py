@@ -33,7 +33,13 @@ def run_reference(reference_python: str, ckpt: Path, cases: list[dict], out: Pat
         cases_path = Path(tmp) / "cases.json"
         cases_path.write_text(json.dumps(cases))
         subprocess.run(
-            [reference_python, str(ROOT / "scripts" / "reference_oracle.py"), str(ckpt), str(cases_path), str(out)],
+            [
+                reference_python,
+                str(ROOT / "scripts" / "reference_oracle.py"),
+                str(ckpt),
+                str(cases_path),
+                str(out),
+            ],
             check=True,
             timeout=1800,
         )

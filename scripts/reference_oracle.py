@@ -17,10 +17,9 @@ import json
 import sys
 from pathlib import Path
 
+import ChatTTS  # noqa: E402  (reference env only)
 import numpy as np
 import torch
-
-import ChatTTS  # noqa: E402  (reference env only)
 
 
 def _sha256(path: Path) -> str:
@@ -123,8 +122,12 @@ def run_case(chat: ChatTTS.Chat, case: dict) -> dict[str, np.ndarray]:
         text_out = None
         if not case.get("skip_refine", True):
             text_out = chat.infer(
-                case["text"], skip_refine_text=False, refine_text_only=True, params_refine_text=refine_p,
-                do_text_normalization=case.get("normalize", True), split_text=False,
+                case["text"],
+                skip_refine_text=False,
+                refine_text_only=True,
+                params_refine_text=refine_p,
+                do_text_normalization=case.get("normalize", True),
+                split_text=False,
             )
             rec["refine_ids"].clear()
         chat.infer(

@@ -120,9 +120,7 @@ def test_normalized_embedding_matches_reference(case):
     emb = torch.from_numpy(decode_speaker(case["string"]))
     got = normalized_speaker_embedding(emb)
     assert got.dtype == torch.float16 and got.device.type == "cpu"
-    np.testing.assert_array_equal(
-        got.numpy().view(np.uint16), f16(case["normalized_f16_hex"]).view(np.uint16)
-    )
+    np.testing.assert_array_equal(got.numpy().view(np.uint16), f16(case["normalized_f16_hex"]).view(np.uint16))
 
 
 BAD_SPEAKER_INPUTS = [

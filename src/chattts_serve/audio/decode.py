@@ -33,7 +33,9 @@ def mel_to_wav(model: LoadedModel, mel: torch.Tensor) -> torch.Tensor:
     return model.vocos(mel[None].float())[0]
 
 
-def decode(model: LoadedModel, hiddens: torch.Tensor | None, codes: torch.Tensor, use_decoder: bool = True) -> np.ndarray:
+def decode(
+    model: LoadedModel, hiddens: torch.Tensor | None, codes: torch.Tensor, use_decoder: bool = True
+) -> np.ndarray:
     """One utterance to float32 audio; an empty utterance gives an empty array."""
     if codes.shape[0] == 0:
         return np.zeros(0, dtype=np.float32)

@@ -167,7 +167,9 @@ class Engine:
             pieces = split_text(text) if params.split_text else [text]
             kept = 0
             for piece in pieces:
-                norm = self.normalizer(piece, params.do_text_normalization, params.do_homophone_replacement, params.lang)
+                norm = self.normalizer(
+                    piece, params.do_text_normalization, params.do_homophone_replacement, params.lang
+                )
                 if norm.strip():
                     segments.append(_Segment(i, norm))
                     kept += 1
@@ -183,8 +185,14 @@ class Engine:
         """The refine_text pass on already-normalised texts: returns the rewritten texts."""
         r = params.refine
         sampling = StepSampling(
-            (float(r.temperature),), r.top_p, r.top_k, r.repetition_penalty, r.min_new_tokens,
-            r.max_new_tokens, params.refine_seed, params.ensure_non_empty,
+            (float(r.temperature),),
+            r.top_p,
+            r.top_k,
+            r.repetition_penalty,
+            r.min_new_tokens,
+            r.max_new_tokens,
+            params.refine_seed,
+            params.ensure_non_empty,
         )
         reqs = [GenRequest(self.tokenizer.encode(refine_prompt(t, r.prompt)), sampling) for t in texts]
         outs = self._generate_batched(reqs, "text", progress)
@@ -223,14 +231,18 @@ class Engine:
         if params.refine_text:
             seg_texts = self.refine_text(seg_texts, params, progress)
         sampling = StepSampling(
-            params.temperatures, params.top_p, params.top_k, params.repetition_penalty,
-            params.min_new_tokens, params.max_new_tokens, params.seed, params.ensure_non_empty,
+            params.temperatures,
+            params.top_p,
+            params.top_k,
+            params.repetition_penalty,
+            params.min_new_tokens,
+            params.max_new_tokens,
+            params.seed,
+            params.ensure_non_empty,
         )
         reqs = [
             GenRequest(
-                self.tokenizer.encode(
-                    code_prompt(t, params.prompt, speaker is not None, params.speaker_sample_text)
-                ),
+                self.tokenizer.encode(code_prompt(t, params.prompt, speaker is not None, params.speaker_sample_text)),
                 sampling,
                 speaker=speaker,
                 speaker_token_id=self.tokenizer.spk_emb_id,
@@ -271,11 +283,13 @@ def _speaker_stats(model: LoadedModel) -> SpeakerStats | None:
     elif model.config.gpt.hidden_size == default_speaker_stats().dim:
         stats = default_speaker_stats()
     else:
-        logger.warning("no speaker statistics for hidden size %d; random speakers unavailable", model.config.gpt.hidden_size)
+        logger.warning(
+            "no speaker statistics for hidden size %d; random speakers unavailable",
+            model.config.gpt.hidden_size,
+        )
         return None
     if stats.dim != model.config.gpt.hidden_size:
         raise checkpoint.CheckpointError(
             f"{checkpoint.SPK_STAT}: {stats.dim}-dim statistics for a {model.config.gpt.hidden_size}-dim model"
         )
     return stats
-

@@ -54,7 +54,15 @@ DECODER = "asset/Decoder.safetensors"
 DVAE_FILE = "asset/DVAE.safetensors"
 VOCOS = "asset/Vocos.safetensors"
 TOKENIZER_DIR = "asset/tokenizer"
-REQUIRED_FILES = (GPT_CONFIG, GPT_WEIGHTS, EMBED, DECODER, DVAE_FILE, VOCOS, f"{TOKENIZER_DIR}/tokenizer.json")
+REQUIRED_FILES = (
+    GPT_CONFIG,
+    GPT_WEIGHTS,
+    EMBED,
+    DECODER,
+    DVAE_FILE,
+    VOCOS,
+    f"{TOKENIZER_DIR}/tokenizer.json",
+)
 # Optional, our own: speaker statistics for checkpoints whose hidden size is not the official 768.
 SPK_STAT = "asset/spk_stat.txt"
 
@@ -234,9 +242,7 @@ def _assign(
     for name, ref in expected.items():
         t = tensors[name]
         if tuple(t.shape) != tuple(ref.shape):
-            raise CheckpointError(
-                f"{f.rel}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}"
-            )
+            raise CheckpointError(f"{f.rel}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
         if not t.is_floating_point():
             raise CheckpointError(f"{f.rel}: tensor {name!r} has dtype {t.dtype}, expected a float type")
         state[name] = t.to(device=device, dtype=dtype)
@@ -248,7 +254,10 @@ def _embed_tensors(f: _File, num_vq: int) -> dict[str, torch.Tensor]:
     g, v = "parametrizations.weight.original0", "parametrizations.weight.original1"
     out["head_text"] = fold_weight_norm(f.get(f"head_text.{g}").float(), f.get(f"head_text.{v}").float())
     out["head_code"] = torch.stack(
-        [fold_weight_norm(f.get(f"head_code.{q}.{g}").float(), f.get(f"head_code.{q}.{v}").float()) for q in range(num_vq)]
+        [
+            fold_weight_norm(f.get(f"head_code.{q}.{g}").float(), f.get(f"head_code.{q}.{v}").float())
+            for q in range(num_vq)
+        ]
     )
     return out
 

@@ -23,9 +23,7 @@ class ConvNeXtBlock(nn.Module):
 
     def __init__(self, dim: int, intermediate: int, kernel: int, dilation: int, scale_name: str = "weight"):
         super().__init__()
-        self.dwconv = nn.Conv1d(
-            dim, dim, kernel, padding=dilation * (kernel // 2), dilation=dilation, groups=dim
-        )
+        self.dwconv = nn.Conv1d(dim, dim, kernel, padding=dilation * (kernel // 2), dilation=dilation, groups=dim)
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.pwconv1 = nn.Linear(dim, intermediate)
         self.pwconv2 = nn.Linear(intermediate, dim)

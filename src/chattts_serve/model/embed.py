@@ -24,9 +24,7 @@ class Embed(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.num_vq = cfg.num_vq
-        self.emb_code = nn.ModuleList(
-            nn.Embedding(cfg.num_audio_tokens, cfg.hidden_size) for _ in range(cfg.num_vq)
-        )
+        self.emb_code = nn.ModuleList(nn.Embedding(cfg.num_audio_tokens, cfg.hidden_size) for _ in range(cfg.num_vq))
         self.emb_text = nn.Embedding(cfg.num_text_tokens, cfg.hidden_size)
         # Folded head weights (see module docstring); [vocab, hidden].
         self.head_text = nn.Parameter(torch.empty(cfg.num_text_tokens, cfg.hidden_size))

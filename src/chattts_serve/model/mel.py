@@ -44,9 +44,7 @@ def mel_filterbank(
     return torch.clamp(torch.minimum(down, up), min=0.0)
 
 
-def log_mel_spectrogram(
-    wav: torch.Tensor, window: torch.Tensor, fb: torch.Tensor, floor: float = 1e-5
-) -> torch.Tensor:
+def log_mel_spectrogram(wav: torch.Tensor, window: torch.Tensor, fb: torch.Tensor, floor: float = 1e-5) -> torch.Tensor:
     """wav [..., L] -> ln(max(mel, floor)) [..., n_mels, 1 + L // hop]."""
     shape = wav.shape
     spec = torch.stft(

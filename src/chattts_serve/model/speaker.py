@@ -149,9 +149,7 @@ def decode_prompt_codes(s: str) -> torch.Tensor:
     nbytes = 2 * rows * cols
     payload = _decompress(raw[4:], nbytes, "prompt codes")
     if len(payload) != nbytes:
-        raise ValueError(
-            f"invalid prompt codes string: header says {rows}x{cols} but payload has {len(payload)} bytes"
-        )
+        raise ValueError(f"invalid prompt codes string: header says {rows}x{cols} but payload has {len(payload)} bytes")
     arr = np.frombuffer(payload, dtype="<u2").astype(np.int32).reshape(rows, cols)
     return torch.from_numpy(arr)
 
@@ -179,9 +177,7 @@ class SpeakerStats:
     def from_string(cls, s: str) -> SpeakerStats:
         raw = _b14_decode(s, "speaker statistics")
         if len(raw) % 4:
-            raise ValueError(
-                f"invalid speaker statistics string: {len(raw)} bytes is not 2 * D float16 values"
-            )
+            raise ValueError(f"invalid speaker statistics string: {len(raw)} bytes is not 2 * D float16 values")
         vals = torch.from_numpy(np.frombuffer(raw, dtype="<f2").astype(np.float16))
         if not torch.isfinite(vals).all():
             raise ValueError("invalid speaker statistics string: contains non-finite values")

@@ -7,7 +7,6 @@ ISTFT head (513 log-magnitudes + 513 phases per frame) through ``torch.istft`` w
 from __future__ import annotations
 
 import torch
-
 from torch import nn
 
 from .config import HOP_LENGTH, N_FFT, NUM_MELS, VocosConfig

@@ -1,0 +1,174 @@
+"""The ``chattts-serve`` command.
+
+chattts-serve synthesize "Hello." -o hello.wav [--model DIR|REPO] [--seed N] [--speaker STR]
+chattts-serve synthesize --input texts.txt --output-dir out/ [--batch-size N]
+chattts-serve speaker new [--model DIR|REPO] [--seed N]
+chattts-serve checkpoint random DIR [--size tiny|full] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = os.environ.get("CHATTTS_MODEL", "2Noise/ChatTTS")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint directory or Hugging Face repo id (default: $CHATTTS_MODEL or 2Noise/ChatTTS)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", help="GPT dtype: float32, bfloat16, float16")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="chattts-serve", description="Fast, faithful ChatTTS inference.")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    syn = sub.add_parser("synthesize", help="text to WAV files")
+    syn.add_argument("text", nargs="?", help="text to speak (or use --input)")
+    syn.add_argument("-o", "--output", default="out.wav", help="output WAV for a single text")
+    syn.add_argument("--input", help="a UTF-8 file with one text per line; writes one WAV per line")
+    syn.add_argument("--output-dir", default="out", help="where --input writes its WAVs (0001.wav, ...)")
+    syn.add_argument("--batch-size", type=int, default=16, help="sentences generated together")
+    _add_model_args(syn)
+    syn.add_argument("--seed", type=int, default=None)
+    syn.add_argument("--speaker", default=None, help="speaker string (see `speaker new`)")
+    syn.add_argument("--temperature", type=float, default=0.3)
+    syn.add_argument("--top-p", type=float, default=0.7)
+    syn.add_argument("--top-k", type=int, default=20)
+    syn.add_argument("--repetition-penalty", type=float, default=1.05)
+    syn.add_argument("--max-new-tokens", type=int, default=2048)
+    syn.add_argument("--min-new-tokens", type=int, default=0)
+    syn.add_argument("--prompt", default="[speed_5]", help="audio prompt, e.g. [speed_3]")
+    syn.add_argument("--no-refine", action="store_true", help="skip the refine_text pass")
+    syn.add_argument("--refine-prompt", default="", help="e.g. [oral_2][laugh_0][break_6]")
+    syn.add_argument("--no-normalize", action="store_true", help="skip text normalisation")
+    syn.add_argument("--no-split", action="store_true", help="do not split long text into sentences")
+
+    spk = sub.add_parser("speaker", help="speaker strings")
+    spk_sub = spk.add_subparsers(dest="speaker_command", required=True)
+    new = spk_sub.add_parser("new", help="print a random speaker string")
+    new.add_argument("--model", default=DEFAULT_MODEL)
+    new.add_argument("--seed", type=int, default=None)
+
+    ck = sub.add_parser("checkpoint", help="checkpoint tools")
+    ck_sub = ck.add_subparsers(dest="checkpoint_command", required=True)
+    rnd = ck_sub.add_parser("random", help="write a random-weight checkpoint in the official layout")
+    rnd.add_argument("directory")
+    rnd.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    rnd.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def _params(args: argparse.Namespace):
+    from .sampling_params import RefineParams, SamplingParams
+
+    return SamplingParams(
+        seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        repetition_penalty=args.repetition_penalty,
+        min_new_tokens=args.min_new_tokens,
+        max_new_tokens=args.max_new_tokens,
+        speaker=args.speaker,
+        prompt=args.prompt,
+        refine_text=not args.no_refine,
+        refine=RefineParams(prompt=args.refine_prompt),
+        do_text_normalization=not args.no_normalize,
+        split_text=not args.no_split,
+    )
+
+
+def _synthesize(args: argparse.Namespace) -> int:
+    from .audio.wav import write_wav
+    from .engine.engine import Engine
+
+    if (args.text is None) == (args.input is None):
+        raise ValueError("give either a text or --input FILE")
+    if args.input:
+        try:
+            lines = Path(args.input).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read {args.input}: {exc}") from None
+        texts = [line for line in lines if line.strip()]
+        if not texts:
+            raise ValueError(f"{args.input} has no non-empty lines")
+    else:
+        texts = [args.text]
+    params = _params(args)
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.batch_size)
+    start = time.perf_counter()
+    results = engine.synthesize(texts, params, progress=True)
+    wall = time.perf_counter() - start
+    if args.input:
+        out_dir = Path(args.output_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        paths = [out_dir / f"{i + 1:04d}.wav" for i in range(len(results))]
+    else:
+        paths = [Path(args.output)]
+    for path, r in zip(paths, results, strict=True):
+        write_wav(path, r.audio, r.sample_rate)
+    audio_s = sum(r.duration for r in results)
+    print(
+        f"wrote {len(paths)} file(s), {audio_s:.2f} s of audio in {wall:.2f} s (RTF {wall / max(audio_s, 1e-9):.2f})"
+        + (f": {paths[0]}" if len(paths) == 1 else f" to {paths[0].parent}/")
+    )
+    return 0
+
+
+def _speaker_new(args: argparse.Namespace) -> int:
+    import torch
+
+    from .model import checkpoint
+    from .model.speaker import SpeakerStats, default_speaker_stats, encode_speaker
+
+    path = Path(args.model)
+    stats = default_speaker_stats()
+    if path.is_dir():
+        custom = checkpoint.resolve(path) / checkpoint.SPK_STAT
+        if custom.is_file():
+            stats = SpeakerStats.from_string(custom.read_text().strip())
+    gen = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    print(encode_speaker(stats.sample(gen)))
+    return 0
+
+
+def _checkpoint_random(args: argparse.Namespace) -> int:
+    from .model.checkpoint import write_random
+
+    root = write_random(args.directory, args.size, seed=args.seed)
+    print(f"wrote a random {args.size} checkpoint (seed {args.seed}) to {root}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from .model.checkpoint import CheckpointError
+
+    try:
+        if args.command == "synthesize":
+            return _synthesize(args)
+        if args.command == "speaker":
+            return _speaker_new(args)
+        return _checkpoint_random(args)
+    except (ValueError, CheckpointError) as exc:
+        print(f"chattts-serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
