@@ -1,0 +1,106 @@
+"""Run the fidelity cases through our engine and compare with the reference's recorded outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import chattts_serve.engine.engine as engine_module
+from chattts_serve import Engine, RefineParams, SamplingParams
+from chattts_serve.audio.decode import codes_to_mel, hidden_to_mel, mel_to_wav
+from chattts_serve.model.speaker import SpeakerStats, encode_speaker
+
+TOL = 1e-4
+
+
+def params_for(case: dict) -> SamplingParams:
+    temp = case.get("temperature", 0.3)
+    return SamplingParams(
+        seed=case["seed"],
+        speaker=case.get("speaker"),
+        temperature=tuple(temp) if isinstance(temp, list) else temp,
+        top_p=case.get("top_p", 0.7),
+        top_k=case.get("top_k", 20),
+        repetition_penalty=case.get("repetition_penalty", 1.05),
+        min_new_tokens=case.get("min_new_tokens", 0),
+        max_new_tokens=case.get("max_new_tokens", 2048),
+        prompt=case.get("prompt", "[speed_5]"),
+        refine_text=not case.get("skip_refine", True),
+        refine=RefineParams(
+            max_new_tokens=case.get("refine_max_new_tokens", 384),
+            prompt=case.get("refine_prompt", ""),
+            seed=case.get("refine_seed"),
+        ),
+        speaker_sample=case.get("speaker_sample"),
+        speaker_sample_text=case.get("speaker_sample_text", ""),
+        do_text_normalization=case.get("normalize", True),
+        split_text=False,
+    )
+
+
+def _maxdiff(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
+    return float(np.abs(a - b).max()) if a.size else 0.0
+
+
+def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> dict:
+    """Asserts fidelity for every case; returns the measured maximum differences."""
+    engine = Engine.from_pretrained(ckpt, device="cpu", dtype="float32")
+    model = engine.model
+    captured: list = []
+    original = engine_module.generate
+
+    def recording_generate(model_, reqs, mode, **kw):
+        outs = original(model_, reqs, mode, **kw)
+        captured.append((mode, outs))
+        return outs
+
+    report = {"cases": 0, "steps_compared": 0, "long_cases": 0, "eos_cases": 0, "max_abs": {}}
+    worst = report["max_abs"]
+
+    def note(key: str, value: float) -> None:
+        worst[key] = max(worst.get(key, 0.0), value)
+        assert value <= TOL, f"{key}: max abs diff {value} > {TOL}"
+
+    engine_module.generate = recording_generate
+    try:
+        for i, case in enumerate(cases):
+            captured.clear()
+            [result] = engine.synthesize(case["text"], params_for(case))
+            ref_codes = ref[f"{i}/codes"]
+            assert result.codes.shape == ref_codes.shape, f"case {i}: {result.codes.shape} vs {ref_codes.shape}"
+            mismatch = np.nonzero((result.codes != ref_codes).any(1))[0]
+            assert mismatch.size == 0, f"case {i}: codes differ first at step {mismatch[:1]}"
+            report["steps_compared"] += len(ref_codes)
+            report["long_cases"] += len(ref_codes) >= 100
+            report["eos_cases"] += result.finish_reasons == ["stop"]
+            if f"{i}/refine_ids" in ref:
+                [(mode, [text_out])] = [c for c in captured if c[0] == "text"]
+                assert np.array_equal(text_out.ids.numpy(), ref[f"{i}/refine_ids"]), f"case {i}: refine ids"
+                assert result.text[0] == str(ref[f"{i}/refined_text"]), f"case {i}: refined text"
+            [code_out] = next(outs for mode, outs in captured if mode == "code")
+            note("hidden_states", _maxdiff(code_out.hiddens.numpy(), ref[f"{i}/hiddens"]))
+            # Decoder and Vocos on the reference's own hidden states and mel.
+            ref_h = torch.from_numpy(ref[f"{i}/hiddens"])
+            note("decoder_mel", _maxdiff(hidden_to_mel(model, ref_h).numpy(), ref[f"{i}/mel"]))
+            note("vocos_wav", _maxdiff(mel_to_wav(model, torch.from_numpy(ref[f"{i}/mel"])).numpy(), ref[f"{i}/wav"]))
+            note("dvae_mel", _maxdiff(codes_to_mel(model, torch.from_numpy(ref_codes)).numpy(), ref[f"{i}/dvae_mel"]))
+            note("end_to_end_wav", _maxdiff(result.audio, ref[f"{i}/wav"]))
+            report["cases"] += 1
+    finally:
+        engine_module.generate = original
+
+    wav = ref["encoder/wav"]
+    with torch.inference_mode():
+        codes = model.dvae.encode(torch.from_numpy(wav)).numpy()
+    assert np.array_equal(codes, ref["encoder/codes"]), "DVAE encoder codes differ"
+    assert engine.speaker_from_audio(wav) == str(ref["encoder/string"])
+    stats = SpeakerStats.from_string((ckpt / "asset/spk_stat.txt").read_text().strip())
+    for s in (0, 1, 2):
+        torch.manual_seed(s)
+        assert encode_speaker(stats.sample()) == str(ref[f"speaker/{s}"]), f"random speaker, seed {s}"
+        assert engine.sample_speaker(seed=s) == str(ref[f"speaker/{s}"])
+    return report
