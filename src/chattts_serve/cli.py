@@ -105,6 +105,8 @@ def _synthesize(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.input} has no non-empty lines")
     else:
         texts = [args.text]
+        if not args.text.strip():
+            raise ValueError("the text is empty")
     params = _params(args)
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.batch_size)
     start = time.perf_counter()
@@ -132,9 +134,11 @@ def _speaker_new(args: argparse.Namespace) -> int:
     from .model import checkpoint
     from .model.speaker import SpeakerStats, default_speaker_stats, encode_speaker
 
-    path = Path(args.model)
+    # The official statistics ship with the package, so the default model needs no download; a local
+    # checkpoint may carry its own (random test checkpoints of other sizes do).
+    path = Path(args.model).expanduser()
     stats = default_speaker_stats()
-    if path.is_dir():
+    if path.exists() or args.model.startswith((".", "/", "~")):
         custom = checkpoint.resolve(path) / checkpoint.SPK_STAT
         if custom.is_file():
             stats = SpeakerStats.from_string(custom.read_text().strip())

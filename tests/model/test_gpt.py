@@ -228,3 +228,16 @@ def test_non_contiguous_slots_match_contiguous():
             h = gpt(emb[:, t : t + 1], torch.full((2, 1), t), cache, slots, t)
             torch.testing.assert_close(h, ref[:, t], rtol=0, atol=ATOL)
         assert not cache.k[:, [0, 2]].any()  # untouched slots stay empty
+
+
+def test_multi_token_chunk_after_prefill_equals_full_sequence():
+    """A chunk of several tokens at start > 0 sees all earlier keys and is causal within itself."""
+    gpt = make_gpt(small_cfg())
+    torch.manual_seed(1)
+    emb = torch.randn(1, 8, 32)
+    full = run_full(gpt, emb)
+    cache = gpt.new_cache(1, 8)
+    pos = torch.arange(8)[None]
+    gpt(emb[:, :4], pos[:, :4], cache, torch.arange(1), 0, None, last_only=False)
+    chunk = gpt(emb[:, 4:], pos[:, 4:], cache, torch.arange(1), 4, None, last_only=False)
+    torch.testing.assert_close(chunk, full[:, 4:], atol=1e-5, rtol=1e-5)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..audio.decode import decode
 from ..model import checkpoint
 from ..model.checkpoint import LoadedModel
-from ..model.config import SAMPLE_RATE
+from ..model.config import AUDIO_EOS, SAMPLE_RATE
 from ..model.speaker import (
     SpeakerStats,
     decode_prompt_codes,
@@ -224,7 +224,11 @@ class Engine:
         sample_codes = None
         if params.speaker_sample is not None:
             sample_codes = decode_prompt_codes(params.speaker_sample).t().contiguous()  # [T_s, 4]
-            if sample_codes.shape[1] != self.model.config.gpt.num_vq or int(sample_codes.max()) >= 625:
+            if (
+                sample_codes.numel() == 0
+                or sample_codes.shape[1] != self.model.config.gpt.num_vq
+                or int(sample_codes.max()) >= AUDIO_EOS
+            ):
                 raise ValueError("speaker_sample does not hold valid [4, T] audio codes")
 
         seg_texts = [s.text for s in segments]

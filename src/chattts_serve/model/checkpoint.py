@@ -99,8 +99,8 @@ def resolve(path_or_repo: str | os.PathLike, revision: str | None = None) -> Pat
             raise CheckpointError(f"checkpoint directory {path} is incomplete; missing: {', '.join(missing)}")
         return path
     repo = str(path_or_repo)
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
-        raise CheckpointError(f"{repo!r} is neither an existing directory nor a Hugging Face repo id")
+    if repo.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
+        raise CheckpointError(f"no checkpoint directory {str(path)!r} (and it is not a Hugging Face repo id)")
     return _download(repo, revision)
 
 
@@ -249,16 +249,19 @@ def _assign(
     module.load_state_dict(state, strict=True, assign=True)
 
 
-def _embed_tensors(f: _File, num_vq: int) -> dict[str, torch.Tensor]:
+def _embed_tensors(f: _File, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     out = {k: f.get(k) for k in f.keys if not k.startswith(("head_text.", "head_code."))}
     g, v = "parametrizations.weight.original0", "parametrizations.weight.original1"
-    out["head_text"] = fold_weight_norm(f.get(f"head_text.{g}").float(), f.get(f"head_text.{v}").float())
-    out["head_code"] = torch.stack(
-        [
-            fold_weight_norm(f.get(f"head_code.{q}.{g}").float(), f.get(f"head_code.{q}.{v}").float())
-            for q in range(num_vq)
-        ]
-    )
+
+    def folded(prefix: str, rows: int) -> torch.Tensor:
+        # torch._weight_norm checks nothing: validate shapes first (a bad file must not crash us).
+        for name, shape in ((f"{prefix}.{g}", (rows, 1)), (f"{prefix}.{v}", (rows, cfg.hidden_size))):
+            if f.shape(name) != shape:
+                raise CheckpointError(f"{f.rel}: tensor {name!r} has shape {f.shape(name)}, expected {shape}")
+        return fold_weight_norm(f.get(f"{prefix}.{g}").float(), f.get(f"{prefix}.{v}").float())
+
+    out["head_text"] = folded("head_text", cfg.num_text_tokens)
+    out["head_code"] = torch.stack([folded(f"head_code.{q}", cfg.num_audio_tokens) for q in range(cfg.num_vq)])
     return out
 
 
@@ -278,7 +281,7 @@ def load(
         gpt, embed = GPT(cfg.gpt), Embed(cfg.gpt)
         decoder, dvae, vocos = Decoder(cfg.decoder), DVAE(cfg.dvae), Vocos(cfg.vocos)
     _assign(gpt, files[GPT_WEIGHTS], dtype, device, ignore=("embed_tokens.weight",))
-    _assign(embed, files[EMBED], torch.float32, device, transform=lambda f: _embed_tensors(f, cfg.gpt.num_vq))
+    _assign(embed, files[EMBED], torch.float32, device, transform=lambda f: _embed_tensors(f, cfg.gpt))
     _assign(decoder, files[DECODER], torch.float32, device)
     _assign(dvae, files[DVAE_FILE], torch.float32, device)
     _assign(vocos, files[VOCOS], torch.float32, device)

@@ -126,6 +126,10 @@ class Attention(nn.Module):
             rep = self.num_heads // self.num_kv_heads
             keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
 
+        if attn_mask is None and seqlen > 1 and start > 0:
+            # SDPA's is_causal aligns the mask with the first key; here queries end at the last key.
+            q_pos = torch.arange(start, end, device=x.device)[:, None]
+            attn_mask = torch.arange(end, device=x.device)[None, :] <= q_pos
         out = F.scaled_dot_product_attention(
             q,
             keys,

@@ -13,6 +13,8 @@ from tokenizers import Tokenizer as HFTokenizer
 _TAG = re.compile(r"\[[^\[\]]*\]")
 # Tags the templates insert themselves; stripped from user text by the code template (as the reference).
 _TEMPLATE_TAGS = ("[Stts]", "[spk_emb]", "[empty_spk]")
+# BERT's own special tokens are not ChatTTS control tokens and are not accepted in user text.
+_BERT_SPECIALS = frozenset({"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"})
 
 
 class Tokenizer:
@@ -26,7 +28,9 @@ class Tokenizer:
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.control_tokens = frozenset(
-            t.content for t in self._tok.get_added_tokens_decoder().values() if _TAG.fullmatch(t.content)
+            t.content
+            for t in self._tok.get_added_tokens_decoder().values()
+            if _TAG.fullmatch(t.content) and t.content not in _BERT_SPECIALS and not t.content.startswith("[unused")
         )
         self.spk_emb_id = self.token_id("[spk_emb]")
         self.break_0_id = self.token_id("[break_0]")

@@ -1,0 +1,142 @@
+"""The ``chattts-serve`` command, run as ``python -m chattts_serve.cli`` in subprocesses.
+
+Every invocation pays for a fresh interpreter (torch import, model load), so the independent
+invocations are started together once per module and each test checks its own result.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import wave
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from chattts_serve.model.speaker import decode_speaker
+
+TIMEOUT = 300
+ERROR_PREFIX = "chattts-serve: error: "
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "CHATTTS_MODEL"}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
+    return env
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "chattts_serve.cli", *args],
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        timeout=TIMEOUT,
+    )
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def ckpt(workdir) -> tuple[Path, subprocess.CompletedProcess]:
+    proc = run_cli(["checkpoint", "random", "ckpt", "--size", "tiny"], workdir)
+    return workdir / "ckpt", proc
+
+
+@pytest.fixture(scope="module")
+def runs(workdir, ckpt) -> dict[str, subprocess.CompletedProcess]:
+    model = str(ckpt[0])
+    (workdir / "texts.txt").write_text("你好。\n\n   \n今天天气很好。\n一二三。\n", encoding="utf-8")
+    commands = {
+        "single": ["synthesize", "你好。", "-o", "single.wav", "--model", model, "--seed", "1"]
+        + ["--max-new-tokens", "30", "--no-refine"],
+        "input": ["synthesize", "--input", "texts.txt", "--output-dir", "outdir", "--model", model]
+        + ["--seed", "2", "--max-new-tokens", "12", "--no-refine"],
+        "speaker_a": ["speaker", "new", "--model", model, "--seed", "3"],
+        "speaker_b": ["speaker", "new", "--model", model, "--seed", "3"],
+        "missing_model": ["synthesize", "你好。", "-o", "m.wav", "--model", str(workdir / "no_such_model")],
+        "empty_text": ["synthesize", "", "-o", "e.wav", "--model", model],
+        "unknown_tag": ["synthesize", "你好[foo]。", "-o", "u.wav", "--model", model, "--no-refine"],
+    }
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(run_cli, args, workdir) for name, args in commands.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def describe(proc: subprocess.CompletedProcess) -> str:
+    return f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+
+def read_wav(path: Path) -> tuple[int, int, int, int]:
+    with wave.open(str(path), "rb") as w:
+        return w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
+
+
+def assert_valid_wav(path: Path) -> int:
+    channels, width, rate, frames = read_wav(path)
+    assert (channels, width, rate) == (1, 2, 24_000)
+    assert frames > 0 and (frames + 256) % 512 == 0, frames  # 512 * k - 256
+    return frames
+
+
+def test_checkpoint_random(ckpt, tiny_ckpt):
+    root, proc = ckpt
+    assert proc.returncode == 0, describe(proc)
+    assert "ckpt" in proc.stdout
+    # the CLI's default seed 0 writes the same bytes as write_random(seed=0)
+    for rel in ("asset/gpt/model.safetensors", "asset/Embed.safetensors", "asset/tokenizer/tokenizer.json"):
+        assert (root / rel).read_bytes() == (tiny_ckpt / rel).read_bytes(), rel
+
+
+def test_synthesize_single_text(runs, workdir):
+    proc = runs["single"]
+    assert proc.returncode == 0, describe(proc)
+    frames = assert_valid_wav(workdir / "single.wav")
+    assert frames <= 512 * 30 - 256
+    assert "single.wav" in proc.stdout
+
+
+def test_synthesize_input_file_one_wav_per_line(runs, workdir):
+    proc = runs["input"]
+    assert proc.returncode == 0, describe(proc)
+    out = workdir / "outdir"
+    assert sorted(p.name for p in out.iterdir()) == ["0001.wav", "0002.wav", "0003.wav"]
+    for p in out.iterdir():
+        assert assert_valid_wav(p) <= 512 * 12 - 256
+
+
+def test_speaker_new_is_deterministic(runs):
+    a, b = runs["speaker_a"], runs["speaker_b"]
+    assert a.returncode == 0, describe(a)
+    assert b.returncode == 0, describe(b)
+    lines = a.stdout.splitlines()
+    assert len(lines) == 1
+    assert a.stdout == b.stdout
+    emb = decode_speaker(lines[0], expected_dim=64)  # the tiny checkpoint's own statistics
+    assert emb.shape == (64,)
+
+
+@pytest.mark.parametrize(
+    "name,fragment",
+    [
+        ("missing_model", "no_such_model"),
+        ("empty_text", "empty"),
+        ("unknown_tag", "[foo]"),
+    ],
+)
+def test_errors_exit_2_with_one_line(runs, name, fragment):
+    proc = runs[name]
+    assert proc.returncode == 2, describe(proc)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, describe(proc)
+    assert lines[0].startswith(ERROR_PREFIX)
+    assert fragment in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
