@@ -8,13 +8,14 @@ import numpy as np
 import torch
 
 from chattts_serve.model.checkpoint import SPK_STAT
-from chattts_serve.model.speaker import SpeakerStats, encode_prompt_codes, encode_speaker
+from chattts_serve.model.speaker import SpeakerStats, default_speaker_stats, encode_prompt_codes, encode_speaker
 
 GOLDEN_CHECKPOINT_SEED = 0
 
 
 def speaker(ckpt: Path, seed: int) -> str:
-    stats = SpeakerStats.from_string((ckpt / SPK_STAT).read_text().strip())
+    path = ckpt / SPK_STAT
+    stats = SpeakerStats.from_string(path.read_text().strip()) if path.is_file() else default_speaker_stats()
     return encode_speaker(stats.sample(torch.Generator().manual_seed(seed)))
 
 

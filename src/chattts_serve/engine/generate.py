@@ -195,7 +195,7 @@ def _generate_once(
     for b in range(bsz):
         n = num_out[b]
         reason = done[b] or "length"
-        if reason == "length":
+        if reason == "length" and requests[b].sampling.min_new_tokens < n:
             logger.warning("sequence %d hit max_new_tokens (%d)", b, n)
         ids = history[b, :, :n].t().cpu() if code_mode else history[b, 0, :n].cpu()
         outs.append(GenOutput(ids, hiddens[b, :n].cpu() if code_mode else None, reason))
