@@ -127,7 +127,7 @@ def test_cache_written_in_place_and_never_grows():
     k_ptr, v_ptr = cache.k.data_ptr(), cache.v.data_ptr()
     shape = tuple(cache.k.shape)
     assert shape == (cfg.num_layers, 1, cfg.num_kv_heads, 10, cfg.head_dim)
-    assert not cache.k.any()
+    cache.k.fill_(0.0), cache.v.fill_(0.0)  # the cache starts uninitialised (torch.empty); mark it
     torch.manual_seed(4)
     with torch.no_grad():
         gpt(torch.randn(1, 4, cfg.hidden_size), torch.arange(4)[None], cache, torch.arange(1), 0)
@@ -221,6 +221,7 @@ def test_non_contiguous_slots_match_contiguous():
     with torch.no_grad():
         ref = run_full(gpt, emb)
         cache = gpt.new_cache(4, 6)
+        cache.k.fill_(0.0)  # uninitialised (torch.empty) until written; mark it
         slots = torch.tensor([3, 1])
         h = gpt(emb[:, :4], torch.arange(4)[None].expand(2, 4), cache, slots, 0)
         torch.testing.assert_close(h, ref[:, 3], rtol=0, atol=ATOL)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..model.checkpoint import LoadedModel
+from .stream import Window
 
 
 @torch.inference_mode()
@@ -41,3 +42,20 @@ def decode(
         return np.zeros(0, dtype=np.float32)
     mel = hidden_to_mel(model, hiddens) if use_decoder else codes_to_mel(model, codes)
     return mel_to_wav(model, mel).cpu().numpy().astype(np.float32, copy=False)
+
+
+@torch.inference_mode()
+def decode_windows(model: LoadedModel, windows: list[Window]) -> list[np.ndarray]:
+    """Decode many streams' windows: windows of equal length run as one batch (no zero padding, which
+    would change the samples at a window's true end)."""
+    out: list[np.ndarray | None] = [None] * len(windows)
+    groups: dict[int, list[int]] = {}
+    for i, w in enumerate(windows):
+        groups.setdefault(w.num_steps, []).append(i)
+    for idx in groups.values():
+        h = torch.stack([windows[i].stream.hidden[windows[i].start : windows[i].end] for i in idx])
+        wav = model.vocos(model.decoder(h.transpose(1, 2)))  # [G, 512 * steps - 256]
+        wav = wav.cpu().numpy().astype(np.float32, copy=False)
+        for j, i in enumerate(idx):
+            out[i] = wav[j]
+    return out  # type: ignore[return-value]

@@ -3,13 +3,15 @@
     engine = Engine.from_pretrained("2Noise/ChatTTS", device="cpu")
     [result] = engine.synthesize("Hello world.", SamplingParams(seed=7, speaker=engine.sample_speaker(1)))
 
-Per text: normalise and split into sentences (as the reference), optionally refine the text (GPT text
-head), generate audio codes (GPT audio heads), decode hidden states to mel (Decoder) and mel to audio
-(Vocos), and join the sentences. Sentences from all texts are generated together in batches.
+Every text goes through the ``EngineCore`` (continuous batching over a static KV cache): normalise and
+split into sentences, optionally refine each sentence (GPT text head), generate its audio codes (GPT
+audio heads), decode hidden states to mel (Decoder) and mel to audio (Vocos), and join the sentences.
+All texts share the batch; each text's result does not depend on the others (see ``ModelRunner``).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,23 +21,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..audio.decode import decode
+from ..audio.stream import StreamPolicy
 from ..model import checkpoint
 from ..model.checkpoint import LoadedModel
-from ..model.config import AUDIO_EOS, SAMPLE_RATE
-from ..model.speaker import (
-    SpeakerStats,
-    decode_prompt_codes,
-    decode_speaker,
-    default_speaker_stats,
-    encode_prompt_codes,
-    encode_speaker,
-    normalized_speaker_embedding,
-)
-from ..model.tokenizer import Tokenizer, code_prompt, refine_prompt
+from ..model.config import SAMPLE_RATE
+from ..model.speaker import SpeakerStats, default_speaker_stats, encode_prompt_codes, encode_speaker
+from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
-from ..text.normalize import Normalizer, split_text
-from .generate import GenOutput, GenRequest, StepSampling, generate
+from .core import EngineCore
+from .scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +41,6 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-MAX_TEXT_CHARS = 20_000
 
 
 @dataclass(slots=True)
@@ -66,12 +59,6 @@ class Result:
         return len(self.audio) / self.sample_rate
 
 
-@dataclass(slots=True)
-class _Segment:
-    text_index: int
-    text: str
-
-
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -87,15 +74,13 @@ class Engine:
         model: LoadedModel,
         tokenizer: Tokenizer,
         speaker_stats: SpeakerStats | None,
-        max_batch_size: int = 16,
+        scheduler_config: SchedulerConfig | None = None,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
         self.tokenizer = tokenizer
-        self.normalizer = Normalizer()
         self.speaker_stats = speaker_stats
-        self.max_batch_size = max_batch_size
+        self.core = EngineCore(model, tokenizer, scheduler_config or SchedulerConfig())
+        self._ids = itertools.count()
 
     @classmethod
     def from_pretrained(
@@ -104,15 +89,25 @@ class Engine:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         max_batch_size: int = 16,
+        max_model_len: int | None = None,
     ) -> Engine:
+        """``max_batch_size`` sequences decode together (KV-cache slots). With ``max_batch_size=1`` every
+        matmul runs on exactly the rows of a batch-1 reference run: fp32 output is bit-identical to
+        chattts. With more, a request's codes do not depend on what else runs (batch invariance)."""
         torch_dtype = parse_dtype(dtype)
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
+        sched = SchedulerConfig(max_num_seqs=max_batch_size)
+        if max_model_len is not None:
+            sched = SchedulerConfig(max_num_seqs=max_batch_size, max_model_len=max_model_len)
         model = checkpoint.load(path_or_repo, device=device, dtype=torch_dtype)
         tokenizer = Tokenizer(model.root / checkpoint.TOKENIZER_DIR)
-        stats = _speaker_stats(model)
-        return cls(model, tokenizer, stats, max_batch_size)
+        return cls(model, tokenizer, _speaker_stats(model), sched)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.core.scheduler.config.max_num_seqs
 
     @property
     def hidden_size(self) -> int:
@@ -120,7 +115,7 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed.emb_text.weight.device
+        return self.core.device
 
     # ---------------------------------------------------------------------------------------------
     # Speakers
@@ -142,66 +137,6 @@ class Engine:
             codes = self.model.dvae.encode(wav_t.to(self.device))
         return encode_prompt_codes(codes.cpu())
 
-    def _speaker_embedding(self, speaker: str | None) -> torch.Tensor | None:
-        if speaker is None:
-            return None
-        emb = decode_speaker(speaker, expected_dim=self.hidden_size)
-        return normalized_speaker_embedding(torch.from_numpy(emb)).to(self.device)
-
-    # ---------------------------------------------------------------------------------------------
-    # Text
-
-    def _prepare(self, texts: list[str], params: SamplingParams) -> list[_Segment]:
-        segments: list[_Segment] = []
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ValueError(f"text {i} must be a string, got {type(text).__name__}")
-            if not text.strip():
-                raise ValueError(f"text {i} is empty")
-            if len(text) > MAX_TEXT_CHARS:
-                raise ValueError(f"text {i} has {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
-            unknown = self.tokenizer.unknown_tags(text)
-            if unknown:
-                known = ", ".join(sorted(self.tokenizer.control_tokens))
-                raise ValueError(f"text {i} has unknown control token(s) {', '.join(unknown)}; known: {known}")
-            pieces = split_text(text) if params.split_text else [text]
-            kept = 0
-            for piece in pieces:
-                norm = self.normalizer(
-                    piece, params.do_text_normalization, params.do_homophone_replacement, params.lang
-                )
-                if norm.strip():
-                    segments.append(_Segment(i, norm))
-                    kept += 1
-            if not kept:
-                raise ValueError(f"text {i} has nothing to speak after normalisation: {text!r}")
-        for prompt_name, prompt in (("prompt", params.prompt), ("refine.prompt", params.refine.prompt)):
-            unknown = self.tokenizer.unknown_tags(prompt)
-            if unknown:
-                raise ValueError(f"{prompt_name} has unknown control token(s) {', '.join(unknown)}")
-        return segments
-
-    def refine_text(self, texts: list[str], params: SamplingParams, progress: bool = False) -> list[str]:
-        """The refine_text pass on already-normalised texts: returns the rewritten texts."""
-        r = params.refine
-        sampling = StepSampling(
-            (float(r.temperature),),
-            r.top_p,
-            r.top_k,
-            r.repetition_penalty,
-            r.min_new_tokens,
-            r.max_new_tokens,
-            params.refine_seed,
-            params.ensure_non_empty,
-        )
-        reqs = [GenRequest(self.tokenizer.encode(refine_prompt(t, r.prompt)), sampling) for t in texts]
-        outs = self._generate_batched(reqs, "text", progress)
-        refined = []
-        for o in outs:
-            ids = [i for i in o.ids.tolist() if i < self.tokenizer.break_0_id]
-            refined.append(self.tokenizer.decode(ids))
-        return refined
-
     # ---------------------------------------------------------------------------------------------
     # Synthesis
 
@@ -213,71 +148,54 @@ class Engine:
     ) -> list[Result]:
         """One ``Result`` per text. Raises ``ValueError`` for bad input before any compute."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if isinstance(texts, str):
             texts = [texts]
         if not isinstance(texts, (list, tuple)) or not texts:
             raise ValueError("texts must be a non-empty string or list of strings")
-        segments = self._prepare(list(texts), params)
-        speaker = self._speaker_embedding(params.speaker)
-        sample_codes = None
-        if params.speaker_sample is not None:
-            sample_codes = decode_prompt_codes(params.speaker_sample).t().contiguous()  # [T_s, 4]
-            if (
-                sample_codes.numel() == 0
-                or sample_codes.shape[1] != self.model.config.gpt.num_vq
-                or int(sample_codes.max()) >= AUDIO_EOS
-            ):
-                raise ValueError("speaker_sample does not hold valid [4, T] audio codes")
-
-        seg_texts = [s.text for s in segments]
-        if params.refine_text:
-            seg_texts = self.refine_text(seg_texts, params, progress)
-        sampling = StepSampling(
-            params.temperatures,
-            params.top_p,
-            params.top_k,
-            params.repetition_penalty,
-            params.min_new_tokens,
-            params.max_new_tokens,
-            params.seed,
-            params.ensure_non_empty,
-        )
-        reqs = [
-            GenRequest(
-                self.tokenizer.encode(code_prompt(t, params.prompt, speaker is not None, params.speaker_sample_text)),
-                sampling,
-                speaker=speaker,
-                speaker_token_id=self.tokenizer.spk_emb_id,
-                prompt_codes=sample_codes,
-            )
-            for t in seg_texts
-        ]
-        outs = self._generate_batched(reqs, "code", progress)
-
-        results = []
-        for i in range(len(texts)):
-            idx = [k for k, s in enumerate(segments) if s.text_index == i]
-            audio = [decode(self.model, outs[k].hiddens, outs[k].ids) for k in idx]
-            codes = [outs[k].ids.numpy() for k in idx]
-            results.append(
-                Result(
-                    audio=np.concatenate(audio) if audio else np.zeros(0, np.float32),
-                    codes=np.concatenate(codes).astype(np.int64) if codes else np.zeros((0, 4), np.int64),
-                    text=[seg_texts[k] for k in idx],
-                    finish_reasons=[outs[k].finish_reason for k in idx],
-                )
-            )
-        return results
-
-    def _generate_batched(self, reqs: list[GenRequest], mode, progress: bool) -> list[GenOutput]:
-        outs: list[GenOutput] = []
-        batches = range(0, len(reqs), self.max_batch_size)
-        for start in tqdm(batches, desc=f"{mode} batches", disable=not progress or len(batches) < 2):
-            chunk = reqs[start : start + self.max_batch_size]
-            outs += generate(self.model, chunk, mode, eos_id=self.tokenizer.eos_id, progress=progress)
-        return outs
+        prepared = []
+        for i, text in enumerate(texts):
+            try:
+                prepared.append(self.core.prepare(text, params))
+            except ValueError as exc:
+                msg = str(exc)
+                msg = f"text {i} {msg[5:]}" if msg.startswith("text ") else f"text {i}: {msg}"
+                raise ValueError(msg) from None
+        ids = [f"offline-{next(self._ids)}" for _ in texts]
+        pending = dict(zip(ids, prepared, strict=True))
+        audio: dict[str, list[np.ndarray]] = {i: [] for i in ids}
+        results: dict[str, Result] = {}
+        policy = StreamPolicy.one_shot()
+        bar = tqdm(total=len(ids), desc="synthesize", unit="text", disable=not progress)
+        try:
+            while pending or self.core.has_unfinished():
+                # Feed the queue up to its bound (sequences = sentences); admission follows this order.
+                sched = self.core.scheduler
+                while pending:
+                    rid, prep = next(iter(pending.items()))
+                    if sched.num_waiting and sched.num_waiting + len(prep.segments) > sched.config.max_waiting:
+                        break
+                    self.core.add_request(rid, pending.pop(rid), policy)
+                for out in self.core.step():
+                    audio[out.request_id].append(out.audio)
+                    if out.finished:
+                        if out.finish_reason == "error":
+                            raise RuntimeError(f"synthesis failed: {out.error}")
+                        segs = out.segments or []
+                        results[out.request_id] = Result(
+                            audio=np.concatenate(audio.pop(out.request_id)),
+                            codes=np.concatenate([s.codes for s in segs]) if segs else np.zeros((0, 4), np.int64),
+                            text=[s.text for s in segs],
+                            finish_reasons=[s.finish_reason for s in segs],
+                        )
+                        bar.update(1)
+        finally:
+            bar.close()
+            leftover = [rid for rid in ids if rid not in results and rid in self.core.jobs]
+            for rid in leftover:  # after an error or interrupt: leave nothing running
+                self.core.abort(rid)
+            while any(rid in self.core.jobs for rid in leftover):
+                self.core.step()
+        return [results[i] for i in ids]
 
 
 def _speaker_stats(model: LoadedModel) -> SpeakerStats | None:

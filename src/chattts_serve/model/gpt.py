@@ -70,8 +70,10 @@ class KVCache(nn.Module):
     ) -> None:
         super().__init__()
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # empty, not zeros: positions are read only after they are written, and untouched pages of a
+        # large cache cost no memory on the host.
+        self.register_buffer("k", torch.empty(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.empty(shape, dtype=dtype, device=device), persistent=False)
 
     @property
     def num_slots(self) -> int:
@@ -142,6 +144,41 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
+    def decode(
+        self,
+        x: torch.Tensor,  # [M, hidden]; rows >= len(slots) are padding
+        cos: torch.Tensor,  # [M, head_dim]
+        sin: torch.Tensor,
+        cache: KVCache,
+        slots: list[int],
+        lengths: list[int],  # cache positions already written per row; the new token goes there
+    ) -> torch.Tensor:
+        """One new token per row, each row at its own position in its own slot.
+
+        Attention runs row by row over exactly that row's keys, with the same call a batch-1 decode
+        makes, so a row's result never depends on the other rows (batch invariance).
+        """
+        m = x.shape[0]
+        q = self.q_proj(x).view(m, self.num_heads, 1, self.head_dim)
+        k = self.k_proj(x).view(m, self.num_kv_heads, 1, self.head_dim)
+        v = self.v_proj(x).view(m, self.num_kv_heads, 1, self.head_dim)
+        cos, sin = cos[:, None, None], sin[:, None, None]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        out = torch.zeros(m, self.num_heads, 1, self.head_dim, dtype=x.dtype, device=x.device)
+        rep = self.num_heads // self.num_kv_heads
+        for row, (slot, pos) in enumerate(zip(slots, lengths, strict=True)):
+            k_cache[slot, :, pos] = k[row, :, 0]
+            v_cache[slot, :, pos] = v[row, :, 0]
+            keys, values = k_cache[slot : slot + 1, :, : pos + 1], v_cache[slot : slot + 1, :, : pos + 1]
+            if rep > 1:
+                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+            out[row] = F.scaled_dot_product_attention(
+                q[row : row + 1], keys, values, dropout_p=0.0, scale=self.head_dim**-0.5
+            )[0]
+        return self.o_proj(out.reshape(m, self.num_heads * self.head_dim))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
@@ -164,6 +201,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, cache, slots, start, attn_mask):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, slots, start, attn_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode(self, h, cos, sin, cache, slots, lengths):
+        h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, cache, slots, lengths)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -213,4 +254,32 @@ class GPT(nn.Module):
             h = layer(h, cos, sin, cache, slots, start, attn_mask)
         if last_only:
             h = h[:, -1]
+        return self.norm(h)
+
+    def decode(
+        self,
+        embeds: torch.Tensor,  # [B, hidden]
+        cache: KVCache,
+        slots: list[int],
+        lengths: list[int],
+        pad_rows_to: int = 1,
+    ) -> torch.Tensor:
+        """One decode step for B sequences in their own slots at their own positions.
+
+        Returns final-norm hidden states ``[rows, hidden]``, B rounded up to ``pad_rows_to`` (keep the
+        padding through the heads too, then drop it).
+
+        The position of row b is ``lengths[b]`` (its prompt starts at position 0 of its slot). With
+        ``pad_rows_to=4`` the matmuls always run on a multiple of 4 rows: on our CPU BLAS that makes
+        each row's result independent of how many rows run together (1-3 rows take other kernels).
+        """
+        bsz = embeds.shape[0]
+        if max(lengths) >= cache.max_len:
+            raise ValueError(f"position {max(lengths)} exceeds cache {cache.max_len}")
+        rows = -(-bsz // pad_rows_to) * pad_rows_to
+        h = embeds if rows == bsz else torch.cat([embeds, embeds.new_zeros(rows - bsz, embeds.shape[1])])
+        pos = torch.tensor(lengths + [0] * (rows - bsz), device=h.device)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, h.dtype)
+        for layer in self.layers:
+            h = layer.decode(h, cos, sin, cache, slots, lengths)
         return self.norm(h)

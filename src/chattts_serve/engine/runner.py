@@ -1,0 +1,196 @@
+"""The model runner: turns a ``SchedulerOutput`` into device work and a ``RunnerOutput``.
+
+Prefill: each newly admitted sequence's prompt goes into its own slot (one sequence per call, so a
+sequence's prompt is computed the same way whatever else is admitted, and without padding). Decode:
+all running sequences, text and code mixed, in one trunk call; heads and sampling per kind, batched,
+with every sequence's own parameters and generator. One device-to-host copy per step (the tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.checkpoint import LoadedModel
+from ..model.config import AUDIO_EOS
+from .outputs import RunnerOutput, SchedulerOutput
+from .request import Sequence
+from .sampler import PENALTY_WINDOW, batched_probs, sample_with_noise
+
+
+@dataclass(frozen=True, slots=True)
+class StepSampling:
+    """Sampling settings of one sequence."""
+
+    temperature: tuple[float, ...]  # 1 value (text) or one per codebook (code)
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    min_new_tokens: int
+    max_new_tokens: int
+    seed: int | None
+    ensure_non_empty: bool = True
+
+
+@dataclass(slots=True)
+class SeqInputs:
+    """``Sequence.payload``: what the runner needs to prefill a sequence."""
+
+    ids: list[int]  # prompt token ids
+    sampling: StepSampling
+    speaker: torch.Tensor | None = None  # [hidden] normalized; replaces the [spk_emb] position
+    speaker_token_id: int | None = None
+    prompt_codes: torch.Tensor | None = None  # [T_s, 4] voice-sample codes after the text
+
+
+class _SeqState:
+    """Runner-side state of a running sequence: sampling rows, history, generator."""
+
+    def __init__(self, seq: Sequence, rows: int, device: torch.device, vocab: int) -> None:
+        s: StepSampling = seq.payload.sampling
+        self.seq, self.rows, self.s = seq, rows, s
+        temps = s.temperature if len(s.temperature) == rows else s.temperature * rows
+        self.temperature = torch.tensor(temps, dtype=torch.float32, device=device).view(rows, 1)
+        self.history = torch.zeros(rows, PENALTY_WINDOW, dtype=torch.long, device=device)
+        self.generator = torch.Generator(device=device)
+        if s.seed is None:
+            # From the global RNG, so torch.manual_seed() still makes unseeded runs repeatable.
+            self.generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
+        self._noise: torch.Tensor | None = None
+        self._shape = (rows, vocab)
+        self._device = device
+
+    def noise(self) -> torch.Tensor:
+        if self.s.seed is not None:
+            # The reference re-seeds before every step, so a seeded sequence reuses one noise draw.
+            if self._noise is None:
+                self.generator.manual_seed(self.s.seed)
+                self._noise = torch.empty(self._shape, device=self._device).exponential_(1, generator=self.generator)
+            return self._noise
+        return torch.empty(self._shape, device=self._device).exponential_(1, generator=self.generator)
+
+    def record(self, token: torch.Tensor, step: int) -> None:
+        self.history[:, step % PENALTY_WINDOW] = token
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, num_slots: int, max_model_len: int, text_eos_id: int) -> None:
+        self.model = model
+        self.device = model.embed.emb_text.weight.device
+        self.dtype = model.gpt.norm.weight.dtype
+        self.cache = model.gpt.new_cache(num_slots, max_model_len)
+        self.num_vq = model.config.gpt.num_vq
+        self.text_eos_id = text_eos_id
+        # With a single slot, matmuls run on exactly the rows a batch-1 reference run uses (bit-exact
+        # with chattts); with more, always on a multiple of 4 rows (batch-invariant, see GPT.decode).
+        self.pad_rows_to = 1 if num_slots == 1 else 4
+        self.states: dict[int, _SeqState] = {}
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for seq in sched.finished:
+            self.states.pop(seq.seq_id, None)
+        order: dict[str, list[Sequence]] = {"code": [], "text": []}
+        logits: dict[str, list[torch.Tensor]] = {"code": [], "text": []}
+        hidden: dict[int, torch.Tensor] = {}
+        for seq in sched.prefill:
+            h, lg = self._prefill(seq)
+            order[seq.kind].append(seq)
+            logits[seq.kind].append(lg)
+            hidden[seq.seq_id] = h
+        if sched.decode:
+            h_dec = self._decode_trunk(sched.decode)  # [rows, hidden], padded
+            for kind in ("code", "text"):
+                idx = [i for i, s in enumerate(sched.decode) if s.kind == kind]
+                if idx:
+                    logits[kind].append(self._heads(kind, h_dec, idx))
+                    order[kind] += [sched.decode[i] for i in idx]
+                    hidden.update((sched.decode[i].seq_id, h_dec[i]) for i in idx)
+        sampled = {k: self._sample(order[k], torch.cat(logits[k])) for k in order if order[k]}
+        host = {k: v.cpu() for k, v in sampled.items()}  # the step's one device-to-host copy
+        tokens: dict[int, tuple[int, ...]] = {}
+        for kind, t in host.items():
+            per = self.num_vq if kind == "code" else 1
+            for j, s in enumerate(order[kind]):
+                tokens[s.seq_id] = tuple(t[j * per : (j + 1) * per].tolist())
+        return RunnerOutput(tokens, {i: h for i, h in hidden.items() if i in {s.seq_id for s in order["code"]}})
+
+    # ------------------------------------------------------------------ pieces
+
+    def _prefill(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        inp: SeqInputs = seq.payload
+        embed, gpt = self.model.embed, self.model.gpt
+        n_text = len(inp.ids)
+        ids = torch.zeros(1, seq.prompt_len, self.num_vq, dtype=torch.long)
+        ids[0, :n_text] = torch.tensor(inp.ids, dtype=torch.long)[:, None]
+        if inp.prompt_codes is not None:
+            ids[0, n_text:] = inp.prompt_codes.to(torch.long)
+        text_mask = torch.zeros(1, seq.prompt_len, dtype=torch.bool)
+        text_mask[0, :n_text] = True
+        ids, text_mask = ids.to(self.device), text_mask.to(self.device)
+        emb = embed.embed_prompt(ids, text_mask)
+        if inp.speaker is not None:
+            emb[0, ids[0, :, 0].eq(inp.speaker_token_id) & text_mask[0]] = inp.speaker.to(emb.dtype)
+        positions = torch.arange(seq.prompt_len, device=self.device)[None]
+        slot = torch.tensor([seq.slot], device=self.device)
+        # All positions through the final norm and heads, then the last row: the reference's order.
+        h = gpt(emb.to(self.dtype), positions, self.cache, slot, 0, None, last_only=False).float()[0]
+        logits = embed.code_logits(h)[-self.num_vq :] if seq.kind == "code" else embed.text_logits(h)[-1:]
+        vocab = logits.shape[-1]
+        self.states[seq.seq_id] = _SeqState(seq, self.num_vq if seq.kind == "code" else 1, self.device, vocab)
+        return h[-1], logits
+
+    def _decode_trunk(self, seqs: list[Sequence]) -> torch.Tensor:
+        embed = self.model.embed
+        # Text tokens are (id,); widen them to 4 columns like the reference's input ids.
+        last = torch.tensor([s.tokens[-1] * (self.num_vq // len(s.tokens[-1])) for s in seqs], device=self.device)
+        code_rows = [i for i, s in enumerate(seqs) if s.kind == "code"]
+        text_rows = [i for i, s in enumerate(seqs) if s.kind == "text"]
+        emb = torch.empty(len(seqs), embed.emb_text.weight.shape[1], device=self.device)
+        if code_rows:
+            emb[code_rows] = embed.embed_codes(last[code_rows])
+        if text_rows:
+            emb[text_rows] = embed.embed_text(last[text_rows, 0])
+        lengths = [s.cache_len for s in seqs]
+        slots = [s.slot for s in seqs]
+        return self.model.gpt.decode(emb.to(self.dtype), self.cache, slots, lengths, self.pad_rows_to).float()
+
+    def _heads(self, kind: str, h: torch.Tensor, idx: list[int]) -> torch.Tensor:
+        rows = h[idx]
+        n = len(idx)
+        m = -(-n // self.pad_rows_to) * self.pad_rows_to
+        if m != n:
+            rows = torch.cat([rows, rows.new_zeros(m - n, rows.shape[1])])
+        if kind == "code":
+            return self.model.embed.code_logits(rows)[: n * self.num_vq]
+        return self.model.embed.text_logits(rows)[:n]
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        states = [self.states[s.seq_id] for s in seqs]
+        dev = self.device
+        temperature = torch.cat([st.temperature for st in states])
+        reps = [st.rows for st in states]
+
+        def per_row(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=dev).repeat_interleave(torch.tensor(reps, device=dev))
+
+        penalty = per_row([st.s.repetition_penalty for st in states], torch.float32)[:, None]
+        top_p = per_row([st.s.top_p for st in states], torch.float64)[:, None]
+        top_k = per_row([st.s.top_k for st in states], torch.long)
+        steps = [s.num_generated for s in seqs]
+        block = per_row([n < st.s.min_new_tokens for n, st in zip(steps, states, strict=True)], torch.bool)
+        history = torch.cat([st.history for st in states])
+        valid_len = per_row([min(n, PENALTY_WINDOW) for n in steps], torch.long)
+        history_valid = torch.arange(PENALTY_WINDOW, device=dev)[None] < valid_len[:, None]
+        eos = AUDIO_EOS if seqs[0].kind == "code" else self.text_eos_id
+        probs = batched_probs(logits, history, history_valid, temperature, penalty, top_p, top_k, block, eos)
+        noise = torch.cat([st.noise() for st in states])
+        tokens = sample_with_noise(probs, noise)
+        offset = 0
+        for st, n in zip(states, steps, strict=True):
+            st.record(tokens[offset : offset + st.rows], n)
+            offset += st.rows
+        return tokens

@@ -1,0 +1,179 @@
+"""Iteration-level (continuous) batching over a fixed pool of KV-cache slots. No torch here.
+
+Every step: sequences that finished or were aborted leave and free their slots; waiting sequences are
+admitted while a slot is free and the step's prefill-token budget allows (highest priority first, then
+arrival order); everything admitted before this step decodes one token. A slot is reserved for a
+sequence's whole life (prompt + max_new_tokens must fit in it), so a running sequence can never run
+out of cache: capacity problems surface as a clear refusal at submission, never as an out-of-memory
+error mid-generation.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .outputs import RunnerOutput, SchedulerOutput, StepOutput
+from .request import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+MAX_EMPTY_RETRIES = 8
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; try again later."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    """KV-cache slots = sequences decoding at once."""
+    max_model_len: int = 2048 + 256
+    """Positions per slot: prompt + max_new_tokens of any sequence must fit."""
+    max_waiting: int = 1024
+    """Bound of the waiting queue; beyond it submissions are refused with QueueFullError."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens prefilled per step (at least one sequence is always admitted when a slot is free),
+    so a burst of new requests cannot stall the running ones for long."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class SlotPool:
+    """Free list of KV-cache slots."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def allocate(self) -> int:
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.slots = SlotPool(config.max_num_seqs)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._finished: list[Sequence] = []
+
+    # ------------------------------------------------------------------ submission and abort
+
+    def check_fits(self, seq: Sequence) -> None:
+        if seq.max_len > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({seq.prompt_len}) + max_new_tokens ({seq.max_new_tokens}) = {seq.max_len} positions "
+                f"exceeds max_model_len ({self.config.max_model_len})"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} sequences)")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Abort every sequence of a request. Waiting ones leave now; running ones free their slot at
+        the next ``schedule``. Returns the sequences aborted."""
+        aborted = []
+        for seq in [s for s in self.waiting if s.request_id == request_id]:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            aborted.append(seq)
+        for seq in self.running:
+            if seq.request_id == request_id and not seq.status.is_finished:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+                aborted.append(seq)
+        return aborted
+
+    def finish_with_error(self, seq: Sequence, message: str) -> None:
+        seq.status, seq.error = SequenceStatus.FINISHED_ERROR, message
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished=self._finished)
+        self._finished = []
+        for seq in [s for s in self.running if s.status.is_finished]:
+            self._release(seq)
+            out.finished.append(seq)
+        out.decode = list(self.running)
+
+        budget = self.config.max_prefill_tokens
+        self.waiting.sort(key=lambda s: (-s.priority, s.arrival, s.seq_id))
+        while self.waiting and self.slots.num_free:
+            seq = self.waiting[0]
+            if out.prefill and seq.prompt_len > budget:
+                break
+            self.waiting.pop(0)
+            budget -= seq.prompt_len
+            seq.slot = self.slots.allocate()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.prefill.append(seq)
+        return out
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[StepOutput]:
+        """Append each sampled token, apply the stop rules, and free the slots of finished sequences."""
+        outputs = []
+        for seq in (*sched.prefill, *sched.decode):
+            if seq.status.is_finished:  # aborted while this step ran
+                outputs.append(StepOutput(seq, None, finished=True))
+                continue
+            token = result.tokens[seq.seq_id]
+            if seq.eos_id in token:
+                if not seq.tokens and seq.retry_empty and not seq.seeded and seq.num_retries < MAX_EMPTY_RETRIES:
+                    # The reference generates again when the first step is EOS (new random draws).
+                    seq.num_retries += 1
+                    self._release(seq)
+                    seq.status = SequenceStatus.WAITING
+                    self.waiting.append(seq)
+                    outputs.append(StepOutput(seq, None, restarted=True))
+                    continue
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                outputs.append(StepOutput(seq, None, finished=True))
+                continue
+            seq.tokens.append(token)
+            if seq.num_generated >= seq.max_new_tokens:
+                seq.status = SequenceStatus.FINISHED_LENGTH
+            outputs.append(StepOutput(seq, token, result.hidden.get(seq.seq_id), finished=seq.status.is_finished))
+        for o in outputs:
+            if o.finished and o.seq.slot is not None:
+                self._release(o.seq)
+                self._finished.append(o.seq)
+        return outputs
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.slot is not None:
+            self.slots.free(seq.slot)
+            seq.slot = None
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
