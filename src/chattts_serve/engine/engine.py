@@ -89,18 +89,17 @@ class Engine:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         max_batch_size: int = 16,
-        max_model_len: int | None = None,
+        scheduler: SchedulerConfig | None = None,
     ) -> Engine:
-        """``max_batch_size`` sequences decode together (KV-cache slots). With ``max_batch_size=1`` every
-        matmul runs on exactly the rows of a batch-1 reference run: fp32 output is bit-identical to
-        chattts. With more, a request's codes do not depend on what else runs (batch invariance)."""
+        """``max_batch_size`` sequences decode together (KV-cache slots; ``scheduler`` sets every
+        scheduling limit instead). With one slot every matmul runs on exactly the rows of a batch-1
+        reference run: fp32 output is bit-identical to chattts. With more, a request's codes do not
+        depend on what else runs (batch invariance)."""
         torch_dtype = parse_dtype(dtype)
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
-        sched = SchedulerConfig(max_num_seqs=max_batch_size)
-        if max_model_len is not None:
-            sched = SchedulerConfig(max_num_seqs=max_batch_size, max_model_len=max_model_len)
+        sched = scheduler or SchedulerConfig(max_num_seqs=max_batch_size)
         model = checkpoint.load(path_or_repo, device=device, dtype=torch_dtype)
         tokenizer = Tokenizer(model.root / checkpoint.TOKENIZER_DIR)
         return cls(model, tokenizer, _speaker_stats(model), sched)

@@ -1,0 +1,317 @@
+"""``AsyncEngine``: the serving front end. The engine loop runs in a background thread, so the event
+loop never blocks on the model; each request has one output collector.
+
+    engine = AsyncEngine.from_pretrained("./ckpt")
+    async for chunk in engine.stream("你好。", SamplingParams(seed=1)):
+        play(chunk.audio)                      # float32 PCM, 24 kHz, as soon as it is decoded
+
+Text normalisation and validation run in a worker thread before the request reaches the loop (bad
+input raises ``ValueError`` in the caller). A full queue raises ``QueueFullError`` at once. If the
+consumer stops early (``break``, cancellation, a disconnected client), the request is aborted and its
+slot is free at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..audio.stream import StreamPolicy
+from ..model.config import SAMPLE_RATE
+from ..sampling_params import SamplingParams
+from .core import PreparedRequest, RequestOutput, SegmentResult
+from .engine import Engine
+from .scheduler import QueueFullError, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """A request failed inside the engine (the engine itself keeps serving)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+@dataclass(slots=True)
+class AudioChunk:
+    request_id: str
+    audio: np.ndarray
+    """float32 mono PCM at ``sample_rate``; the samples that follow the previous chunk."""
+    index: int
+    start_sample: int
+    """Position of this chunk's first sample in the request's audio."""
+    elapsed_s: float
+    """Seconds from submission to this chunk being ready (the first chunk's is the time to first audio)."""
+    finished: bool = False
+    finish_reason: str | None = None
+    sample_rate: int = SAMPLE_RATE
+    segments: list[SegmentResult] | None = None
+    """On the last chunk of a completed request: each sentence's text and codes."""
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    audio: np.ndarray
+    finish_reason: str | None
+    segments: list[SegmentResult]
+    time_to_first_audio_s: float | None
+    total_s: float
+    sample_rate: int = SAMPLE_RATE
+
+    @property
+    def codes(self) -> np.ndarray:
+        return np.concatenate([s.codes for s in self.segments]) if self.segments else np.zeros((0, 4), np.int64)
+
+    @property
+    def duration(self) -> float:
+        return len(self.audio) / self.sample_rate
+
+
+@dataclass(eq=False)
+class _Collector:
+    """One request's outputs. The engine thread puts; one consumer takes. If the consumer is slow,
+    new audio is merged into the pending list (one entry per engine step at most), so the loop never
+    waits on a consumer."""
+
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    audio: list[np.ndarray] = field(default_factory=list)
+    final: RequestOutput | None = None
+    error: BaseException | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        with self.lock:
+            if len(out.audio):
+                self.audio.append(out.audio)
+            if out.finished:
+                self.final = out
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            pass
+
+    async def take(self) -> tuple[np.ndarray, RequestOutput | None, BaseException | None]:
+        await self.event.wait()
+        with self.lock:
+            self.event.clear()
+            audio = np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
+            self.audio = []
+            return audio, self.final, self.error
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, stream_policy: StreamPolicy | None = None) -> None:
+        self.engine = engine
+        self.core = engine.core
+        self.stream_policy = stream_policy or StreamPolicy()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._collectors: dict[str, _Collector] = {}
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending_adds = 0
+        self._lock = threading.Lock()
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_repo: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: str = "float32",
+        scheduler: SchedulerConfig | None = None,
+        stream_policy: StreamPolicy | None = None,
+    ) -> AsyncEngine:
+        engine = Engine.from_pretrained(path_or_repo, device=device, dtype=dtype, scheduler=scheduler)
+        return cls(engine, stream_policy)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="chattts-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight and stop the loop thread."""
+        for rid in list(self._collectors):
+            self.abort(rid)
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    # ------------------------------------------------------------------ requests
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    async def stream(
+        self,
+        text: str,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        policy: StreamPolicy | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[AudioChunk]:
+        """Audio chunks as they are decoded. Raises ValueError (bad input), QueueFullError (no capacity),
+        EngineError (the request failed) or EngineDeadError."""
+        params = params or SamplingParams()
+        prepared = await asyncio.to_thread(self.core.prepare, text, params)
+        rid, collector, t0 = self._submit(prepared, request_id, policy or self.stream_policy, priority)
+        index, position, finished = 0, 0, False
+        try:
+            while True:
+                audio, final, error = await collector.take()
+                if error is not None:
+                    finished = True
+                    raise error
+                done = final is not None
+                if len(audio) or done:
+                    if done and final.finish_reason == "error":
+                        finished = True
+                        raise EngineError(final.error or "request failed")
+                    chunk = AudioChunk(
+                        rid,
+                        audio,
+                        index,
+                        position,
+                        time.monotonic() - t0,
+                        done,
+                        final.finish_reason if done else None,
+                        segments=final.segments if done else None,
+                    )
+                    index, position = index + 1, position + len(audio)
+                    finished = done
+                    yield chunk
+                if done:
+                    return
+        finally:
+            self._collectors.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    async def generate(
+        self, text: str, params: SamplingParams | None = None, *, request_id: str | None = None, priority: int = 0
+    ) -> GenerationResult:
+        """The whole utterance (decoded once at the end of each sentence, no streaming overhead)."""
+        t0 = time.monotonic()
+        parts, first, last = [], None, None
+        async for chunk in self.stream(
+            text, params, request_id=request_id, policy=StreamPolicy.one_shot(), priority=priority
+        ):
+            if first is None and len(chunk.audio):
+                first = chunk.elapsed_s
+            parts.append(chunk.audio)
+            last = chunk
+        audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        return GenerationResult(
+            last.request_id, audio, last.finish_reason, last.segments or [], first, time.monotonic() - t0
+        )
+
+    def _submit(
+        self, prepared: PreparedRequest, request_id: str | None, policy: StreamPolicy, priority: int
+    ) -> tuple[str, _Collector, float]:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine loop stopped: {self.dead_error}")
+        if self._stop.is_set():
+            raise EngineDeadError("engine is shutting down")
+        self.start()
+        rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        sched = self.core.scheduler
+        with self._lock:
+            if rid in self._collectors:
+                raise ValueError(f"request id {rid!r} is already in use")
+            waiting = sched.num_waiting + self._pending_adds + len(prepared.segments)
+            if waiting > sched.config.max_waiting:
+                raise QueueFullError(f"waiting queue is full ({sched.config.max_waiting} sequences)")
+            collector = _Collector(asyncio.get_running_loop())
+            self._collectors[rid] = collector
+            self._pending_adds += len(prepared.segments)
+        t0 = time.monotonic()
+        self._inbox.put(("add", rid, prepared, policy, priority))
+        self._wakeup.set()
+        return rid, collector, t0
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if self.core.has_unfinished():
+                    for out in self.core.step():
+                        c = self._collectors.get(out.request_id)
+                        if c is not None:
+                            c.put(out)
+                else:
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
+            # Shutting down: finish the aborts, tell every remaining consumer.
+            self._drain_inbox()
+            while self.core.has_unfinished():
+                for out in self.core.step():
+                    if (c := self._collectors.get(out.request_id)) is not None:
+                        c.put(out)
+        except BaseException as exc:  # the loop must never die silently
+            logger.exception("engine loop crashed")
+            self.dead_error = exc
+            for c in list(self._collectors.values()):
+                c.fail(EngineDeadError(f"engine loop crashed: {exc}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "abort":
+                self.core.abort(item[1])
+                continue
+            _, rid, prepared, policy, priority = item
+            with self._lock:
+                self._pending_adds -= len(prepared.segments)
+            try:
+                self.core.add_request(rid, prepared, policy, priority)
+            except Exception as exc:  # queue full after all, duplicate id, too long: this request only
+                if (c := self._collectors.get(rid)) is not None:
+                    c.fail(exc)
+
+    # ------------------------------------------------------------------ introspection (metrics)
+
+    @property
+    def num_running(self) -> int:
+        return self.core.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.core.scheduler.num_waiting
