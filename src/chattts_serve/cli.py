@@ -28,6 +28,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="GPT dtype: float32, bfloat16, float16")
 
 
+def _batch_size(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {value!r}")
+    return n
+
+
 def _build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="chattts-serve", description="Fast, faithful ChatTTS inference.")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -38,7 +50,9 @@ def _build_parser() -> argparse.ArgumentParser:
     syn.add_argument("-o", "--output", default="out.wav", help="output WAV for a single text")
     syn.add_argument("--input", help="a UTF-8 file with one text per line; writes one WAV per line")
     syn.add_argument("--output-dir", default="out", help="where --input writes its WAVs (0001.wav, ...)")
-    syn.add_argument("--batch-size", type=int, default=16, help="sentences generated together")
+    syn.add_argument(
+        "--batch-size", type=_batch_size, default=16, help="sequences generated together (KV slots), or 'auto'"
+    )
     _add_model_args(syn)
     syn.add_argument("--seed", type=int, default=None)
     syn.add_argument("--speaker", default=None, help="speaker string (see `speaker new`)")

@@ -29,6 +29,7 @@ from ..model.speaker import SpeakerStats, default_speaker_stats, encode_prompt_c
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from .core import EngineCore
+from .runner import auto_num_slots
 from .scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -88,19 +89,24 @@ class Engine:
         path_or_repo: str | Path = checkpoint.HF_REPO,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
-        max_batch_size: int = 16,
+        max_batch_size: int | None = 16,
         scheduler: SchedulerConfig | None = None,
     ) -> Engine:
-        """``max_batch_size`` sequences decode together (KV-cache slots; ``scheduler`` sets every
-        scheduling limit instead). With one slot every matmul runs on exactly the rows of a batch-1
-        reference run: fp32 output is bit-identical to chattts. With more, a request's codes do not
-        depend on what else runs (batch invariance)."""
+        """``max_batch_size`` sequences decode together (KV-cache slots; None sizes them from free
+        memory; ``scheduler`` sets every scheduling limit instead). With one slot every matmul runs on
+        exactly the rows of a batch-1 reference run: fp32 output is bit-identical to chattts. With
+        more, a request's codes do not depend on what else runs (batch invariance)."""
         torch_dtype = parse_dtype(dtype)
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
-        sched = scheduler or SchedulerConfig(max_num_seqs=max_batch_size)
         model = checkpoint.load(path_or_repo, device=device, dtype=torch_dtype)
+        if scheduler is None:
+            if max_batch_size is None:  # as many KV slots as half the free memory holds
+                max_batch_size = auto_num_slots(model, SchedulerConfig().max_model_len, device)
+                logger.info("KV cache: %d slots sized from free memory", max_batch_size)
+            scheduler = SchedulerConfig(max_num_seqs=max_batch_size)
+        sched = scheduler
         tokenizer = Tokenizer(model.root / checkpoint.TOKENIZER_DIR)
         return cls(model, tokenizer, _speaker_stats(model), sched)
 

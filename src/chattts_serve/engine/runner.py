@@ -44,6 +44,23 @@ class SeqInputs:
     prompt_codes: torch.Tensor | None = None  # [T_s, 4] voice-sample codes after the text
 
 
+def kv_bytes_per_slot(model: LoadedModel, max_len: int, dtype: torch.dtype) -> int:
+    g = model.config.gpt
+    return 2 * g.num_layers * g.num_kv_heads * g.head_dim * max_len * torch.empty(0, dtype=dtype).element_size()
+
+
+def auto_num_slots(model: LoadedModel, max_len: int, device: torch.device, fraction: float = 0.5) -> int:
+    """KV slots that fit in ``fraction`` of the free device memory (host RAM on CPU), 1..256."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import os
+
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    per_slot = kv_bytes_per_slot(model, max_len, model.gpt.norm.weight.dtype)
+    return max(1, min(256, int(free * fraction // per_slot)))
+
+
 class _SeqState:
     """Runner-side state of a running sequence: sampling rows, history, generator."""
 
@@ -86,6 +103,13 @@ class ModelRunner:
         # with chattts); with more, always on a multiple of 4 rows (batch-invariant, see GPT.decode).
         self.pad_rows_to = 1 if num_slots == 1 else 4
         self.states: dict[int, _SeqState] = {}
+        self._pin = self.device.type == "cuda"
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host -> device; on CUDA through pinned memory without blocking the host."""
+        if self._pin:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     # ------------------------------------------------------------------ one step
 
@@ -130,7 +154,7 @@ class ModelRunner:
             ids[0, n_text:] = inp.prompt_codes.to(torch.long)
         text_mask = torch.zeros(1, seq.prompt_len, dtype=torch.bool)
         text_mask[0, :n_text] = True
-        ids, text_mask = ids.to(self.device), text_mask.to(self.device)
+        ids, text_mask = self._to_device(ids), self._to_device(text_mask)
         emb = embed.embed_prompt(ids, text_mask)
         if inp.speaker is not None:
             emb[0, ids[0, :, 0].eq(inp.speaker_token_id) & text_mask[0]] = inp.speaker.to(emb.dtype)
@@ -146,7 +170,7 @@ class ModelRunner:
     def _decode_trunk(self, seqs: list[Sequence]) -> torch.Tensor:
         embed = self.model.embed
         # Text tokens are (id,); widen them to 4 columns like the reference's input ids.
-        last = torch.tensor([s.tokens[-1] * (self.num_vq // len(s.tokens[-1])) for s in seqs], device=self.device)
+        last = self._to_device(torch.tensor([s.tokens[-1] * (self.num_vq // len(s.tokens[-1])) for s in seqs]))
         code_rows = [i for i, s in enumerate(seqs) if s.kind == "code"]
         text_rows = [i for i, s in enumerate(seqs) if s.kind == "text"]
         emb = torch.empty(len(seqs), embed.emb_text.weight.shape[1], device=self.device)
