@@ -303,7 +303,7 @@ class EngineCore:
             seg.refined_text = self.tokenizer.decode(ids)
             try:
                 code_seq = self._new_sequence(job, seg)
-                self.scheduler.add(code_seq)
+                self.scheduler.add(code_seq, continuation=True)
             except Exception as exc:
                 self._fail(job, str(exc))
                 return

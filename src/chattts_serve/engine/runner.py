@@ -16,7 +16,7 @@ from ..model.checkpoint import LoadedModel
 from ..model.config import AUDIO_EOS
 from .outputs import RunnerOutput, SchedulerOutput
 from .request import Sequence
-from .sampler import PENALTY_WINDOW, batched_probs, sample_with_noise
+from .sampler import PENALTY_WINDOW, batched_probs, effective_top_k, sample_with_noise
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,13 +133,17 @@ class ModelRunner:
                     logits[kind].append(self._heads(kind, h_dec, idx))
                     order[kind] += [sched.decode[i] for i in idx]
                     hidden.update((sched.decode[i].seq_id, h_dec[i]) for i in idx)
-        sampled = {k: self._sample(order[k], torch.cat(logits[k])) for k in order if order[k]}
-        host = {k: v.cpu() for k, v in sampled.items()}  # the step's one device-to-host copy
+        kinds = [k for k in ("code", "text") if order[k]]
+        sampled = [self._sample(order[k], torch.cat(logits[k])) for k in kinds]
+        flat = (torch.cat(sampled) if len(sampled) > 1 else sampled[0]).tolist() if sampled else []
+        # ^ the step's one device-to-host copy
         tokens: dict[int, tuple[int, ...]] = {}
-        for kind, t in host.items():
+        pos = 0
+        for kind in kinds:
             per = self.num_vq if kind == "code" else 1
-            for j, s in enumerate(order[kind]):
-                tokens[s.seq_id] = tuple(t[j * per : (j + 1) * per].tolist())
+            for s in order[kind]:
+                tokens[s.seq_id] = tuple(flat[pos : pos + per])
+                pos += per
         return RunnerOutput(tokens, {i: h for i, h in hidden.items() if i in {s.seq_id for s in order["code"]}})
 
     # ------------------------------------------------------------------ pieces
@@ -204,13 +208,15 @@ class ModelRunner:
         penalty = per_row([st.s.repetition_penalty for st in states], torch.float32)[:, None]
         top_p = per_row([st.s.top_p for st in states], torch.float64)[:, None]
         top_k = per_row([st.s.top_k for st in states], torch.long)
+        k_max = max(effective_top_k(st.s.top_k, logits.shape[-1]) for st in states)
         steps = [s.num_generated for s in seqs]
-        block = per_row([n < st.s.min_new_tokens for n, st in zip(steps, states, strict=True)], torch.bool)
+        blocked = [n < st.s.min_new_tokens for n, st in zip(steps, states, strict=True)]
+        block = per_row(blocked, torch.bool) if any(blocked) else None
         history = torch.cat([st.history for st in states])
         valid_len = per_row([min(n, PENALTY_WINDOW) for n in steps], torch.long)
         history_valid = torch.arange(PENALTY_WINDOW, device=dev)[None] < valid_len[:, None]
         eos = AUDIO_EOS if seqs[0].kind == "code" else self.text_eos_id
-        probs = batched_probs(logits, history, history_valid, temperature, penalty, top_p, top_k, block, eos)
+        probs = batched_probs(logits, history, history_valid, temperature, penalty, top_p, top_k, k_max, block, eos)
         noise = torch.cat([st.noise() for st in states])
         tokens = sample_with_noise(probs, noise)
         offset = 0

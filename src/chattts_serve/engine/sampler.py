@@ -36,9 +36,8 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
 
 
 def apply_top_p(logits: torch.Tensor, top_p: float, min_keep: int = MIN_TOKENS_TO_KEEP) -> torch.Tensor:
-    """Nucleus filter (HF TopPLogitsWarper): drop the low tail whose total probability is <= 1 - top_p."""
-    if top_p >= 1.0:
-        return logits
+    """Nucleus filter (HF TopPLogitsWarper): drop the low tail whose total probability is <= 1 - top_p.
+    Applied at top_p = 1.0 too, as the reference does (it then drops tokens whose probability is 0)."""
     sorted_logits, sorted_idx = torch.sort(logits, descending=False)
     cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cum_probs <= (1 - top_p)
@@ -100,7 +99,8 @@ def batched_probs(
     penalty: torch.Tensor,  # [R, 1] fp32 (1.0 = off)
     top_p: torch.Tensor,  # [R, 1] fp64 (1.0 = off)
     top_k: torch.Tensor,  # [R] int64 (0 = off)
-    block_eos: torch.Tensor,  # [R] bool
+    k_max: int,  # max over rows of the effective k (computed on the host: no device sync here)
+    block_eos: torch.Tensor | None,  # [R] bool, or None when no row blocks EOS
     eos_id: int,
 ) -> torch.Tensor:
     logits = logits / temperature
@@ -118,11 +118,10 @@ def batched_probs(
 
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(min=MIN_TOKENS_TO_KEEP, max=vocab), vocab)
-    k_max = int(k.max())
     kth = torch.topk(logits, k_max)[0].gather(1, (k - 1)[:, None])
     logits = logits.masked_fill(logits < kth, -float("inf"))
 
-    if bool(block_eos.any()):
+    if block_eos is not None:
         logits[:, eos_id] = torch.where(block_eos, -float("inf"), logits[:, eos_id])
     return F.softmax(logits, dim=-1)
 
@@ -131,3 +130,8 @@ def sample_with_noise(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """argmax(p / E), E ~ Exp(1): exactly what ``torch.multinomial(p, 1, generator)`` computes for one
     draw when E was drawn from that generator with ``exponential_`` on a tensor of p's shape."""
     return (probs / noise).argmax(dim=-1)
+
+
+def effective_top_k(top_k: int, vocab: int) -> int:
+    """The k a row uses: top_k clamped to [3, vocab], or vocab when top_k is 0 (off)."""
+    return min(max(top_k, MIN_TOKENS_TO_KEEP), vocab) if top_k > 0 else vocab

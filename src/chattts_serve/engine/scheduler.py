@@ -78,9 +78,11 @@ class Scheduler:
                 f"exceeds max_model_len ({self.config.max_model_len})"
             )
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, continuation: bool = False) -> None:
+        """Queue a sequence. ``continuation``: the next pass of an already accepted request (the audio
+        pass after refine), which is never refused for a full queue."""
         self.check_fits(seq)
-        if len(self.waiting) >= self.config.max_waiting:
+        if not continuation and len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} sequences)")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -93,6 +95,7 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.FINISHED_ABORTED
             aborted.append(seq)
+            self._finished.append(seq)  # a restarted sequence may still have runner state to drop
         for seq in self.running:
             if seq.request_id == request_id and not seq.status.is_finished:
                 seq.status = SequenceStatus.FINISHED_ABORTED
@@ -103,6 +106,7 @@ class Scheduler:
         seq.status, seq.error = SequenceStatus.FINISHED_ERROR, message
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self._finished.append(seq)
 
     # ------------------------------------------------------------------ one step
 
