@@ -68,6 +68,9 @@ def _build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--no-normalize", action="store_true", help="skip text normalisation")
     syn.add_argument("--no-split", action="store_true", help="do not split long text into sentences")
 
+    srv = sub.add_parser("serve", help="run the HTTP/WebSocket server (OpenAI-compatible + native API)")
+    _add_server_args(srv)
+
     spk = sub.add_parser("speaker", help="speaker strings")
     spk_sub = spk.add_subparsers(dest="speaker_command", required=True)
     new = spk_sub.add_parser("new", help="print a random speaker string")
@@ -81,6 +84,47 @@ def _build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("--size", choices=("tiny", "full"), default="tiny")
     rnd.add_argument("--seed", type=int, default=0)
     return ap
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig field (defaults None: then CHATTTS_SERVE_* or the field default)."""
+    from dataclasses import MISSING, fields
+
+    from .config import ServerConfig
+
+    for f in fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        doc = f"(default: {default!r}; env CHATTTS_SERVE_{f.name.upper()})"
+        if isinstance(default, bool):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=doc)
+        elif isinstance(default, tuple):
+            p.add_argument(flag, dest=f.name, default=None, help="comma-separated " + doc,
+                           type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()))
+        else:
+            kind = type(default) if default is not None else str
+            p.add_argument(flag, dest=f.name, type=kind, default=None, help=doc)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    import uvicorn
+
+    from .config import ServerConfig
+    from .server.app import create_app
+
+    overrides = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
+    config = ServerConfig.from_env(**overrides)
+    logging.getLogger().setLevel(config.log_level.upper())
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
 
 
 def _params(args: argparse.Namespace):
@@ -180,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "synthesize":
             return _synthesize(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "speaker":
             return _speaker_new(args)
         return _checkpoint_random(args)

@@ -14,6 +14,7 @@ import torch
 
 from ..model.checkpoint import LoadedModel
 from ..model.config import AUDIO_EOS
+from ..model.linear import pack_linears_, packing_available
 from .outputs import RunnerOutput, SchedulerOutput
 from .request import Sequence
 from .sampler import PENALTY_WINDOW, batched_probs, effective_top_k, sample_with_noise
@@ -99,9 +100,19 @@ class ModelRunner:
         self.cache = model.gpt.new_cache(num_slots, max_model_len)
         self.num_vq = model.config.gpt.num_vq
         self.text_eos_id = text_eos_id
-        # With a single slot, matmuls run on exactly the rows a batch-1 reference run uses (bit-exact
-        # with chattts); with more, always on a multiple of 4 rows (batch-invariant, see GPT.decode).
-        self.pad_rows_to = 1 if num_slots == 1 else 4
+        # One slot: every matmul runs on exactly the rows a batch-1 reference run uses, with the same
+        # BLAS calls (bit-exact with chattts). More slots: the GPT and head weights are packed for oneDNN,
+        # whose results do not depend on the number of rows (batch-invariant, and fast at small batch);
+        # where packing is unavailable, the matmuls run on a multiple of 4 rows (see GPT.decode).
+        self.pad_rows_to = 1
+        self.packed = False
+        if num_slots > 1:
+            if packing_available(self.device, self.dtype):
+                pack_linears_(model.gpt)
+                model.embed.pack_heads()
+                self.packed = True
+            elif self.device.type == "cpu":
+                self.pad_rows_to = 4
         self.states: dict[int, _SeqState] = {}
         self._pin = self.device.type == "cuda"
 

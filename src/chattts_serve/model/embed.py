@@ -9,10 +9,10 @@ logits are bit-identical without paying for the norm every step.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
+from .linear import linear, pack_weight
 
 
 def fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -29,6 +29,8 @@ class Embed(nn.Module):
         # Folded head weights (see module docstring); [vocab, hidden].
         self.head_text = nn.Parameter(torch.empty(cfg.num_text_tokens, cfg.hidden_size))
         self.head_code = nn.Parameter(torch.empty(cfg.num_vq, cfg.num_audio_tokens, cfg.hidden_size))
+        self._packed_text: torch.Tensor | None = None
+        self._packed_code: list[torch.Tensor] | None = None
 
     def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [..., num_vq] -> [..., hidden]: sum over codebooks in q order (stack then sum, as the
@@ -49,11 +51,18 @@ class Embed(nn.Module):
             out[text_mask] = self.emb_text(ids[..., 0][text_mask])
         return out
 
+    def pack_heads(self) -> None:
+        """Use oneDNN-packed head weights from now on (see ``model.linear``)."""
+        self._packed_text = pack_weight(self.head_text)
+        self._packed_code = [pack_weight(self.head_code[q]) for q in range(self.num_vq)]
+
     def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> [B, num_text_tokens] in fp32."""
-        return F.linear(hidden.float(), self.head_text)
+        return linear(hidden.float(), self.head_text, self._packed_text)
 
     def code_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> [B * num_vq, num_audio_tokens] in fp32, row b * num_vq + q."""
         h = hidden.float()
-        return torch.stack([F.linear(h, self.head_code[q]) for q in range(self.num_vq)], dim=1).flatten(0, 1)
+        packed = self._packed_code or [None] * self.num_vq
+        logits = [linear(h, self.head_code[q], packed[q]) for q in range(self.num_vq)]
+        return torch.stack(logits, dim=1).flatten(0, 1)

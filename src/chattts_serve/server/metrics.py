@@ -1,0 +1,48 @@
+"""Prometheus metrics (``GET /metrics``). One registry per app, so several apps in one process (tests)
+do not collide."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self, engine=None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "chattts_requests", "Requests by endpoint and final status", ["endpoint", "status"], registry=r
+        )
+        self.ttfb = Histogram(
+            "chattts_time_to_first_audio_seconds", "Request start to first audio byte sent", ["endpoint"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.latency = Histogram(
+            "chattts_request_latency_seconds", "Request start to last byte sent", ["endpoint"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.rtf = Histogram(
+            "chattts_real_time_factor", "Wall time / audio duration per request", buckets=RTF_BUCKETS, registry=r
+        )
+        self.audio_seconds = Counter("chattts_audio_seconds", "Seconds of audio produced", registry=r)
+        self.rejected = Counter("chattts_rejected_requests", "Requests refused for capacity", ["reason"], registry=r)
+        self.aborted = Counter("chattts_aborted_requests", "Requests aborted (client gone, shutdown)", registry=r)
+        self.in_flight = Gauge("chattts_requests_in_flight", "Requests being served", registry=r)
+        if engine is not None:
+            Gauge("chattts_queue_depth", "Sequences waiting for a KV slot", registry=r).set_function(
+                lambda: engine.num_waiting
+            )
+            Gauge("chattts_running_batch_size", "Sequences decoding", registry=r).set_function(
+                lambda: engine.num_running
+            )
+            slots = engine.core.scheduler.config.max_num_seqs
+            Gauge("chattts_kv_slots_total", "KV-cache slots", registry=r).set(slots)
+            Gauge("chattts_kv_slots_used", "KV-cache slots in use", registry=r).set_function(
+                lambda: slots - engine.core.scheduler.slots.num_free
+            )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

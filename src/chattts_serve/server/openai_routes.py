@@ -1,0 +1,54 @@
+"""OpenAI-compatible endpoints: ``POST /v1/audio/speech`` and ``GET /v1/models``."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
+from .service import APIError, AudioResponse, build_params, resolve_voice, speed_prompt
+
+router = APIRouter()
+MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+_CREATED = int(time.time())
+
+
+@router.get("/v1/models")
+async def models() -> ModelList:
+    return ModelList(data=[ModelCard(id=m, created=_CREATED) for m in MODEL_IDS])
+
+
+@router.post("/v1/audio/speech")
+async def speech(body: SpeechRequest, request: Request):
+    st = request.app.state
+    cfg = st.config
+    if body.model not in MODEL_IDS:
+        raise APIError(400, f"unknown model {body.model!r}; use one of {', '.join(MODEL_IDS)}", param="model",
+                       code="model_not_found")
+    if len(body.input) > cfg.max_input_chars:
+        raise APIError(400, f"input has {len(body.input)} characters; the limit is {cfg.max_input_chars}",
+                       param="input", code="input_too_long")
+    voice = resolve_voice(st.voices, body.voice, cfg.default_voice, "voice")
+    params = build_params(body, voice, prompt=speed_prompt(body.speed))
+    resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.max_queue_wait_s)
+    await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id)
+    headers = {"X-Request-ID": request.state.request_id}
+    if body.stream_format == "sse":
+        return StreamingResponse(_sse(resp, body.response_format), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(resp.encoded(body.response_format), media_type=MEDIA_TYPES[body.response_format],
+                             headers=headers)
+
+
+async def _sse(resp: AudioResponse, fmt: str):
+    """OpenAI's speech SSE: ``speech.audio.delta`` events with base64 audio, then ``speech.audio.done``."""
+    total = 0
+    async for data in resp.encoded(fmt):
+        total += len(data)
+        event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
+        yield f"data: {json.dumps(event)}\n\n"
+    done = {"type": "speech.audio.done", "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}}
+    yield f"data: {json.dumps(done)}\n\n"

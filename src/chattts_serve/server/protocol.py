@@ -1,0 +1,116 @@
+"""Request and response schemas of the HTTP API (the package's only pydantic)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+MEDIA_TYPES: dict[str, str] = {
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "aac": "audio/aac",
+    "flac": "audio/flac",
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+
+class ChatTTSOptions(_Strict):
+    """ChatTTS sampling parameters; every field is optional (None: the engine's default)."""
+
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    temperature: float | None = Field(None, gt=0, le=5)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, le=1000)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    min_new_tokens: int | None = Field(None, ge=0, le=4096)
+    max_new_tokens: int | None = Field(None, ge=1, le=4096)
+    prompt: str | None = Field(None, max_length=256)
+    refine_text: bool | None = None
+    refine_prompt: str | None = Field(None, max_length=256)
+    refine_temperature: float | None = Field(None, gt=0, le=5)
+    refine_top_p: float | None = Field(None, gt=0, le=1)
+    refine_top_k: int | None = Field(None, ge=0, le=1000)
+    refine_max_new_tokens: int | None = Field(None, ge=1, le=2048)
+    do_text_normalization: bool | None = None
+    do_homophone_replacement: bool | None = None
+    lang: Literal["zh", "en"] | None = None
+    split_text: bool | None = None
+
+    @field_validator("temperature", "top_p", "repetition_penalty", "refine_temperature", "refine_top_p")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+
+class SpeechRequest(ChatTTSOptions):
+    """OpenAI ``POST /v1/audio/speech``, plus the ChatTTS options as optional extensions."""
+
+    model: str = Field(..., min_length=1, max_length=128)
+    input: str = Field(..., min_length=1)
+    voice: str = Field(..., min_length=1, max_length=4096)
+    """A saved voice's name, or a speaker string."""
+    instructions: str | None = Field(None, max_length=4096)
+    """Accepted for compatibility; ChatTTS has no instruction conditioning (ignored)."""
+    response_format: AudioFormat = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    """Mapped to ChatTTS's [speed_0]..[speed_9] (1.0 -> [speed_5])."""
+    stream_format: Literal["audio", "sse"] = "audio"
+
+
+class StreamOptions(_Strict):
+    first_chunk: int | None = Field(None, ge=1, le=4096)
+    max_chunk: int | None = Field(None, ge=1, le=4096)
+    left_context: int | None = Field(None, ge=0, le=256)
+    lookahead: int | None = Field(None, ge=1, le=256)
+    crossfade: int | None = Field(None, ge=0, le=65536)
+
+
+class TTSRequest(ChatTTSOptions):
+    """Native ``POST /v1/tts``: every ChatTTS parameter; streams by default."""
+
+    text: str = Field(..., min_length=1)
+    voice: str | None = Field(None, max_length=4096)
+    """A saved voice's name (or a speaker string)."""
+    speaker: str | None = Field(None, max_length=4096)
+    """A speaker string (wins over ``voice``)."""
+    format: AudioFormat = "wav"
+    stream: bool = True
+    chunking: StreamOptions | None = None
+
+
+class VoiceCreate(_Strict):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[\w.\-]+$")
+    speaker: str | None = Field(None, max_length=4096)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    description: str | None = Field(None, max_length=512)
+
+
+class Voice(BaseModel):
+    name: str
+    kind: Literal["speaker", "sample"]
+    speaker: str | None = None
+    sample_text: str | None = None
+    description: str | None = None
+    created_at: float
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "chattts-serve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,239 @@
+"""What the routes share: request -> SamplingParams, voices, and the streamed, encoded response body.
+
+Routes only speak HTTP; the engine (``AsyncEngine``) and the voice store live in ``app.state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from fastapi import HTTPException
+
+from ..audio.encode import StreamingEncoder
+from ..audio.stream import StreamPolicy
+from ..engine.async_engine import AsyncEngine, AudioChunk, EngineDeadError, EngineError
+from ..engine.scheduler import QueueFullError
+from ..model.config import SAMPLE_RATE
+from ..sampling_params import RefineParams, SamplingParams
+from .metrics import Metrics
+from .protocol import ChatTTSOptions, StreamOptions
+from .voices import VoiceStore
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(HTTPException):
+    """An error answered in the OpenAI error shape, with optional headers (Retry-After)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(status_code=status, detail=message, headers=headers)
+        self.type, self.param, self.code = type_, param, code
+
+
+def busy(message: str, status: int = 429) -> APIError:
+    return APIError(status, message, "rate_limit_error" if status == 429 else "server_error",
+                    code="capacity", headers={"Retry-After": "1"})
+
+
+@dataclass(frozen=True, slots=True)
+class Voice:
+    speaker: str | None = None
+    sample: str | None = None
+    sample_text: str = ""
+
+
+def resolve_voice(store: VoiceStore, name_or_speaker: str | None, default: str | None, param: str) -> Voice:
+    """A saved voice's name, or else a speaker string; unknown names are a 400 (speaker strings are
+    validated when the request is prepared)."""
+    if name_or_speaker is None:
+        if default is None:
+            return Voice()
+        name_or_speaker = default
+    rec = store.get(name_or_speaker)
+    if rec is not None:
+        return Voice(rec.speaker, rec.sample_codes, rec.sample_text or "")
+    if len(name_or_speaker) >= 16 and all(0x3D00 <= ord(c) <= 0x3D07 or 0x4E00 <= ord(c) <= 0x8DFF
+                                          for c in name_or_speaker):
+        return Voice(speaker=name_or_speaker)  # looks like base16384: a speaker string
+    raise APIError(400, f"unknown voice {name_or_speaker!r}: not a saved voice and not a speaker string",
+                   param=param, code="unknown_voice")
+
+
+def speed_prompt(speed: float) -> str:
+    """OpenAI speed (0.25..4, 1 = normal) -> ChatTTS [speed_0]..[speed_9] (1.0 -> 5, x2 -> +2.5)."""
+    level = min(9, max(0, round(5 + 2.5 * math.log2(speed))))
+    return f"[speed_{level}]"
+
+
+def build_params(opts: ChatTTSOptions, voice: Voice, prompt: str | None = None) -> SamplingParams:
+    base = SamplingParams()
+    kw = {
+        k: v
+        for k, v in {
+            "seed": opts.seed,
+            "temperature": opts.temperature,
+            "top_p": opts.top_p,
+            "top_k": opts.top_k,
+            "repetition_penalty": opts.repetition_penalty,
+            "min_new_tokens": opts.min_new_tokens,
+            "max_new_tokens": opts.max_new_tokens,
+            "prompt": opts.prompt if opts.prompt is not None else prompt,
+            "refine_text": opts.refine_text,
+            "do_text_normalization": opts.do_text_normalization,
+            "do_homophone_replacement": opts.do_homophone_replacement,
+            "lang": opts.lang,
+            "split_text": opts.split_text,
+        }.items()
+        if v is not None
+    }
+    refine = {
+        k: v
+        for k, v in {
+            "prompt": opts.refine_prompt,
+            "temperature": opts.refine_temperature,
+            "top_p": opts.refine_top_p,
+            "top_k": opts.refine_top_k,
+            "max_new_tokens": opts.refine_max_new_tokens,
+        }.items()
+        if v is not None
+    }
+    try:
+        return replace(
+            base, **kw, refine=replace(RefineParams(), **refine), speaker=voice.speaker,
+            speaker_sample=voice.sample, speaker_sample_text=voice.sample_text,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def build_policy(default: StreamPolicy, opts: StreamOptions | None) -> StreamPolicy:
+    if opts is None:
+        return default
+    changes = {k: v for k, v in opts.model_dump().items() if v is not None}
+    try:
+        return replace(default, **changes)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="chunking") from None
+
+
+class Limits:
+    """Requests in flight, bounded (beyond it: 429)."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+
+    def acquire(self) -> None:
+        if self.in_flight >= self.max_in_flight:
+            raise busy(f"too many concurrent requests ({self.max_in_flight}); retry shortly")
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+
+class AudioResponse:
+    """Starts a request on the engine and waits for its first chunk before the HTTP response begins,
+    so capacity problems and request errors are still proper status codes. Then streams the rest."""
+
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, limits: Limits, endpoint: str,
+                 max_queue_wait_s: float) -> None:
+        self.engine, self.metrics, self.limits = engine, metrics, limits
+        self.endpoint, self.max_queue_wait_s = endpoint, max_queue_wait_s
+        self.t0 = time.monotonic()
+        self._stream: AsyncIterator[AudioChunk] | None = None
+        self._first: AudioChunk | None = None
+        self._status = "error"
+        self._audio_samples = 0
+        self._metrics_done = False
+
+    async def start(self, text: str, params: SamplingParams, policy: StreamPolicy, request_id: str) -> None:
+        self.limits.acquire()
+        self.metrics.in_flight.inc()
+        try:
+            self._stream = self.engine.stream(text, params, request_id=request_id, policy=policy)
+            self._first = await asyncio.wait_for(anext(self._stream), self.max_queue_wait_s)
+        except BaseException as exc:
+            await self._close()
+            self._finish_metrics("error" if not isinstance(exc, (QueueFullError, TimeoutError)) else "rejected")
+            raise self._translate(exc) from None
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, ValueError):
+            return APIError(400, str(exc))
+        if isinstance(exc, QueueFullError):
+            self.metrics.rejected.labels("queue_full").inc()
+            return busy(str(exc))
+        if isinstance(exc, TimeoutError):
+            self.metrics.rejected.labels("queue_wait").inc()
+            return busy(f"no capacity within {self.max_queue_wait_s:g} s; retry later", status=503)
+        if isinstance(exc, EngineDeadError):
+            return APIError(503, str(exc), "server_error", code="engine_unavailable")
+        if isinstance(exc, EngineError):
+            return APIError(500, str(exc), "server_error", code="synthesis_failed")
+        return exc
+
+    async def chunks(self) -> AsyncIterator[AudioChunk]:
+        """The chunks (the first one already fetched). Closing this early aborts the request."""
+        try:
+            chunk = self._first
+            while chunk is not None:
+                if len(chunk.audio) and self._audio_samples == 0:
+                    self.metrics.ttfb.labels(self.endpoint).observe(time.monotonic() - self.t0)
+                self._audio_samples += len(chunk.audio)
+                yield chunk
+                if chunk.finished:
+                    self._status = chunk.finish_reason or "stop"
+                    break
+                chunk = await anext(self._stream)
+        except asyncio.CancelledError:
+            self._status = "aborted"
+            raise
+        except (EngineError, EngineDeadError) as exc:
+            logger.warning("request failed mid-stream: %s", exc)
+            self._status = "error"
+        finally:
+            await self._close()
+            self._finish_metrics(self._status)
+
+    async def encoded(self, fmt: str) -> AsyncIterator[bytes]:
+        encoder = StreamingEncoder(fmt)
+        done = False
+        try:
+            async for chunk in self.chunks():
+                data = encoder.write(chunk.audio)
+                if chunk.finished:
+                    data += encoder.finish()
+                    done = True
+                if data:
+                    yield data
+        finally:
+            if not done:
+                encoder.close()
+
+    async def _close(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.aclose()  # aborts the request in the engine if it is still running
+
+    def _finish_metrics(self, status: str) -> None:
+        if self._metrics_done:
+            return
+        self._metrics_done = True
+        self.limits.release()
+        self.metrics.in_flight.dec()
+        self.metrics.requests.labels(self.endpoint, status).inc()
+        if status == "aborted":
+            self.metrics.aborted.inc()
+        elapsed = time.monotonic() - self.t0
+        self.metrics.latency.labels(self.endpoint).observe(elapsed)
+        if self._audio_samples:
+            audio_s = self._audio_samples / SAMPLE_RATE
+            self.metrics.audio_seconds.inc(audio_s)
+            self.metrics.rtf.observe(elapsed / audio_s)
