@@ -28,7 +28,7 @@ def _voice_and_params(st, body: TTSRequest):
     if len(body.text) > cfg.max_input_chars:
         raise APIError(400, f"text has {len(body.text)} characters; the limit is {cfg.max_input_chars}",
                        param="text", code="input_too_long")
-    voice = resolve_voice(st.voices, body.speaker or body.voice, cfg.default_voice, "voice")
+    voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.default_voice, "voice")
     return build_params(body, voice), build_policy(st.engine.stream_policy, body.chunking)
 
 

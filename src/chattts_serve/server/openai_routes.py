@@ -32,7 +32,7 @@ async def speech(body: SpeechRequest, request: Request):
     if len(body.input) > cfg.max_input_chars:
         raise APIError(400, f"input has {len(body.input)} characters; the limit is {cfg.max_input_chars}",
                        param="input", code="input_too_long")
-    voice = resolve_voice(st.voices, body.voice, cfg.default_voice, "voice")
+    voice = resolve_voice(st.voices, st.engine, body.voice, cfg.default_voice, "voice")
     params = build_params(body, voice, prompt=speed_prompt(body.speed))
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.max_queue_wait_s)
     await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id)

@@ -48,9 +48,20 @@ class Voice:
     sample_text: str = ""
 
 
-def resolve_voice(store: VoiceStore, name_or_speaker: str | None, default: str | None, param: str) -> Voice:
-    """A saved voice's name, or else a speaker string; unknown names are a 400 (speaker strings are
-    validated when the request is prepared)."""
+# OpenAI's voice names, so unmodified clients work: each is a fixed random speaker (seeded sample from
+# the checkpoint's speaker statistics), unless a saved voice of that name exists.
+BUILTIN_VOICES = {
+    name: 1000 + i
+    for i, name in enumerate(
+        ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
+    )
+}
+
+
+def resolve_voice(store: VoiceStore, engine, name_or_speaker: str | None, default: str | None,
+                  param: str) -> Voice:
+    """A saved voice's name, a built-in (OpenAI) voice name, or a speaker string; anything else is a
+    400 (speaker strings are validated when the request is prepared)."""
     if name_or_speaker is None:
         if default is None:
             return Voice()
@@ -58,6 +69,11 @@ def resolve_voice(store: VoiceStore, name_or_speaker: str | None, default: str |
     rec = store.get(name_or_speaker)
     if rec is not None:
         return Voice(rec.speaker, rec.sample_codes, rec.sample_text or "")
+    if name_or_speaker in BUILTIN_VOICES:
+        try:
+            return Voice(speaker=engine.engine.sample_speaker(BUILTIN_VOICES[name_or_speaker]))
+        except ValueError:
+            return Voice()  # a checkpoint without speaker statistics: no speaker embedding
     if len(name_or_speaker) >= 16 and all(0x3D00 <= ord(c) <= 0x3D07 or 0x4E00 <= ord(c) <= 0x8DFF
                                           for c in name_or_speaker):
         return Voice(speaker=name_or_speaker)  # looks like base16384: a speaker string
