@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.fidelity.cases import build_cases  # noqa: E402
 from tests.fidelity.compare import compare_all  # noqa: E402
+from tests.fidelity.oracle import run_reference  # noqa: E402
 
 from chattts_serve.model.checkpoint import write_random  # noqa: E402
 
@@ -46,19 +46,8 @@ def main() -> None:
         cases.append(c)
     torch.set_num_threads(1)  # as the oracle: fp32 GEMM results depend on the thread count
     with tempfile.TemporaryDirectory() as tmp:
-        cases_path, out = Path(tmp) / "cases.json", Path(tmp) / "ref.npz"
-        cases_path.write_text(json.dumps(cases))
-        subprocess.run(
-            [
-                args.reference_python,
-                str(ROOT / "scripts" / "reference_oracle.py"),
-                str(ckpt),
-                str(cases_path),
-                str(out),
-            ],
-            check=True,
-            timeout=7200,
-        )
+        out = Path(tmp) / "ref.npz"
+        run_reference(args.reference_python, ckpt, cases, out, timeout=7200)
         report = compare_all(ckpt, cases, dict(np.load(out)))
     print(json.dumps(report))
 

@@ -13,8 +13,6 @@ vector_quantize_pytorch 1.25.2 (see ../shared/oracle/setup_venv.sh).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,25 +22,9 @@ sys.path.insert(0, str(ROOT / "tests" / "fidelity"))
 sys.path.insert(0, str(ROOT / "src"))
 
 from cases import GOLDEN_CHECKPOINT_SEED, build_cases  # noqa: E402
+from oracle import run_reference  # noqa: E402
 
 from chattts_serve.model.checkpoint import write_random  # noqa: E402
-
-
-def run_reference(reference_python: str, ckpt: Path, cases: list[dict], out: Path) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        cases_path = Path(tmp) / "cases.json"
-        cases_path.write_text(json.dumps(cases))
-        subprocess.run(
-            [
-                reference_python,
-                str(ROOT / "scripts" / "reference_oracle.py"),
-                str(ckpt),
-                str(cases_path),
-                str(out),
-            ],
-            check=True,
-            timeout=1800,
-        )
 
 
 def main() -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,9 +19,9 @@ from chattts_serve.model.config import ConvStackConfig, DecoderConfig, GPTConfig
 
 from .cases import build_cases
 from .compare import compare_all
+from .oracle import run_reference
 
 REFERENCE_PYTHON = os.environ.get("CHATTTS_REFERENCE_PYTHON")
-ORACLE = Path(__file__).resolve().parents[2] / "scripts" / "reference_oracle.py"
 
 pytestmark = [
     pytest.mark.reference,
@@ -42,9 +40,8 @@ SMALL = ModelConfig(
 def test_live_reference(tmp_path, size, seed):
     ckpt = write_random(tmp_path / "ckpt", SMALL if size == "small" else size, seed=seed)
     cases = build_cases(ckpt)
-    cases_path, out = tmp_path / "cases.json", tmp_path / "ref.npz"
-    cases_path.write_text(json.dumps(cases))
-    subprocess.run([REFERENCE_PYTHON, str(ORACLE), str(ckpt), str(cases_path), str(out)], check=True, timeout=1500)
+    out = tmp_path / "ref.npz"
+    run_reference(REFERENCE_PYTHON, ckpt, cases, out, timeout=1500)
     report = compare_all(ckpt, cases, dict(np.load(out)))
     print(json.dumps(report, indent=1))
     assert report["cases"] == len(cases)
