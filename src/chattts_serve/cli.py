@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -99,8 +100,13 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=doc)
         elif isinstance(default, tuple):
-            p.add_argument(flag, dest=f.name, default=None, help="comma-separated " + doc,
-                           type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()))
+            p.add_argument(
+                flag,
+                dest=f.name,
+                default=None,
+                help="comma-separated " + doc,
+                type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
+            )
         else:
             kind = type(default) if default is not None else str
             p.add_argument(flag, dest=f.name, type=kind, default=None, help=doc)
@@ -117,6 +123,9 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
     config = ServerConfig.from_env(**overrides)
     logging.getLogger().setLevel(config.log_level.upper())
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a no-op handler lets a clean
+    # shutdown end with exit code 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(
         create_app(config),
         host=config.host,

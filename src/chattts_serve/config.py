@@ -62,8 +62,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_concurrent_streams", "max_input_chars",
-                     "max_body_bytes"):
+        for name in (
+            "max_num_seqs",
+            "max_model_len",
+            "max_waiting",
+            "max_concurrent_streams",
+            "max_input_chars",
+            "max_body_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue_wait_s <= 0:

@@ -31,9 +31,12 @@ def wav_header(num_samples: int | None, sample_rate: int = SAMPLE_RATE) -> bytes
     data = 0xFFFFFFFF if num_samples is None else 2 * num_samples
     riff = 0xFFFFFFFF if num_samples is None else 36 + data
     return (
-        b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt "
+        b"RIFF"
+        + struct.pack("<I", riff)
+        + b"WAVEfmt "
         + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, 2 * sample_rate, 2, 16)
-        + b"data" + struct.pack("<I", data)
+        + b"data"
+        + struct.pack("<I", data)
     )
 
 

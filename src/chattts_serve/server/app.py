@@ -64,8 +64,9 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
         if config.warmup:
             await eng.generate("你好。", SamplingParams(seed=0, max_new_tokens=4, refine_text=False))
         app.state.ready = True
-        logger.info("ready: model=%s device=%s slots=%d", config.model, eng.core.device,
-                    eng.core.scheduler.config.max_num_seqs)
+        logger.info(
+            "ready: model=%s device=%s slots=%d", config.model, eng.core.device, eng.core.scheduler.config.max_num_seqs
+        )
         try:
             yield
         finally:
@@ -74,6 +75,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
             app.state.voices.close()
 
     app = FastAPI(title="chattts-serve", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.state.config = config
     app.state.ready = False
 
@@ -86,13 +88,23 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
         if size is not None and (not size.isdigit() or int(size) > config.max_body_bytes):
             response = _error(413, f"request body larger than {config.max_body_bytes} bytes", code="too_large")
         elif config.api_keys and request.url.path not in PUBLIC_PATHS and not _authorized(request, config):
-            response = _error(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                              "authentication_error", code="invalid_api_key")
+            response = _error(
+                401,
+                "missing or invalid API key (Authorization: Bearer <key>)",
+                "authentication_error",
+                code="invalid_api_key",
+            )
         else:
             response = await call_next(request)
         response.headers["X-Request-ID"] = rid
-        logger.info("request_id=%s method=%s path=%s status=%d ms=%.1f", rid, request.method,
-                    request.url.path, response.status_code, 1000 * (time.monotonic() - t0))
+        logger.info(
+            "request_id=%s method=%s path=%s status=%d ms=%.1f",
+            rid,
+            request.method,
+            request.url.path,
+            response.status_code,
+            1000 * (time.monotonic() - t0),
+        )
         return response
 
     @app.exception_handler(APIError)
@@ -110,9 +122,10 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid" or "JSON" in msg:
-            msg = "request body is not valid JSON (UTF-8)"
-        return _error(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None,
-                      code="invalid_request")
+            msg, loc = "request body is not valid JSON (UTF-8)", []
+        return _error(
+            400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None, code="invalid_request"
+        )
 
     @app.get("/health")
     async def health():
@@ -146,3 +159,34 @@ def _authorized(request: Request, config: ServerConfig) -> bool:
     key = request.query_params.get("api_key")  # WebSocket clients (browsers) cannot set headers
     return key is not None and key in config.api_keys
 
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is answered 413, whether it announces its size
+    (Content-Length) or arrives chunked. Bodies are small JSON, so a chunked one is buffered and replayed."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or any(k == b"content-length" for k, _ in scope["headers"]):
+            return await self.app(scope, receive, send)
+        body, more = bytearray(), True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, receive, send)  # disconnect: let the app see it
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                response = _error(413, f"request body larger than {self.max_bytes} bytes", code="too_large")
+                return await response(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)

@@ -17,12 +17,18 @@ class Metrics:
             "chattts_requests", "Requests by endpoint and final status", ["endpoint", "status"], registry=r
         )
         self.ttfb = Histogram(
-            "chattts_time_to_first_audio_seconds", "Request start to first audio byte sent", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "chattts_time_to_first_audio_seconds",
+            "Request start to first audio byte sent",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.latency = Histogram(
-            "chattts_request_latency_seconds", "Request start to last byte sent", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "chattts_request_latency_seconds",
+            "Request start to last byte sent",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.rtf = Histogram(
             "chattts_real_time_factor", "Wall time / audio duration per request", buckets=RTF_BUCKETS, registry=r

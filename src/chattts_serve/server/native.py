@@ -26,8 +26,12 @@ _SENTENCE_END = re.compile(r"[。！？!?.\n]")
 def _voice_and_params(st, body: TTSRequest):
     cfg = st.config
     if len(body.text) > cfg.max_input_chars:
-        raise APIError(400, f"text has {len(body.text)} characters; the limit is {cfg.max_input_chars}",
-                       param="text", code="input_too_long")
+        raise APIError(
+            400,
+            f"text has {len(body.text)} characters; the limit is {cfg.max_input_chars}",
+            param="text",
+            code="input_too_long",
+        )
     voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.default_voice, "voice")
     return build_params(body, voice), build_policy(st.engine.stream_policy, body.chunking)
 
@@ -98,8 +102,9 @@ async def tts_stream(ws: WebSocket):
             await sentences.put(exc if isinstance(exc, json.JSONDecodeError) else None)
 
     reading = asyncio.create_task(reader())
-    await ws.send_text(json.dumps({"type": "start", "session_id": session, "format": body.format,
-                                   "sample_rate": 24000}))
+    await ws.send_text(
+        json.dumps({"type": "start", "session_id": session, "format": body.format, "sample_rate": 24000})
+    )
     index, total = 0, 0
     try:
         part = 0
@@ -125,10 +130,18 @@ async def tts_stream(ws: WebSocket):
             async for chunk in resp.chunks():
                 data = encoder.write(chunk.audio) + (encoder.finish() if chunk.finished else b"")
                 total += len(chunk.audio)
-                await ws.send_text(json.dumps({
-                    "type": "chunk", "index": index, "samples": len(chunk.audio), "bytes": len(data),
-                    "elapsed_s": round(chunk.elapsed_s, 4), "part": part - 1,
-                }))
+                await ws.send_text(
+                    json.dumps(
+                        {
+                            "type": "chunk",
+                            "index": index,
+                            "samples": len(chunk.audio),
+                            "bytes": len(data),
+                            "elapsed_s": round(chunk.elapsed_s, 4),
+                            "part": part - 1,
+                        }
+                    )
+                )
                 if data:
                     await ws.send_bytes(data)
                 index += 1

@@ -27,11 +27,19 @@ async def speech(body: SpeechRequest, request: Request):
     st = request.app.state
     cfg = st.config
     if body.model not in MODEL_IDS:
-        raise APIError(400, f"unknown model {body.model!r}; use one of {', '.join(MODEL_IDS)}", param="model",
-                       code="model_not_found")
+        raise APIError(
+            400,
+            f"unknown model {body.model!r}; use one of {', '.join(MODEL_IDS)}",
+            param="model",
+            code="model_not_found",
+        )
     if len(body.input) > cfg.max_input_chars:
-        raise APIError(400, f"input has {len(body.input)} characters; the limit is {cfg.max_input_chars}",
-                       param="input", code="input_too_long")
+        raise APIError(
+            400,
+            f"input has {len(body.input)} characters; the limit is {cfg.max_input_chars}",
+            param="input",
+            code="input_too_long",
+        )
     voice = resolve_voice(st.voices, st.engine, body.voice, cfg.default_voice, "voice")
     params = build_params(body, voice, prompt=speed_prompt(body.speed))
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.max_queue_wait_s)
@@ -39,8 +47,9 @@ async def speech(body: SpeechRequest, request: Request):
     headers = {"X-Request-ID": request.state.request_id}
     if body.stream_format == "sse":
         return StreamingResponse(_sse(resp, body.response_format), media_type="text/event-stream", headers=headers)
-    return StreamingResponse(resp.encoded(body.response_format), media_type=MEDIA_TYPES[body.response_format],
-                             headers=headers)
+    return StreamingResponse(
+        resp.encoded(body.response_format), media_type=MEDIA_TYPES[body.response_format], headers=headers
+    )
 
 
 async def _sse(resp: AudioResponse, fmt: str):

@@ -19,7 +19,8 @@ MEDIA_TYPES: dict[str, str] = {
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+    # strict: no silent coercion (true is not a seed, "2" is not a speed); unknown fields are errors.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ChatTTSOptions(_Strict):

@@ -30,15 +30,27 @@ logger = logging.getLogger(__name__)
 class APIError(HTTPException):
     """An error answered in the OpenAI error shape, with optional headers (Retry-After)."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(status_code=status, detail=message, headers=headers)
         self.type, self.param, self.code = type_, param, code
 
 
 def busy(message: str, status: int = 429) -> APIError:
-    return APIError(status, message, "rate_limit_error" if status == 429 else "server_error",
-                    code="capacity", headers={"Retry-After": "1"})
+    return APIError(
+        status,
+        message,
+        "rate_limit_error" if status == 429 else "server_error",
+        code="capacity",
+        headers={"Retry-After": "1"},
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +70,7 @@ BUILTIN_VOICES = {
 }
 
 
-def resolve_voice(store: VoiceStore, engine, name_or_speaker: str | None, default: str | None,
-                  param: str) -> Voice:
+def resolve_voice(store: VoiceStore, engine, name_or_speaker: str | None, default: str | None, param: str) -> Voice:
     """A saved voice's name, a built-in (OpenAI) voice name, or a speaker string; anything else is a
     400 (speaker strings are validated when the request is prepared)."""
     if name_or_speaker is None:
@@ -74,11 +85,16 @@ def resolve_voice(store: VoiceStore, engine, name_or_speaker: str | None, defaul
             return Voice(speaker=engine.engine.sample_speaker(BUILTIN_VOICES[name_or_speaker]))
         except ValueError:
             return Voice()  # a checkpoint without speaker statistics: no speaker embedding
-    if len(name_or_speaker) >= 16 and all(0x3D00 <= ord(c) <= 0x3D07 or 0x4E00 <= ord(c) <= 0x8DFF
-                                          for c in name_or_speaker):
+    if len(name_or_speaker) >= 16 and all(
+        0x3D00 <= ord(c) <= 0x3D07 or 0x4E00 <= ord(c) <= 0x8DFF for c in name_or_speaker
+    ):
         return Voice(speaker=name_or_speaker)  # looks like base16384: a speaker string
-    raise APIError(400, f"unknown voice {name_or_speaker!r}: not a saved voice and not a speaker string",
-                   param=param, code="unknown_voice")
+    raise APIError(
+        400,
+        f"unknown voice {name_or_speaker!r}: not a saved voice and not a speaker string",
+        param=param,
+        code="unknown_voice",
+    )
 
 
 def speed_prompt(speed: float) -> str:
@@ -121,8 +137,12 @@ def build_params(opts: ChatTTSOptions, voice: Voice, prompt: str | None = None) 
     }
     try:
         return replace(
-            base, **kw, refine=replace(RefineParams(), **refine), speaker=voice.speaker,
-            speaker_sample=voice.sample, speaker_sample_text=voice.sample_text,
+            base,
+            **kw,
+            refine=replace(RefineParams(), **refine),
+            speaker=voice.speaker,
+            speaker_sample=voice.sample,
+            speaker_sample_text=voice.sample_text,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
@@ -158,8 +178,9 @@ class AudioResponse:
     """Starts a request on the engine and waits for its first chunk before the HTTP response begins,
     so capacity problems and request errors are still proper status codes. Then streams the rest."""
 
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, limits: Limits, endpoint: str,
-                 max_queue_wait_s: float) -> None:
+    def __init__(
+        self, engine: AsyncEngine, metrics: Metrics, limits: Limits, endpoint: str, max_queue_wait_s: float
+    ) -> None:
         self.engine, self.metrics, self.limits = engine, metrics, limits
         self.endpoint, self.max_queue_wait_s = endpoint, max_queue_wait_s
         self.t0 = time.monotonic()
@@ -170,7 +191,13 @@ class AudioResponse:
         self._metrics_done = False
 
     async def start(self, text: str, params: SamplingParams, policy: StreamPolicy, request_id: str) -> None:
-        self.limits.acquire()
+        try:
+            self.limits.acquire()
+        except APIError:
+            self._metrics_done = True  # nothing acquired, nothing to release
+            self.metrics.rejected.labels("concurrency").inc()
+            self.metrics.requests.labels(self.endpoint, "rejected").inc()
+            raise
         self.metrics.in_flight.inc()
         try:
             self._stream = self.engine.stream(text, params, request_id=request_id, policy=policy)
@@ -208,7 +235,7 @@ class AudioResponse:
                     self._status = chunk.finish_reason or "stop"
                     break
                 chunk = await anext(self._stream)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away, or stopped reading
             self._status = "aborted"
             raise
         except (EngineError, EngineDeadError) as exc:

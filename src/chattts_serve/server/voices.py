@@ -83,8 +83,15 @@ class VoiceStore:
             with self._lock, self._conn:
                 self._conn.execute(
                     "INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (rec.name, rec.kind, rec.speaker, rec.sample_codes, rec.sample_text, rec.description,
-                     rec.created_at),
+                    (
+                        rec.name,
+                        rec.kind,
+                        rec.speaker,
+                        rec.sample_codes,
+                        rec.sample_text,
+                        rec.description,
+                        rec.created_at,
+                    ),
                 )
         except sqlite3.IntegrityError:
             raise VoiceExistsError(f"voice {name!r} already exists") from None

@@ -25,8 +25,14 @@ MAX_UPLOAD_SECONDS = 30
 
 
 def _public(rec: VoiceRecord) -> Voice:
-    return Voice(name=rec.name, kind=rec.kind, speaker=rec.speaker, sample_text=rec.sample_text,
-                 description=rec.description, created_at=rec.created_at)
+    return Voice(
+        name=rec.name,
+        kind=rec.kind,
+        speaker=rec.speaker,
+        sample_text=rec.sample_text,
+        description=rec.description,
+        created_at=rec.created_at,
+    )
 
 
 @router.get("/v1/voices")

@@ -1,0 +1,133 @@
+"""API keys (``--api-keys k1,k2``): every endpoint but /health (and the static playground page) needs one."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from .conftest import HTTP_TIMEOUT, check_openai_error, expected_samples, running_server
+
+TEXT = "你好。"
+FIXED = {"seed": 1, "refine_text": False, "min_new_tokens": 8, "max_new_tokens": 8}
+SPEECH = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm", **FIXED}
+TTS = {"text": TEXT, "format": "pcm", **FIXED}
+
+# (method, path, json body, status with a valid key)
+PROTECTED = [
+    ("GET", "/v1/models", None, 200),
+    ("POST", "/v1/audio/speech", SPEECH, 200),
+    ("POST", "/v1/tts", TTS, 200),
+    ("GET", "/v1/voices", None, 200),
+    ("GET", "/v1/voices/nobody", None, 404),
+    ("DELETE", "/v1/voices/nobody", None, 404),
+    ("GET", "/metrics", None, 200),
+    ("GET", "/ready", None, 200),
+]
+IDS = [f"{m} {p}" for m, p, _, _ in PROTECTED]
+
+
+@pytest.fixture(scope="module")
+def auth_server(tiny_ckpt, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("auth")
+    with running_server(tiny_ckpt, tmp, "--api-keys", "k1,k2", "--no-warmup") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def http(auth_server):
+    with httpx.Client(base_url=auth_server, timeout=HTTP_TIMEOUT) as c:
+        yield c
+
+
+def test_health_and_page_are_public(http):
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    r = http.get("/")
+    assert r.status_code == 200 and "<audio" in r.text
+
+
+@pytest.mark.parametrize("method,path,body,ok", PROTECTED, ids=IDS)
+def test_protected_endpoints(http, method, path, body, ok):
+    bad_headers = (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "k1"},
+        {"Authorization": "Bearer"},
+        {"Authorization": "Bearer k1x"},
+        {"X-API-Key": "k1"},
+    )
+    for headers in bad_headers:
+        r = http.request(method, path, json=body, headers=headers)
+        err = check_openai_error(r, 401)
+        assert err["type"] == "authentication_error"
+        assert r.headers.get("x-request-id")
+    for key in ("k1", "k2"):
+        r = http.request(method, path, json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == ok, r.text
+        if path in ("/v1/audio/speech", "/v1/tts"):
+            assert len(r.content) == 2 * expected_samples(8)
+    r = http.request(method, path, params={"api_key": "k2"}, json=body)  # the query form (for browsers)
+    assert r.status_code == ok
+
+
+def test_voice_crud_needs_key(http):
+    check_openai_error(http.post("/v1/voices", json={"name": "a", "seed": 1}), 401)
+    r = http.post("/v1/voices", json={"name": "a", "seed": 1}, headers={"Authorization": "Bearer k2"})
+    assert r.status_code == 201
+    check_openai_error(http.delete("/v1/voices/a"), 401)
+    assert http.delete("/v1/voices/a", headers={"Authorization": "Bearer k1"}).status_code == 200
+
+
+def test_openai_sdk_with_key(auth_server):
+    with OpenAI(base_url=f"{auth_server}/v1", api_key="k1", timeout=60, max_retries=0) as client:
+        assert "tts-1" in [m.id for m in client.models.list()]
+        audio = client.audio.speech.create(
+            model="tts-1", voice="alloy", input=TEXT, response_format="pcm", extra_body=FIXED
+        ).content
+        assert len(audio) == 2 * expected_samples(8)
+    with OpenAI(base_url=f"{auth_server}/v1", api_key="nope", timeout=60, max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            client.audio.speech.create(model="tts-1", voice="alloy", input=TEXT, extra_body=FIXED)
+
+
+def _ws_run(url: str, headers: dict[str, str] | None = None) -> tuple[list[dict], int | None]:
+    events = []
+    with connect(url, additional_headers=headers, open_timeout=10, close_timeout=5) as ws:
+        try:  # a refused connection gets its error event and close right away: sending may fail then
+            ws.send(json.dumps({"type": "start", "format": "pcm", **FIXED}))
+        except ConnectionClosed:
+            pass
+        try:
+            events.append(json.loads(ws.recv(timeout=HTTP_TIMEOUT)))
+            if events[0]["type"] == "start":
+                ws.send(json.dumps({"type": "text", "text": TEXT}))
+                ws.send(json.dumps({"type": "end"}))
+            while True:
+                msg = ws.recv(timeout=HTTP_TIMEOUT)
+                if isinstance(msg, str):
+                    events.append(json.loads(msg))
+        except ConnectionClosed:
+            pass
+        return events, ws.close_code
+
+
+def test_websocket_needs_key(auth_server):
+    url = auth_server.replace("http://", "ws://") + "/v1/tts/stream"
+    for bad_url, headers in ((url, None), (url + "?api_key=wrong", None), (url, {"Authorization": "Bearer wrong"})):
+        events, code = _ws_run(bad_url, headers)
+        assert events and events[0]["type"] == "error" and "key" in events[0]["message"]
+        assert code == 1008
+        assert not any(e["type"] == "chunk" for e in events)
+    for good_url, headers in ((url + "?api_key=k1", None), (url, {"Authorization": "Bearer k2"})):
+        events, code = _ws_run(good_url, headers)
+        assert [e["type"] for e in events][0] == "start" and events[-1]["type"] == "end", events
+        assert sum(e["samples"] for e in events if e["type"] == "chunk") == expected_samples(8)
+        assert code == 1000

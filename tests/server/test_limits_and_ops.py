@@ -1,0 +1,302 @@
+"""Overload (429 / 503 with Retry-After), client disconnects (the KV slot is freed), metrics,
+X-Request-ID, and graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from .conftest import (
+    HTTP_TIMEOUT,
+    check_openai_error,
+    expected_samples,
+    metric,
+    metrics_text,
+    start_server,
+    wait_until,
+)
+
+TEXT = "今天天气真不错。"
+
+
+def tts_body(tokens: int, **extra) -> dict:
+    return {
+        "text": TEXT,
+        "format": "pcm",
+        "seed": 1,
+        "refine_text": False,
+        "min_new_tokens": tokens,
+        "max_new_tokens": tokens,
+        **extra,
+    }
+
+
+# Small first chunks so a request that holds the slot answers quickly even on a loaded machine.
+QUICK_START = {"chunking": {"first_chunk": 1, "max_chunk": 32, "left_context": 4, "lookahead": 1, "crossfade": 0}}
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_ckpt, tmp_path_factory):
+    """One KV slot, at most two requests in flight."""
+    tmp = tmp_path_factory.mktemp("limited")
+    with start_server(tiny_ckpt, tmp, "--max-num-seqs", "1", "--max-concurrent-streams", "2", "--no-warmup") as srv:
+        yield srv.base
+
+
+@pytest.fixture(scope="module")
+def queued(tiny_ckpt, tmp_path_factory):
+    """One KV slot, one waiting sequence, and a short queue wait."""
+    tmp = tmp_path_factory.mktemp("queued")
+    with start_server(
+        tiny_ckpt,
+        tmp,
+        "--max-num-seqs",
+        "1",
+        "--max-waiting",
+        "1",
+        "--max-queue-wait-s",
+        "0.5",
+        "--max-concurrent-streams",
+        "8",
+        "--no-warmup",
+    ) as srv:
+        yield srv.base
+
+
+def _post(base: str, body: dict, barrier: threading.Barrier | None = None) -> httpx.Response:
+    if barrier is not None:
+        barrier.wait(timeout=30)
+    return httpx.post(base + "/v1/tts", json=body, timeout=HTTP_TIMEOUT)
+
+
+def test_concurrency_limit_gives_429(limited):
+    rejected_before = metric(limited, "chattts_rejected_requests_total", {"reason": "concurrency"})
+    n, tokens = 6, 200
+    barrier = threading.Barrier(n)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(n) as pool:
+        responses = list(pool.map(lambda _: _post(limited, tts_body(tokens), barrier), range(n)))
+    assert time.monotonic() - t0 < 60
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) >= 1 and statuses.count(429) >= 1, statuses
+    for r in responses:
+        if r.status_code == 200:
+            assert len(r.content) == 2 * expected_samples(tokens)  # the accepted ones complete
+        else:
+            err = check_openai_error(r, 429)
+            assert err["type"] == "rate_limit_error"
+            assert r.headers["retry-after"] == "1"
+    assert wait_until(lambda: metric(limited, "chattts_requests_in_flight") == 0)
+    rejected = metric(limited, "chattts_rejected_requests_total", {"reason": "concurrency"}) - rejected_before
+    assert rejected == statuses.count(429)  # capacity refusals are counted
+
+
+def test_held_slots_then_429_then_recovery(limited):
+    """Deterministic: two requests in flight (one decoding, one waiting for the slot), a third is refused;
+    once the first is closed, the waiting one completes."""
+    with httpx.Client(timeout=HTTP_TIMEOUT) as c:
+        with c.stream("POST", limited + "/v1/tts", json=tts_body(2000, **QUICK_START)) as first:
+            assert first.status_code == 200
+            first_chunks = first.iter_raw()  # keep a reference: a dropped iterator closes the connection
+            assert next(first_chunks)
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(_post, limited, tts_body(40))
+                assert wait_until(lambda: metric(limited, "chattts_requests_in_flight") == 2, timeout=10)
+                r = httpx.post(limited + "/v1/tts", json=tts_body(40), timeout=HTTP_TIMEOUT)
+                check_openai_error(r, 429)
+                assert r.headers["retry-after"] == "1"
+                assert not waiting.done()
+                first.close()  # abort the first: its slot goes to the waiting request
+                second = waiting.result(timeout=HTTP_TIMEOUT)
+    assert second.status_code == 200 and len(second.content) == 2 * expected_samples(40)
+    assert wait_until(lambda: metric(limited, "chattts_kv_slots_used") == 0)
+
+
+def test_disconnect_mid_stream_frees_the_slot(limited):
+    aborted = metric(limited, "chattts_aborted_requests_total")
+    aborted_status = metric(limited, "chattts_requests_total", {"endpoint": "tts", "status": "aborted"})
+    with httpx.Client(timeout=HTTP_TIMEOUT) as c:
+        with c.stream("POST", limited + "/v1/tts", json=tts_body(2000, **QUICK_START)) as r:
+            assert r.status_code == 200
+            chunks = r.iter_raw()  # keep a reference: a dropped iterator closes the connection
+            assert len(next(chunks)) > 0
+            assert metric(limited, "chattts_kv_slots_used") == 1
+            assert metric(limited, "chattts_requests_in_flight") == 1
+    t0 = time.monotonic()
+    assert wait_until(lambda: metric(limited, "chattts_kv_slots_used") == 0, timeout=5), metrics_text(limited)
+    freed_after = time.monotonic() - t0
+    assert freed_after < 5
+    assert wait_until(lambda: metric(limited, "chattts_aborted_requests_total") == aborted + 1, timeout=5)
+    assert metric(limited, "chattts_requests_total", {"endpoint": "tts", "status": "aborted"}) == aborted_status + 1
+    assert metric(limited, "chattts_requests_in_flight") == 0
+    # the server is fine afterwards
+    r = httpx.post(limited + "/v1/tts", json=tts_body(40), timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200 and len(r.content) == 2 * expected_samples(40)
+
+
+def test_websocket_disconnect_frees_the_slot(limited):
+    aborted_before = metric(limited, "chattts_requests_total", {"endpoint": "ws", "status": "aborted"})
+    with connect(limited.replace("http://", "ws://") + "/v1/tts/stream", open_timeout=10, close_timeout=5) as ws:
+        ws.send(
+            json.dumps(
+                {
+                    "type": "start",
+                    "format": "pcm",
+                    "seed": 1,
+                    "refine_text": False,
+                    "min_new_tokens": 2000,
+                    "max_new_tokens": 2000,
+                    **QUICK_START,
+                }
+            )
+        )
+        ws.send(json.dumps({"type": "text", "text": TEXT}))
+        assert json.loads(ws.recv(timeout=HTTP_TIMEOUT))["type"] == "start"
+        assert json.loads(ws.recv(timeout=HTTP_TIMEOUT))["type"] == "chunk"
+        assert metric(limited, "chattts_kv_slots_used") == 1
+    assert wait_until(lambda: metric(limited, "chattts_kv_slots_used") == 0, timeout=5), metrics_text(limited)
+    assert wait_until(lambda: metric(limited, "chattts_requests_in_flight") == 0, timeout=5)
+    # a client that goes away is an abort, not an error
+    assert wait_until(
+        lambda: metric(limited, "chattts_requests_total", {"endpoint": "ws", "status": "aborted"}) == aborted_before + 1
+    )
+    assert metric(limited, "chattts_requests_total", {"endpoint": "ws", "status": "error"}) == 0
+
+
+def test_metrics_reflect_traffic(limited):
+    text = metrics_text(limited)
+    assert metric(limited, "chattts_requests_total", {"endpoint": "tts", "status": "length"}, text=text) >= 3
+    assert metric(limited, "chattts_requests_total", {"endpoint": "tts", "status": "aborted"}, text=text) >= 1
+    assert metric(limited, "chattts_time_to_first_audio_seconds_count", {"endpoint": "tts"}, text=text) >= 4
+    assert metric(limited, "chattts_request_latency_seconds_count", {"endpoint": "tts"}, text=text) >= 4
+    assert metric(limited, "chattts_audio_seconds_total", text=text) > 3 * expected_samples(40) / 24000
+    assert metric(limited, "chattts_real_time_factor_count", text=text) >= 3
+    assert metric(limited, "chattts_kv_slots_total", text=text) == 1
+    assert metric(limited, "chattts_kv_slots_used", text=text) == 0
+    assert metric(limited, "chattts_queue_depth", text=text) == 0
+    assert metric(limited, "chattts_running_batch_size", text=text) == 0
+    assert metric(limited, "chattts_requests_in_flight", text=text) == 0
+
+
+async def _burst(base: str, n: int, body: dict) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as client:
+        return await asyncio.gather(*(client.post(base + "/v1/tts", json=body) for _ in range(n)))
+
+
+def test_queue_full_and_queue_wait(queued):
+    """The slot is held by a long stream; of three more requests one waits (and gives up after 0.5 s
+    with 503) and the others find the waiting queue full (429). Nothing hangs, nothing is a 500."""
+    before_full = metric(queued, "chattts_rejected_requests_total", {"reason": "queue_full"})
+    before_wait = metric(queued, "chattts_rejected_requests_total", {"reason": "queue_wait"})
+    with httpx.Client(timeout=HTTP_TIMEOUT) as c:
+        with c.stream("POST", queued + "/v1/tts", json=tts_body(2000, **QUICK_START)) as holder:
+            assert holder.status_code == 200
+            held = holder.iter_raw()  # keep a reference: a dropped iterator closes the connection
+            assert next(held)
+            t0 = time.monotonic()
+            responses = asyncio.run(_burst(queued, 3, tts_body(40)))
+            elapsed = time.monotonic() - t0
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) <= {429, 503}, statuses
+    assert 503 in statuses and 429 in statuses, statuses
+    assert elapsed < 30
+    for r in responses:
+        err = check_openai_error(r, r.status_code)
+        assert r.headers["retry-after"] == "1"
+        assert err["type"] == ("rate_limit_error" if r.status_code == 429 else "server_error")
+    text = metrics_text(queued)
+    full = metric(queued, "chattts_rejected_requests_total", {"reason": "queue_full"}, text=text) - before_full
+    wait = metric(queued, "chattts_rejected_requests_total", {"reason": "queue_wait"}, text=text) - before_wait
+    assert full == statuses.count(429) and wait == statuses.count(503)
+    assert metric(queued, "chattts_requests_total", {"endpoint": "tts", "status": "rejected"}, text=text) >= 3
+    assert wait_until(lambda: metric(queued, "chattts_kv_slots_used") == 0, timeout=5)
+    assert wait_until(lambda: metric(queued, "chattts_queue_depth") == 0, timeout=5)
+    # capacity is back
+    r = httpx.post(queued + "/v1/tts", json=tts_body(40), timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200 and len(r.content) == 2 * expected_samples(40)
+
+
+def test_burst_on_queued_server(queued):
+    """More concurrent requests than slot + queue: every answer is 200, 429 or 503, and the 200s are whole."""
+    responses = asyncio.run(_burst(queued, 6, tts_body(150)))
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429, 503}, statuses
+    assert 200 in statuses and (429 in statuses or 503 in statuses), statuses
+    for r in responses:
+        if r.status_code == 200:
+            assert len(r.content) == 2 * expected_samples(150)
+        else:
+            check_openai_error(r, r.status_code)
+            assert "retry-after" in r.headers
+
+
+def test_request_id_on_every_response(server):
+    with httpx.Client(base_url=server, timeout=HTTP_TIMEOUT) as c:
+        seen = set()
+        for method, path, kw in [
+            ("GET", "/health", {}),
+            ("GET", "/ready", {}),
+            ("GET", "/metrics", {}),
+            ("GET", "/", {}),
+            ("GET", "/v1/models", {}),
+            ("GET", "/v1/voices", {}),
+            ("GET", "/nope", {}),
+            ("POST", "/v1/tts", {"json": tts_body(8)}),
+            ("POST", "/v1/tts", {"json": {**tts_body(8), "stream": False}}),
+            ("POST", "/v1/tts", {"json": {"text": ""}}),
+            (
+                "POST",
+                "/v1/audio/speech",
+                {
+                    "json": {
+                        "model": "tts-1",
+                        "voice": "alloy",
+                        "input": "你好。",
+                        "max_new_tokens": 8,
+                        "refine_text": False,
+                        "response_format": "pcm",
+                    }
+                },
+            ),
+        ]:
+            r = c.request(method, path, **kw)
+            ids = r.headers.get_list("x-request-id")
+            assert len(ids) == 1 and ids[0], (path, r.headers)
+            seen.add(ids[0])
+            r = c.request(method, path, headers={"X-Request-ID": f"client-{path}"}, **kw)
+            assert r.headers.get_list("x-request-id") == [f"client-{path}"], (path, r.headers)
+        assert len(seen) == 11  # generated ids are unique
+
+
+def test_sigterm_drains_the_stream_and_exits(tiny_ckpt, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sigterm")
+    tokens = 300
+    with start_server(tiny_ckpt, tmp, "--no-warmup", "--log-level", "info") as srv:
+        with httpx.Client(timeout=HTTP_TIMEOUT) as c:
+            with c.stream("POST", srv.base + "/v1/tts", json=tts_body(tokens)) as r:
+                assert r.status_code == 200
+                chunks = r.iter_raw()
+                body = next(chunks)
+                t0 = time.monotonic()
+                srv.proc.send_signal(signal.SIGTERM)
+                for chunk in chunks:  # the in-flight stream is finished, not cut
+                    body += chunk
+        assert len(body) == 2 * expected_samples(tokens)
+        code = srv.proc.wait(timeout=20)
+        elapsed = time.monotonic() - t0
+        log = srv.log()
+    assert elapsed < 15, log
+    assert code == 0, log  # a graceful stop exits 0
+    assert "Application shutdown complete" in log, log
+    assert "Traceback" not in log, log
+    with pytest.raises(httpx.TransportError):
+        httpx.get(srv.base + "/health", timeout=2)
