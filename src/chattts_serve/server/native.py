@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from ..audio.encode import StreamingEncoder, encode_whole
 from .protocol import MEDIA_TYPES, TTSRequest
-from .service import APIError, AudioResponse, build_params, build_policy, resolve_voice
+from .service import APIError, AudioResponse, build_params, build_policy, check_length, resolve_voice
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
@@ -25,13 +25,7 @@ _SENTENCE_END = re.compile(r"[。！？!?.\n]")
 
 def _voice_and_params(st, body: TTSRequest):
     cfg = st.config
-    if len(body.text) > cfg.max_input_chars:
-        raise APIError(
-            400,
-            f"text has {len(body.text)} characters; the limit is {cfg.max_input_chars}",
-            param="text",
-            code="input_too_long",
-        )
+    check_length(body.text, cfg.max_input_chars, "text")
     voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.default_voice, "voice")
     return build_params(body, voice), build_policy(st.engine.stream_policy, body.chunking)
 

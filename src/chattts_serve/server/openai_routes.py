@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
-from .service import APIError, AudioResponse, build_params, resolve_voice, speed_prompt
+from .service import APIError, AudioResponse, build_params, check_length, resolve_voice, speed_prompt
 
 router = APIRouter()
 MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -33,13 +33,7 @@ async def speech(body: SpeechRequest, request: Request):
             param="model",
             code="model_not_found",
         )
-    if len(body.input) > cfg.max_input_chars:
-        raise APIError(
-            400,
-            f"input has {len(body.input)} characters; the limit is {cfg.max_input_chars}",
-            param="input",
-            code="input_too_long",
-        )
+    check_length(body.input, cfg.max_input_chars, "input")
     voice = resolve_voice(st.voices, st.engine, body.voice, cfg.default_voice, "voice")
     params = build_params(body, voice, prompt=speed_prompt(body.speed))
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.max_queue_wait_s)

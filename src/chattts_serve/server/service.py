@@ -43,6 +43,13 @@ class APIError(HTTPException):
         self.type, self.param, self.code = type_, param, code
 
 
+def check_length(text: str, limit: int, param: str) -> None:
+    if len(text) > limit:
+        raise APIError(
+            400, f"{param} has {len(text)} characters; the limit is {limit}", param=param, code="input_too_long"
+        )
+
+
 def busy(message: str, status: int = 429) -> APIError:
     return APIError(
         status,
