@@ -1,25 +1,11 @@
-"""Engine configuration: one dataclass, its fields map one-to-one onto CLI flags."""
+"""Server configuration: one dataclass; ``chattts-serve serve`` flags map one-to-one onto its fields.
+The engine's own limits are ``engine.scheduler.SchedulerConfig`` and ``audio.stream.StreamPolicy``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from .audio.stream import StreamPolicy
-from .engine.scheduler import SchedulerConfig
+from dataclasses import dataclass
 
 DEFAULT_MODEL = "2Noise/ChatTTS"
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    model: str = DEFAULT_MODEL
-    """Checkpoint directory or Hugging Face repo id."""
-    device: str = "cpu"
-    dtype: str = "float32"
-    """GPT trunk dtype: float32, bfloat16, float16."""
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    stream: StreamPolicy = field(default_factory=StreamPolicy)
-    """Default chunking policy of streamed requests."""
 
 
 ENV_PREFIX = "CHATTTS_SERVE_"
