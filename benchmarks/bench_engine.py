@@ -17,18 +17,15 @@ import asyncio
 import datetime
 import json
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 import torch
+from common import full_checkpoint, run_reference
 
 from chattts_serve import SamplingParams
 from chattts_serve.engine.async_engine import AsyncEngine
 from chattts_serve.engine.scheduler import SchedulerConfig
-from chattts_serve.model.checkpoint import write_random
 
-HERE = Path(__file__).resolve().parent
 TEXT = "今天天气真不错，我们一起去公园散步吧。"
 SAMPLES_PER_STEP = 512
 RATE = 24000
@@ -73,9 +70,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reference-python", default=None)
     args = ap.parse_args()
-    ckpt = Path(args.ckpt)
-    if not (ckpt / "asset").is_dir():
-        write_random(ckpt, "full", seed=0)
+    ckpt = full_checkpoint(args.ckpt)
     torch.set_num_threads(args.threads)
     levels = [int(x) for x in args.concurrency.split(",")]
     sched = SchedulerConfig(max_num_seqs=max(levels), max_model_len=args.steps + 128)
@@ -93,24 +88,18 @@ def main() -> None:
         "ours": ours,
     }
     if args.reference_python:
-        res = subprocess.run(
-            [
-                args.reference_python,
-                str(HERE / "reference_engine.py"),
-                str(ckpt),
-                "--steps",
-                str(args.steps),
-                "--concurrency",
-                args.concurrency,
-                "--threads",
-                str(args.threads),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
+        ref = run_reference(
+            args.reference_python,
+            "reference_engine.py",
+            str(ckpt),
+            "--steps",
+            str(args.steps),
+            "--concurrency",
+            args.concurrency,
+            "--threads",
+            str(args.threads),
             timeout=7200,
         )
-        ref = json.loads(res.stdout.strip().splitlines()[-1])
         out["reference"] = ref
         out["ratios"] = {
             str(o["n"]): round(o["audio_s_per_s"] / r["audio_s_per_s"], 2)

@@ -21,14 +21,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from common import full_checkpoint
 
 FORMATS = ("pcm", "wav", "mp3", "opus", "aac", "flac")
 TEXT = "今天天气真不错，我们一起去公园散步吧。"
 
 
 def one(url: str, fmt: str, steps: int, seed: int) -> tuple[float, float, int]:
-    body = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": fmt, "seed": seed,
-            "min_new_tokens": steps, "max_new_tokens": steps, "refine_text": False}
+    body = {
+        "model": "tts-1",
+        "voice": "alloy",
+        "input": TEXT,
+        "response_format": fmt,
+        "seed": seed,
+        "min_new_tokens": steps,
+        "max_new_tokens": steps,
+        "refine_text": False,
+    }
     t0 = time.perf_counter()
     first, size = None, 0
     with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=600) as r:
@@ -61,11 +70,29 @@ def main() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "chattts_serve.cli", "serve", "--model", args.ckpt, "--port", str(port),
-             "--threads", str(args.threads), "--max-num-seqs", str(max(args.concurrency, 1)),
-             "--max-model-len", str(args.steps + 256), "--voices-db", "/tmp/bench-voices.sqlite3",
-             "--log-level", "warning"],
-            env={**os.environ}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "chattts_serve.cli",
+                "serve",
+                "--model",
+                str(full_checkpoint(args.ckpt)),
+                "--port",
+                str(port),
+                "--threads",
+                str(args.threads),
+                "--max-num-seqs",
+                str(max(args.concurrency, 1)),
+                "--max-model-len",
+                str(args.steps + 256),
+                "--voices-db",
+                "/tmp/bench-voices.sqlite3",
+                "--log-level",
+                "warning",
+            ],
+            env={**os.environ},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
@@ -79,8 +106,10 @@ def main() -> None:
         per_format = {}
         for fmt in FORMATS:
             runs = [one(url, fmt, args.steps, 1 + i) for i in range(args.repeats)]
-            per_format[fmt] = {"ttfb_s": round(statistics.median(r[0] for r in runs), 3),
-                               "total_s": round(statistics.median(r[1] for r in runs), 3)}
+            per_format[fmt] = {
+                "ttfb_s": round(statistics.median(r[0] for r in runs), 3),
+                "total_s": round(statistics.median(r[1] for r in runs), 3),
+            }
         n = args.concurrency
         with ThreadPoolExecutor(n) as pool:
             t0 = time.perf_counter()
@@ -93,9 +122,14 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "steps": args.steps,
             "single_stream": per_format,
-            "concurrent": {"n": n, "ttfb_p50_s": round(pct(ttfb, 0.5), 3), "ttfb_p99_s": round(pct(ttfb, 0.99), 3),
-                           "latency_p50_s": round(pct(total, 0.5), 3), "latency_p99_s": round(pct(total, 0.99), 3),
-                           "audio_s_per_s": round(audio_s / wall, 3)},
+            "concurrent": {
+                "n": n,
+                "ttfb_p50_s": round(pct(ttfb, 0.5), 3),
+                "ttfb_p99_s": round(pct(ttfb, 0.99), 3),
+                "latency_p50_s": round(pct(total, 0.5), 3),
+                "latency_p99_s": round(pct(total, 0.99), 3),
+                "audio_s_per_s": round(audio_s / wall, 3),
+            },
         }
         print(json.dumps(out))
     finally:

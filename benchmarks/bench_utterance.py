@@ -14,16 +14,12 @@ import datetime
 import json
 import platform
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 import torch
+from common import full_checkpoint, run_reference
 
 from chattts_serve import Engine, SamplingParams
-from chattts_serve.model.checkpoint import write_random
-
-HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
@@ -35,9 +31,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reference-python", default=None)
     args = ap.parse_args()
-    ckpt = Path(args.ckpt)
-    if not (ckpt / "asset").is_dir():
-        write_random(ckpt, "full", seed=0)
+    ckpt = full_checkpoint(args.ckpt)
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(ckpt, dtype=args.dtype)
     params = SamplingParams(seed=1, min_new_tokens=args.tokens, max_new_tokens=args.tokens, refine_text=False)
@@ -63,24 +57,18 @@ def main() -> None:
         "runs": [round(w, 3) for w in walls[1:]],
     }
     if args.reference_python:
-        res = subprocess.run(
-            [
-                args.reference_python,
-                str(HERE / "reference_utterance.py"),
-                str(ckpt),
-                "--tokens",
-                str(args.tokens),
-                "--repeats",
-                str(args.repeats),
-                "--threads",
-                str(args.threads),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
+        ref = run_reference(
+            args.reference_python,
+            "reference_utterance.py",
+            str(ckpt),
+            "--tokens",
+            str(args.tokens),
+            "--repeats",
+            str(args.repeats),
+            "--threads",
+            str(args.threads),
             timeout=3600,
         )
-        ref = json.loads(res.stdout.strip().splitlines()[-1])
         ref_wall = statistics.median(ref["wall_s"])
         out.update(
             reference_wall_s=round(ref_wall, 3),

@@ -199,16 +199,14 @@ def _speaker_new(args: argparse.Namespace) -> int:
     import torch
 
     from .model import checkpoint
-    from .model.speaker import SpeakerStats, default_speaker_stats, encode_speaker
+    from .model.speaker import default_speaker_stats, encode_speaker
 
     # The official statistics ship with the package, so the default model needs no download; a local
     # checkpoint may carry its own (random test checkpoints of other sizes do).
     path = Path(args.model).expanduser()
     stats = default_speaker_stats()
     if path.exists() or args.model.startswith((".", "/", "~")):
-        custom = checkpoint.resolve(path) / checkpoint.SPK_STAT
-        if custom.is_file():
-            stats = SpeakerStats.from_string(custom.read_text().strip())
+        stats = checkpoint.read_speaker_stats(checkpoint.resolve(path))
     gen = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
     print(encode_speaker(stats.sample(gen)))
     return 0

@@ -25,7 +25,7 @@ from ..audio.stream import StreamPolicy
 from ..model import checkpoint
 from ..model.checkpoint import LoadedModel
 from ..model.config import SAMPLE_RATE
-from ..model.speaker import SpeakerStats, default_speaker_stats, encode_prompt_codes, encode_speaker
+from ..model.speaker import SpeakerStats, encode_prompt_codes, encode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from .core import EngineCore
@@ -204,19 +204,9 @@ class Engine:
 
 
 def _speaker_stats(model: LoadedModel) -> SpeakerStats | None:
-    custom = model.root / checkpoint.SPK_STAT
-    if custom.is_file():
-        stats = SpeakerStats.from_string(custom.read_text().strip())
-    elif model.config.gpt.hidden_size == default_speaker_stats().dim:
-        stats = default_speaker_stats()
-    else:
+    stats = checkpoint.read_speaker_stats(model.root, model.config.gpt.hidden_size)
+    if stats is None:
         logger.warning(
-            "no speaker statistics for hidden size %d; random speakers unavailable",
-            model.config.gpt.hidden_size,
-        )
-        return None
-    if stats.dim != model.config.gpt.hidden_size:
-        raise checkpoint.CheckpointError(
-            f"{checkpoint.SPK_STAT}: {stats.dim}-dim statistics for a {model.config.gpt.hidden_size}-dim model"
+            "no speaker statistics for hidden size %d; random speakers unavailable", model.config.gpt.hidden_size
         )
     return stats

@@ -295,6 +295,21 @@ def load(
     return LoadedModel(cfg, gpt, embed, decoder, dvae, vocos, root)
 
 
+def read_speaker_stats(root: Path, hidden_size: int | None = None):
+    """The checkpoint's speaker statistics: its own ``asset/spk_stat.txt`` if present, else the official
+    768-dim ones shipped with the package; None when neither fits ``hidden_size``."""
+    from .speaker import SpeakerStats, default_speaker_stats
+
+    custom = Path(root) / SPK_STAT
+    if custom.is_file():
+        stats = SpeakerStats.from_string(custom.read_text().strip())
+        if hidden_size is not None and stats.dim != hidden_size:
+            raise CheckpointError(f"{SPK_STAT}: {stats.dim}-dim statistics for a {hidden_size}-dim model")
+        return stats
+    stats = default_speaker_stats()
+    return stats if hidden_size in (None, stats.dim) else None
+
+
 # --------------------------------------------------------------------------------------------------
 # Writing random checkpoints
 

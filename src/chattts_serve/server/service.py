@@ -110,38 +110,35 @@ def speed_prompt(speed: float) -> str:
     return f"[speed_{level}]"
 
 
+def _given(**values):
+    """The options a request set (None means: keep the default)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def build_params(opts: ChatTTSOptions, voice: Voice, prompt: str | None = None) -> SamplingParams:
     base = SamplingParams()
-    kw = {
-        k: v
-        for k, v in {
-            "seed": opts.seed,
-            "temperature": opts.temperature,
-            "top_p": opts.top_p,
-            "top_k": opts.top_k,
-            "repetition_penalty": opts.repetition_penalty,
-            "min_new_tokens": opts.min_new_tokens,
-            "max_new_tokens": opts.max_new_tokens,
-            "prompt": opts.prompt if opts.prompt is not None else prompt,
-            "refine_text": opts.refine_text,
-            "do_text_normalization": opts.do_text_normalization,
-            "do_homophone_replacement": opts.do_homophone_replacement,
-            "lang": opts.lang,
-            "split_text": opts.split_text,
-        }.items()
-        if v is not None
-    }
-    refine = {
-        k: v
-        for k, v in {
-            "prompt": opts.refine_prompt,
-            "temperature": opts.refine_temperature,
-            "top_p": opts.refine_top_p,
-            "top_k": opts.refine_top_k,
-            "max_new_tokens": opts.refine_max_new_tokens,
-        }.items()
-        if v is not None
-    }
+    kw = _given(
+        seed=opts.seed,
+        temperature=opts.temperature,
+        top_p=opts.top_p,
+        top_k=opts.top_k,
+        repetition_penalty=opts.repetition_penalty,
+        min_new_tokens=opts.min_new_tokens,
+        max_new_tokens=opts.max_new_tokens,
+        prompt=opts.prompt if opts.prompt is not None else prompt,
+        refine_text=opts.refine_text,
+        do_text_normalization=opts.do_text_normalization,
+        do_homophone_replacement=opts.do_homophone_replacement,
+        lang=opts.lang,
+        split_text=opts.split_text,
+    )
+    refine = _given(
+        prompt=opts.refine_prompt,
+        temperature=opts.refine_temperature,
+        top_p=opts.refine_top_p,
+        top_k=opts.refine_top_k,
+        max_new_tokens=opts.refine_max_new_tokens,
+    )
     try:
         return replace(
             base,
@@ -158,7 +155,7 @@ def build_params(opts: ChatTTSOptions, voice: Voice, prompt: str | None = None) 
 def build_policy(default: StreamPolicy, opts: StreamOptions | None) -> StreamPolicy:
     if opts is None:
         return default
-    changes = {k: v for k, v in opts.model_dump().items() if v is not None}
+    changes = _given(**opts.model_dump())
     try:
         return replace(default, **changes)
     except ValueError as exc:
