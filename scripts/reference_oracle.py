@@ -12,7 +12,6 @@ the Decoder mel and the Vocos waveform before the reference's |x| <= 1e-5 sample
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -21,59 +20,9 @@ import ChatTTS  # noqa: E402  (reference env only)
 import numpy as np
 import torch
 
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def load_reference(ckpt: Path) -> ChatTTS.Chat:
-    from safetensors import safe_open
-
-    chat = ChatTTS.Chat()
-    cfg = json.loads((ckpt / "asset/gpt/config.json").read_text())
-    hidden = cfg["hidden_size"]
-    # Only the GPT trunk sizes itself from config.json; the other modules take Config defaults, so set
-    # them from the checkpoint's tensor shapes (official values for a full-size checkpoint).
-    c = chat.config
-    c.gpt.hidden_size = hidden
-    c.gpt.intermediate_size = cfg["intermediate_size"]
-    c.gpt.num_attention_heads = cfg["num_attention_heads"]
-    c.gpt.num_hidden_layers = cfg["num_hidden_layers"]
-    c.embed.hidden_size = hidden
-
-    def shapes(rel):
-        with safe_open(str(ckpt / rel), "pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-
-    def stack(sh, prefix, target):
-        target.bn_dim, target.idim = sh[f"{prefix}.conv_in.0.weight"][:2]
-        target.hidden = sh[f"{prefix}.conv_in.2.weight"][0]
-        target.odim = sh[f"{prefix}.conv_out.weight"][0]
-        target.n_layer = len({k.split(".")[2] for k in sh if k.startswith(f"{prefix}.decoder_block.")})
-
-    dec = shapes("asset/Decoder.safetensors")
-    stack(dec, "decoder", c.decoder)
-    dv = shapes("asset/DVAE.safetensors")
-    stack(dv, "decoder", c.dvae.decoder)
-    stack(dv, "encoder", c.dvae.encoder)
-    c.dvae.vq.dim = 2 * dv["vq_layer.quantizer.rvqs.0.project_in.weight"][1]
-    vo = shapes("asset/Vocos.safetensors")
-    c.vocos.backbone.init_args.dim = vo["backbone.embed.weight"][0]
-    c.vocos.backbone.init_args.intermediate_dim = vo["backbone.convnext.0.pwconv1.weight"][0]
-    c.vocos.backbone.init_args.num_layers = len({k.split(".")[2] for k in vo if k.startswith("backbone.convnext.")})
-    c.vocos.head.init_args.dim = vo["backbone.embed.weight"][0]
-    spk = ckpt / "asset/spk_stat.txt"
-    if spk.is_file():
-        c.spk_stat = spk.read_text().strip()
-    # The reference checks every file against its sha256 map: register our files' hashes.
-    for key in list(chat.sha256_map):
-        rel = key[len("sha256_") :]
-        for cand in ckpt.rglob("*"):
-            if cand.is_file() and str(cand.relative_to(ckpt)).replace("/", "_").replace(".", "_") == rel:
-                chat.sha256_map[key] = _sha256(cand)
-    if not chat.load(source="custom", custom_path=str(ckpt), device=torch.device("cpu")):
-        raise SystemExit("reference failed to load the checkpoint")
-    return chat
+# Appended, not prepended: that folder has modules (profile.py, eval.py) that would shadow others.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "src" / "chattts_serve" / "bench"))
+from reference_driver import _sha256, load_reference  # noqa: E402  (a standalone file: no chattts_serve import)
 
 
 def run_case(chat: ChatTTS.Chat, case: dict) -> dict[str, np.ndarray]:

@@ -26,4 +26,4 @@ def tiny_ckpt(tmp_path_factory):
 def tiny_engine(tiny_ckpt):
     from chattts_serve import Engine
 
-    return Engine.from_pretrained(tiny_ckpt, device="cpu", dtype="float32", max_batch_size=8)
+    return Engine.from_pretrained(tiny_ckpt, device="cpu", precision="fp32", max_batch_size=8)

@@ -4,6 +4,7 @@ chattts-serve synthesize "Hello." -o hello.wav [--model DIR|REPO] [--seed N] [--
 chattts-serve synthesize --input texts.txt --output-dir out/ [--batch-size N]
 chattts-serve speaker new [--model DIR|REPO] [--seed N]
 chattts-serve checkpoint random DIR [--size tiny|full] [--seed N]
+chattts-serve bench offline|streams|serve ...   chattts-serve profile ...   chattts-serve eval ...
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from .model.config import PRECISIONS
+
 DEFAULT_MODEL = os.environ.get("CHATTTS_MODEL", "2Noise/ChatTTS")
 
 
@@ -26,7 +29,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="checkpoint directory or Hugging Face repo id (default: $CHATTTS_MODEL or 2Noise/ChatTTS)",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="float32", help="GPT dtype: float32, bfloat16, float16")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=PRECISIONS,
+        help="GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
+        "int8-static (CPU, int8 activations too); see the README's quality table",
+    )
 
 
 def _batch_size(value: str) -> int | None:
@@ -78,6 +87,19 @@ def _build_parser() -> argparse.ArgumentParser:
     new.add_argument("--model", default=DEFAULT_MODEL)
     new.add_argument("--seed", type=int, default=None)
 
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput, in-process streams, HTTP load")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, help_ in (
+        ("offline", "N texts through the offline engine: throughput, latency, memory (vs the reference)"),
+        ("streams", "concurrent streams in one process: first chunk, RTF, underruns (vs the reference)"),
+        ("serve", "drive a running server over HTTP: concurrency sweep or Poisson arrivals"),
+    ):
+        _bench_module(name).add_arguments(bench_sub.add_parser(name, help=help_))
+    _bench_module("profile").add_arguments(
+        sub.add_parser("profile", help="per-stage time of a request and a Chrome trace")
+    )
+    _bench_module("eval").add_arguments(sub.add_parser("eval", help="quality cost of each precision vs fp32"))
+
     ck = sub.add_parser("checkpoint", help="checkpoint tools")
     ck_sub = ck.add_subparsers(dest="checkpoint_command", required=True)
     rnd = ck_sub.add_parser("random", help="write a random-weight checkpoint in the official layout")
@@ -85,6 +107,12 @@ def _build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("--size", choices=("tiny", "full"), default="tiny")
     rnd.add_argument("--seed", type=int, default=0)
     return ap
+
+
+def _bench_module(name: str):
+    import importlib
+
+    return importlib.import_module(f".bench.{name}", __package__)
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -175,7 +203,9 @@ def _synthesize(args: argparse.Namespace) -> int:
         if not args.text.strip():
             raise ValueError("the text is empty")
     params = _params(args)
-    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_batch_size=args.batch_size)
+    engine = Engine.from_pretrained(
+        args.model, device=args.device, precision=args.precision, max_batch_size=args.batch_size
+    )
     start = time.perf_counter()
     results = engine.synthesize(texts, params, progress=True)
     wall = time.perf_counter() - start
@@ -233,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             return _synthesize(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench":
+            return _bench_module(args.bench_command).main(args)
+        if args.command in ("profile", "eval"):
+            return _bench_module(args.command).main(args)
         if args.command == "speaker":
             return _speaker_new(args)
         return _checkpoint_random(args)

@@ -20,7 +20,12 @@ class ServerConfig:
     """Checkpoint directory or Hugging Face repo id."""
     device: str = "auto"
     """auto (CUDA if available, else CPU), cpu, cuda, cuda:1, ..."""
-    dtype: str = "float32"
+    precision: str = "fp32"
+    """GPT precision: fp32, bf16, fp16 (CUDA), int8, int8-dynamic (CPU), int8-static (CPU)."""
+    cuda_graphs: bool = True
+    """Capture the decode step in CUDA graphs (CUDA only)."""
+    compile: bool = False
+    """torch.compile the decode step (slower start-up; see BENCHMARKS.md for when it pays)."""
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()

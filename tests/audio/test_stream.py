@@ -274,7 +274,7 @@ def deep_engine(tmp_path_factory):
     from chattts_serve.model.checkpoint import write_random
 
     root = write_random(tmp_path_factory.mktemp("deep") / "ckpt", deep_config(), seed=0)
-    return Engine.from_pretrained(root, device="cpu", dtype="float32", max_batch_size=4)
+    return Engine.from_pretrained(root, device="cpu", precision="fp32", max_batch_size=4)
 
 
 TEXT = "今天天气真不错，我们一起去公园散步吧。"

@@ -25,7 +25,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt):
-    return Engine.from_pretrained(tiny_ckpt, device="cpu", dtype="float32", max_batch_size=8)
+    return Engine.from_pretrained(tiny_ckpt, device="cpu", precision="fp32", max_batch_size=8)
 
 
 @pytest.fixture(autouse=True)

@@ -50,7 +50,7 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
 
     The engine runs with one KV slot: every matmul then sees exactly the rows of a batch-1 reference
     run, which is what makes fp32 bit-identical (see ``ModelRunner.pad_rows_to``)."""
-    engine = Engine.from_pretrained(ckpt, device="cpu", dtype="float32", max_batch_size=1)
+    engine = Engine.from_pretrained(ckpt, device="cpu", precision="fp32", max_batch_size=1)
     model = engine.model
     captured: list = []
     on_step = engine.core._on_step

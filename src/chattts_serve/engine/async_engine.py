@@ -30,6 +30,7 @@ from ..audio.stream import StreamPolicy
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from .core import PreparedRequest, RequestOutput, SegmentResult
+from .cuda_graph import RunnerConfig
 from .engine import Engine
 from .scheduler import QueueFullError, SchedulerConfig
 
@@ -140,11 +141,14 @@ class AsyncEngine:
         cls,
         path_or_repo: str | Path,
         device: str | torch.device = "cpu",
-        dtype: str = "float32",
+        precision: str = "fp32",
         scheduler: SchedulerConfig | None = None,
         stream_policy: StreamPolicy | None = None,
+        runner: RunnerConfig | None = None,
     ) -> AsyncEngine:
-        engine = Engine.from_pretrained(path_or_repo, device=device, dtype=dtype, scheduler=scheduler)
+        engine = Engine.from_pretrained(
+            path_or_repo, device=device, precision=precision, scheduler=scheduler, runner=runner
+        )
         return cls(engine, stream_policy)
 
     # ------------------------------------------------------------------ lifecycle

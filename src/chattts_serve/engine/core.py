@@ -25,6 +25,7 @@ from ..model.speaker import decode_prompt_codes, decode_speaker, normalized_spea
 from ..model.tokenizer import Tokenizer, code_prompt, refine_prompt
 from ..sampling_params import SamplingParams
 from ..text.normalize import Normalizer, split_text
+from .cuda_graph import RunnerConfig
 from .outputs import StepOutput
 from .request import FinishReason, Sequence, SequenceStatus
 from .runner import ModelRunner, SeqInputs, StepSampling
@@ -99,13 +100,19 @@ class _Job:
 
 
 class EngineCore:
-    def __init__(self, model: LoadedModel, tokenizer: Tokenizer, scheduler_config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        tokenizer: Tokenizer,
+        scheduler_config: SchedulerConfig,
+        runner_config: RunnerConfig | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.normalizer = Normalizer()
         self.scheduler = Scheduler(scheduler_config)
         self.runner = ModelRunner(
-            model, scheduler_config.max_num_seqs, scheduler_config.max_model_len, tokenizer.eos_id
+            model, scheduler_config.max_num_seqs, scheduler_config.max_model_len, tokenizer.eos_id, runner_config
         )
         self.jobs: dict[str, _Job] = {}
         self._seq_segment: dict[int, tuple[_Job, _Segment]] = {}

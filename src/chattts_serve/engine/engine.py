@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,23 +26,17 @@ from ..audio.stream import StreamPolicy
 from ..model import checkpoint
 from ..model.checkpoint import LoadedModel
 from ..model.config import SAMPLE_RATE
+from ..model.quant import PrecisionSpec, apply_precision_, check_supported, parse_precision
 from ..model.speaker import SpeakerStats, encode_prompt_codes, encode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
+from .calibrate import calibrate
 from .core import EngineCore
+from .cuda_graph import RunnerConfig
 from .runner import auto_num_slots
 from .scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 
 @dataclass(slots=True)
@@ -54,19 +49,12 @@ class Result:
     """The text of each segment as spoken (normalised, refined)."""
     finish_reasons: list[Literal["stop", "length", "empty"]]
     sample_rate: int = SAMPLE_RATE
+    elapsed_s: float = 0.0
+    """Seconds from the ``synthesize`` call to this text's completion (its latency in a batch)."""
 
     @property
     def duration(self) -> float:
         return len(self.audio) / self.sample_rate
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype.lower()]
-    except (KeyError, AttributeError):
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
 
 
 class Engine:
@@ -76,11 +64,14 @@ class Engine:
         tokenizer: Tokenizer,
         speaker_stats: SpeakerStats | None,
         scheduler_config: SchedulerConfig | None = None,
+        precision: PrecisionSpec | None = None,
+        runner_config: RunnerConfig | None = None,
     ) -> None:
         self.model = model
+        self.precision = precision or parse_precision(model.gpt.norm.weight.dtype)
         self.tokenizer = tokenizer
         self.speaker_stats = speaker_stats
-        self.core = EngineCore(model, tokenizer, scheduler_config or SchedulerConfig())
+        self.core = EngineCore(model, tokenizer, scheduler_config or SchedulerConfig(), runner_config)
         self._ids = itertools.count()
 
     @classmethod
@@ -88,27 +79,35 @@ class Engine:
         cls,
         path_or_repo: str | Path = checkpoint.HF_REPO,
         device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
+        precision: str | torch.dtype = "fp32",
         max_batch_size: int | None = 16,
         scheduler: SchedulerConfig | None = None,
+        runner: RunnerConfig | None = None,
     ) -> Engine:
         """``max_batch_size`` sequences decode together (KV-cache slots; None sizes them from free
         memory; ``scheduler`` sets every scheduling limit instead). With one slot every matmul runs on
         exactly the rows of a batch-1 reference run: fp32 output is bit-identical to chattts. With
-        more, a request's codes do not depend on what else runs (batch invariance)."""
-        torch_dtype = parse_dtype(dtype)
+        more, a request's codes do not depend on what else runs (batch invariance; in every precision
+        but int8-dynamic). ``precision``: fp32, bf16, fp16, int8, int8-dynamic, int8-static (see
+        ``model.quant``); int8-static first calibrates on sample texts (seconds). ``runner``: decode
+        step options (static step, CUDA graphs, torch.compile; see ``engine.cuda_graph``)."""
+        spec = parse_precision(precision)
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
-        model = checkpoint.load(path_or_repo, device=device, dtype=torch_dtype)
+        check_supported(spec, device)
+        # Every mode starts from the fp32 weights (int8 scales are taken from them, not from bf16).
+        model = checkpoint.load(path_or_repo, device=device, dtype=torch.float32)
+        tokenizer = Tokenizer(model.root / checkpoint.TOKENIZER_DIR)
+        stats = _speaker_stats(model)
+        absmax = calibrate(model, tokenizer, stats) if spec.int8 == "static" else None
+        apply_precision_(model.gpt, spec, device, absmax)
         if scheduler is None:
             if max_batch_size is None:  # as many KV slots as half the free memory holds
                 max_batch_size = auto_num_slots(model, SchedulerConfig().max_model_len, device)
                 logger.info("KV cache: %d slots sized from free memory", max_batch_size)
             scheduler = SchedulerConfig(max_num_seqs=max_batch_size)
-        sched = scheduler
-        tokenizer = Tokenizer(model.root / checkpoint.TOKENIZER_DIR)
-        return cls(model, tokenizer, _speaker_stats(model), sched)
+        return cls(model, tokenizer, stats, scheduler, spec, runner)
 
     @property
     def max_batch_size(self) -> int:
@@ -170,6 +169,7 @@ class Engine:
         audio: dict[str, list[np.ndarray]] = {i: [] for i in ids}
         results: dict[str, Result] = {}
         policy = StreamPolicy.one_shot()
+        start = time.perf_counter()
         bar = tqdm(total=len(ids), desc="synthesize", unit="text", disable=not progress)
         try:
             while pending or self.core.has_unfinished():
@@ -191,6 +191,7 @@ class Engine:
                             codes=np.concatenate([s.codes for s in segs]) if segs else np.zeros((0, 4), np.int64),
                             text=[s.text for s in segs],
                             finish_reasons=[s.finish_reason for s in segs],
+                            elapsed_s=time.perf_counter() - start,
                         )
                         bar.update(1)
         finally:

@@ -15,6 +15,7 @@ import torch
 from ..model.checkpoint import LoadedModel
 from ..model.config import AUDIO_EOS
 from ..model.linear import pack_linears_, packing_available
+from .cuda_graph import RunnerConfig, StaticDecoder
 from .outputs import RunnerOutput, SchedulerOutput
 from .request import Sequence
 from .sampler import PENALTY_WINDOW, batched_probs, effective_top_k, sample_with_noise
@@ -93,28 +94,47 @@ class _SeqState:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, num_slots: int, max_model_len: int, text_eos_id: int) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        num_slots: int,
+        max_model_len: int,
+        text_eos_id: int,
+        config: RunnerConfig | None = None,
+    ) -> None:
         self.model = model
+        self.config = config or RunnerConfig()
         self.device = model.embed.emb_text.weight.device
         self.dtype = model.gpt.norm.weight.dtype
-        self.cache = model.gpt.new_cache(num_slots, max_model_len)
+        self.decode_mode = self.config.resolve(self.device)
+        # The static step needs one scratch position past the last real one (see engine.cuda_graph).
+        extra = 1 if self.decode_mode == "static" else 0
+        self.cache = model.gpt.new_cache(num_slots, max_model_len + extra)
+        if self.decode_mode == "static":
+            self.cache.k.zero_(), self.cache.v.zero_()  # rows that decode nothing read finite values
         self.num_vq = model.config.gpt.num_vq
         self.text_eos_id = text_eos_id
         # One slot: every matmul runs on exactly the rows a batch-1 reference run uses, with the same
         # BLAS calls (bit-exact with chattts). More slots: the GPT and head weights are packed for oneDNN,
         # whose results do not depend on the number of rows (batch-invariant, and fast at small batch);
-        # where packing is unavailable, the matmuls run on a multiple of 4 rows (see GPT.decode).
+        # where packing is unavailable, fp32 matmuls run on a multiple of 4 rows (see GPT.decode).
+        # int8 modes have swapped the projections already (model.quant); only the fp32 heads pack then.
         self.pad_rows_to = 1
         self.packed = False
-        if num_slots > 1:
-            if packing_available(self.device, self.dtype):
+        if num_slots > 1 and self.device.type == "cpu":
+            if packing_available(self.device, self.dtype) and not self.config.compile:
+                # (inductor cannot lower the packed op; it packs weights itself when it compiles)
                 pack_linears_(model.gpt)
-                model.embed.pack_heads()
                 self.packed = True
-            elif self.device.type == "cpu":
+            elif self.dtype == torch.float32:
                 self.pad_rows_to = 4
+            if packing_available(self.device, torch.float32):
+                model.embed.pack_heads()
         self.states: dict[int, _SeqState] = {}
         self._pin = self.device.type == "cuda"
+        self.static: StaticDecoder | None = None
+        if self.decode_mode == "static":
+            self.static = StaticDecoder(model.gpt, self.cache, self.config.cuda_graphs, self.config.compile)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device; on CUDA through pinned memory without blocking the host."""
@@ -195,6 +215,8 @@ class ModelRunner:
             emb[text_rows] = embed.embed_text(last[text_rows, 0])
         lengths = [s.cache_len for s in seqs]
         slots = [s.slot for s in seqs]
+        if self.static is not None:
+            return self.static(emb, slots, lengths).float()
         return self.model.gpt.decode(emb.to(self.dtype), self.cache, slots, lengths, self.pad_rows_to).float()
 
     def _heads(self, kind: str, h: torch.Tensor, idx: list[int]) -> torch.Tensor:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# GPT precision modes (see ``model.quant``); here so that torch-free code (the CLI) can list them.
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int8-dynamic", "int8-static")
+
 # Fixed by the audio format and the tokenizer; the same for every ChatTTS checkpoint.
 SAMPLE_RATE = 24_000
 N_FFT = 1024

@@ -179,6 +179,39 @@ class Attention(nn.Module):
             )[0]
         return self.o_proj(out.reshape(m, self.num_heads * self.head_dim))
 
+    def decode_static(
+        self,
+        x: torch.Tensor,  # [B, hidden]: row b decodes the sequence in cache slot b
+        cos: torch.Tensor,  # [B, head_dim]
+        sin: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor,  # [B] int64: where row b's new token goes
+        mask: torch.Tensor,  # [B, 1, 1, ctx] bool: keys row b may attend to
+    ) -> torch.Tensor:
+        """``decode`` with fixed shapes and no host values (so it can be captured in a CUDA graph).
+
+        Row b is slot b; every key of the first ``ctx`` cache positions is read through a view (no
+        gather) and ``mask`` hides what is not the row's. A row with nothing to decode is pointed at a
+        scratch position past the real ones by the caller."""
+        m = x.shape[0]
+        ctx = mask.shape[-1]
+        q = self.q_proj(x).view(m, self.num_heads, 1, self.head_dim)
+        k = self.k_proj(x).view(m, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(m, self.num_kv_heads, self.head_dim)
+        cos, sin = cos[:, None, None], sin[:, None, None]
+        q = q * cos + rotate_half(q) * sin
+        k = (k[:, :, None] * cos + rotate_half(k[:, :, None]) * sin)[:, :, 0]
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        rows = torch.arange(m, device=x.device)
+        k_cache[rows, :, positions] = k
+        v_cache[rows, :, positions] = v
+        keys, values = k_cache[:m, :, :ctx], v_cache[:m, :, :ctx]
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=self.head_dim**-0.5)
+        return self.o_proj(out.reshape(m, self.num_heads * self.head_dim))
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
@@ -205,6 +238,10 @@ class DecoderLayer(nn.Module):
 
     def decode(self, h, cos, sin, cache, slots, lengths):
         h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, cache, slots, lengths)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode_static(self, h, cos, sin, cache, positions, mask):
+        h = h + self.self_attn.decode_static(self.input_layernorm(h), cos, sin, cache, positions, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -282,4 +319,17 @@ class GPT(nn.Module):
         cos, sin = rope_cos_sin(pos, self.inv_freq, h.dtype)
         for layer in self.layers:
             h = layer.decode(h, cos, sin, cache, slots, lengths)
+        return self.norm(h)
+
+    def decode_static(self, embeds: torch.Tensor, cache: KVCache, positions: torch.Tensor, ctx: int) -> torch.Tensor:
+        """One decode step for slots ``0..B-1`` (row b = slot b) attending over the first ``ctx`` cache
+        positions: fixed shapes, no host sync, graph-capturable (see ``engine.cuda_graph``).
+
+        ``positions[b]`` is where row b's token goes; rows with nothing to decode point at a scratch
+        position >= ``ctx`` (their output is ignored). Returns final-norm hidden states ``[B, hidden]``."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq, embeds.dtype)
+        mask = (torch.arange(ctx, device=embeds.device)[None, :] <= positions[:, None])[:, None, None, :]
+        h = embeds
+        for layer in self.layers:
+            h = layer.decode_static(h, cos, sin, cache, positions, mask)
         return self.norm(h)

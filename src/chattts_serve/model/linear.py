@@ -1,4 +1,4 @@
-"""Linear layers with weights pre-packed for oneDNN (CPU, fp32): a module swap chosen by the engine.
+"""Linear layers with weights pre-packed for oneDNN (CPU, fp32/bf16): a module swap chosen by the engine.
 
 Why: on our CPUs, MKL's fp32 GEMM re-packs the weight on every call, so a decode step with 4-32 rows
 costs 5-7x a 1-row GEMV; oneDNN with a weight packed once runs 4 rows at GEMV cost and 32 rows at a
@@ -15,7 +15,19 @@ from torch import nn
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """fp32 on any x86 CPU with oneDNN; bf16 only where the CPU has the instructions oneDNN's packed
+    bf16 path needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); it refuses to pack otherwise."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        try:
+            pack_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+        except RuntimeError:
+            return False
+        return True
+    return False
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerConfig
 from ..engine.async_engine import AsyncEngine
+from ..engine.cuda_graph import RunnerConfig
 from ..engine.scheduler import SchedulerConfig
 from ..sampling_params import SamplingParams
 from . import native, openai_routes, voices_routes
@@ -54,8 +55,9 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
             sched = SchedulerConfig(
                 max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, max_waiting=config.max_waiting
             )
+            runner = RunnerConfig(cuda_graphs=config.cuda_graphs, compile=config.compile)
             eng = await asyncio.to_thread(
-                AsyncEngine.from_pretrained, config.model, _device(config.device), config.dtype, sched
+                AsyncEngine.from_pretrained, config.model, _device(config.device), config.precision, sched, None, runner
             )
         app.state.engine = eng
         app.state.metrics = Metrics(eng)

@@ -1,0 +1,1 @@
+"""Benchmark tools of ``chattts-serve bench``: load generators and the small helpers they share."""

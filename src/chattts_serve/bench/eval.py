@@ -1,0 +1,217 @@
+"""``chattts-serve eval``: what each speed mode costs in quality, measured against fp32 on the same
+checkpoint and texts (the README's quality table comes from here).
+
+For every text, fp32 first generates audio codes (fixed length, refine off, one seed). Then per mode:
+
+* teacher-forced: the mode's GPT reads the same prompt + fp32 codes in one pass; per position and
+  codebook we compare its next-code distribution with fp32's: top-1 agreement and KL(fp32 || mode);
+* free-run: the mode generates on its own with the same seed; the share of steps whose 4 codes equal
+  fp32's, and the first step where they differ (sampling amplifies any difference after that);
+* same codes, decoded: the Decoder turns each model's teacher-forced hidden states into a mel (Decoder
+  and Vocos run in fp32 in every mode), then Vocos into audio; mel distance (mean |log-mel diff|) and
+  waveform SNR in dB vs fp32.
+
+With random weights the numbers measure numerical fidelity, not perceived quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+from typing import Any
+
+from ..model.config import PRECISIONS
+from . import stats
+from .common import TEXTS, fail, set_threads
+
+DEFAULT_MODES = ("bf16", "int8", "int8-dynamic", "int8-static")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face repo id")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated, from {', '.join(PRECISIONS[1:])} (default: those the device runs)",
+    )
+    p.add_argument("--steps", type=int, default=100, help="audio tokens per text")
+    p.add_argument("--num-texts", type=int, default=4)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--plot", default=None, help="PNG: agreement and SNR per mode")
+
+
+def _prompt_ids(engine, text: str) -> list[int]:
+    from ..model.tokenizer import code_prompt
+
+    return engine.tokenizer.encode(code_prompt(text, "[speed_5]", has_speaker=False))
+
+
+def teacher_forced(engine, ids: list[int], codes) -> tuple[Any, Any]:
+    """The GPT over prompt + codes in one pass: (hidden [T, H] that produced each code, logits [T, 4, V])."""
+    import torch
+
+    model = engine.model
+    dev = engine.device
+    n, t = len(ids), codes.shape[0]
+    full = torch.zeros(1, n + t, model.config.gpt.num_vq, dtype=torch.long)
+    full[0, :n] = torch.tensor(ids)[:, None]
+    full[0, n:] = torch.as_tensor(codes, dtype=torch.long)
+    mask = torch.zeros(1, n + t, dtype=torch.bool)
+    mask[0, :n] = True
+    with torch.inference_mode():
+        emb = model.embed.embed_prompt(full.to(dev), mask.to(dev))
+        cache = model.gpt.new_cache(1, n + t)
+        positions = torch.arange(n + t, device=dev)[None]
+        slot = torch.zeros(1, dtype=torch.long, device=dev)
+        dtype = model.gpt.norm.weight.dtype
+        h = model.gpt(emb.to(dtype), positions, cache, slot, 0, None, last_only=False).float()[0]
+        hs = h[n - 1 : n - 1 + t]
+        logits = model.embed.code_logits(hs).view(t, model.config.gpt.num_vq, -1)
+    return hs, logits
+
+
+def _decode(engine, hidden):
+    from ..audio.decode import hidden_to_mel, mel_to_wav
+
+    mel = hidden_to_mel(engine.model, hidden)
+    return mel, mel_to_wav(engine.model, mel)
+
+
+def _free_run(engine, texts: list[str], steps: int, seed: int):
+    from ..sampling_params import SamplingParams
+
+    params = SamplingParams(seed=seed, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
+    return [engine.synthesize([t], params)[0].codes for t in texts]  # one at a time: no batching effects
+
+
+def _snr_db(ref, test) -> float:
+    noise = float(((ref - test) ** 2).sum())
+    return math.inf if noise == 0 else 10 * math.log10(float((ref**2).sum()) / noise)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from ..engine.engine import Engine
+    from ..model.quant import check_supported, parse_precision
+
+    set_threads(args)
+    device = torch.device(args.device)
+    if args.modes:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        for m in modes:
+            check_supported(parse_precision(m), device)  # fail before any work
+    else:
+        modes = []
+        for m in DEFAULT_MODES + ("fp16",):
+            try:
+                check_supported(parse_precision(m), device)
+                modes.append(m)
+            except ValueError:
+                pass
+    texts = [TEXTS[i % len(TEXTS)] for i in range(args.num_texts)]
+    if args.steps < 2 or not texts:
+        raise ValueError("--steps must be >= 2 and --num-texts >= 1")
+
+    ref = Engine.from_pretrained(args.model, device=device, precision="fp32", max_batch_size=1)
+    codes = _free_run(ref, texts, args.steps, args.seed)
+    ids = [_prompt_ids(ref, t) for t in texts]
+    base = []
+    for i, c in zip(ids, codes, strict=True):
+        h, lg = teacher_forced(ref, i, c)
+        mel, wav = _decode(ref, h)
+        base.append((lg.log_softmax(-1), mel, wav))
+    del ref
+    gc.collect()
+
+    rows = []
+    for mode in modes:
+        eng = Engine.from_pretrained(args.model, device=device, precision=mode, max_batch_size=1)
+        top1, kl, mel_d, snr = [], [], [], []
+        for i, c, (lp32, mel32, wav32) in zip(ids, codes, base, strict=True):
+            h, lg = teacher_forced(eng, i, c)
+            lp = lg.log_softmax(-1)
+            top1.append(float((lp.argmax(-1) == lp32.argmax(-1)).float().mean()))
+            kl.append(float((lp32.exp() * (lp32 - lp)).sum(-1).mean()))
+            mel, wav = _decode(eng, h)
+            mel_d.append(float((mel - mel32).abs().mean()))
+            snr.append(_snr_db(wav32, wav))
+        free = _free_run(eng, texts, args.steps, args.seed)
+        agree, first_diff = [], []
+        for a, b in zip(codes, free, strict=True):
+            n = min(len(a), len(b))
+            same = (a[:n] == b[:n]).all(axis=1)
+            agree.append(float(same.mean()) if n else 0.0)
+            first_diff.append(int(np.argmin(same)) if not same.all() else n)
+        rows.append(
+            {
+                "precision": mode,
+                "tf_top1_agreement": round(float(np.mean(top1)), 4),
+                "tf_kl_nats": round(float(np.mean(kl)), 5),
+                "free_run_code_agreement": round(float(np.mean(agree)), 4),
+                "free_run_first_divergence_step": int(min(first_diff)),
+                "mel_l1": round(float(np.mean(mel_d)), 5),
+                "wav_snr_db": round(float(np.mean(snr)), 2),
+            }
+        )
+        del eng
+        gc.collect()
+    return {
+        "bench": "eval",
+        "model": str(args.model),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "num_texts": len(texts),
+        "seed": args.seed,
+        "modes": rows,
+    }
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    head = (
+        "| precision | teacher-forced top-1 agreement | KL (nats) | free-run code agreement | first divergence "
+        "| mel L1 | waveform SNR (dB) |\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    lines = [
+        f"| {r['precision']} | {r['tf_top1_agreement']:.4f} | {r['tf_kl_nats']:.5f} | "
+        f"{r['free_run_code_agreement']:.4f} | step {r['free_run_first_divergence_step']} | {r['mel_l1']:.5f} | "
+        f"{r['wav_snr_db']:.1f} |"
+        for r in result["modes"]
+    ]
+    return "\n".join([head, *lines])
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.plot:
+        stats.require_matplotlib()
+    try:
+        result = run(args)
+    except ValueError as exc:
+        return fail(str(exc))
+    if args.plot and result["modes"]:
+        names = [r["precision"] for r in result["modes"]]
+        stats.save_plot(
+            args.plot,
+            list(range(len(names))),
+            [
+                stats.Panel(
+                    "agreement",
+                    {
+                        "teacher-forced top-1": [r["tf_top1_agreement"] for r in result["modes"]],
+                        "free-run codes": [r["free_run_code_agreement"] for r in result["modes"]],
+                    },
+                ),
+                stats.Panel("waveform SNR (dB)", {"vs fp32": [r["wav_snr_db"] for r in result["modes"]]}),
+            ],
+            xlabel=" / ".join(f"{i}={n}" for i, n in enumerate(names)),
+            title=f"quality vs fp32 ({result['num_texts']} texts x {result['steps']} steps)",
+        )
+        result["plot"] = args.plot
+    result["markdown"] = markdown_table(result)
+    stats.emit(result)
+    return 0

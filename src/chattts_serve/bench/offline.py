@@ -1,0 +1,106 @@
+"""``chattts-serve bench offline``: N texts through ``Engine.synthesize`` (continuous batching), the
+throughput test. Reports wall time, audio-seconds per wall-second, texts per second (QPS), latency per
+text (from the call to that text's completion: mean / p50 / p99), decode steps per second and peak
+memory; with ``--reference-python`` the reference synthesises the same texts as one batched
+``Chat.infer`` in the same run, and the ratios are printed. One JSON line; ``--plot`` a latency chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from . import stats
+from .common import add_model_arguments, fail, peak_memory_mb, run_reference, set_threads, texts
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--num-texts", type=int, default=None, help="default: 256 on CUDA, 16 on CPU")
+    p.add_argument("--batch-size", type=int, default=None, help="KV slots (default: --num-texts, at most 256)")
+    p.add_argument("--seed", type=int, default=1)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from ..engine.engine import Engine
+    from ..engine.scheduler import SchedulerConfig
+    from ..sampling_params import SamplingParams
+
+    set_threads(args)
+    n = args.num_texts if args.num_texts is not None else (256 if str(args.device).startswith("cuda") else 16)
+    batch = args.batch_size if args.batch_size is not None else min(n, 256)
+    if n < 1 or args.steps < 1 or batch < 1:
+        raise ValueError("--num-texts, --batch-size and --steps must be >= 1")
+    items = texts(args, n)
+    sched = SchedulerConfig(max_num_seqs=batch, max_model_len=args.steps + 256, max_waiting=max(1024, n))
+    t_load = time.perf_counter()
+    engine = Engine.from_pretrained(args.model, device=args.device, precision=args.precision, scheduler=sched)
+    load_s = time.perf_counter() - t_load
+    params = SamplingParams(seed=args.seed, min_new_tokens=args.steps, max_new_tokens=args.steps, refine_text=False)
+    engine.synthesize(items[:1], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+        torch.cuda.synchronize(engine.device)
+    t0 = time.perf_counter()
+    results = engine.synthesize(items, params)
+    wall = time.perf_counter() - t0
+    audio_s = sum(r.duration for r in results)
+    steps = sum(len(r.codes) for r in results)
+    latency = [r.elapsed_s for r in results]
+    out: dict[str, Any] = {
+        "bench": "offline",
+        "model": str(args.model),
+        "device": str(engine.device),
+        "precision": engine.precision.name,
+        "threads": torch.get_num_threads(),
+        "num_texts": n,
+        "batch_size": batch,
+        "steps": args.steps,
+        "load_s": round(load_s, 2),
+        "wall_s": round(wall, 3),
+        "audio_s": round(audio_s, 2),
+        "audio_s_per_s": round(audio_s / wall, 4),
+        "rtf": round(wall / audio_s, 4),
+        "qps": round(n / wall, 4),
+        "decode_steps_per_s": round(steps / wall, 2),
+        "latency_s": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in stats.summarize(latency).items()},
+        **peak_memory_mb(engine.device),
+    }
+    if args.reference_python:
+        ref = run_reference(args.reference_python, "offline", args.model, items, args.steps, args.threads)
+        ref["audio_s_per_s"] = round(ref["audio_s"] / ref["wall_s"], 4)
+        out["reference"] = ref
+        out["speedup_vs_reference"] = round(out["audio_s_per_s"] / ref["audio_s_per_s"], 3)
+    return out
+
+
+def plot(result: dict[str, Any], latencies_path: str) -> None:
+    lat = result["latency_s"]
+    x = [50, 90, 99]
+    series = {"ours": [lat["p50"], lat["p90"], lat["p99"]]}
+    if "reference" in result:  # one batched call: every text finishes at the end
+        series["reference"] = [result["reference"]["wall_s"]] * 3
+    stats.save_plot(
+        latencies_path,
+        x,
+        [stats.Panel("latency (s)", series)],
+        xlabel="percentile",
+        title=f"offline: {result['num_texts']} texts x {result['steps']} steps, {result['precision']}",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.plot:
+        stats.require_matplotlib()
+    try:
+        result = run(args)
+    except ValueError as exc:
+        return fail(str(exc))
+    if args.plot:
+        plot(result, args.plot)
+        result["plot"] = args.plot
+    stats.emit(result)
+    return 0

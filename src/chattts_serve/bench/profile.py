@@ -1,0 +1,170 @@
+"""``chattts-serve profile``: where the time of a request goes, stage by stage, plus a Chrome trace.
+
+Stages: normalise, tokenise, prefill, decode (GPT trunk + heads), sampling, decoder (hidden states ->
+mel), vocoder (mel -> audio), encode (audio -> the response format), and "other" (scheduling, stream
+bookkeeping: the engine loop's own Python). Each stage is timed by wrapping the one function that
+does it on this engine instance only (nothing changes for other engines), with a
+``torch.profiler.record_function`` label so the trace shows the same names; on CUDA each stage
+synchronises first, so its time is its own. ``--trace PATH`` writes the torch.profiler trace (open
+it in chrome://tracing or https://ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from collections import defaultdict
+from typing import Any
+
+from . import stats
+from .common import TEXTS, fail, peak_memory_mb, set_threads
+
+STAGES = ("normalise", "tokenise", "prefill", "decode", "sampling", "decoder", "vocoder", "encode")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..model.config import PRECISIONS
+
+    p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face repo id")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--text", default=TEXTS[0])
+    p.add_argument("--streams", type=int, default=1, help="concurrent requests (the same text, other seeds)")
+    p.add_argument("--steps", type=int, default=200, help="audio tokens per request")
+    p.add_argument("--refine", action="store_true", help="include the refine_text pass")
+    p.add_argument("--format", default="mp3", help="response format to encode: pcm, wav, mp3, opus, aac, flac")
+    p.add_argument("--trace", default=None, help="write a Chrome trace (JSON) here")
+
+
+class StageTimer:
+    """Wraps ``obj.name`` so each call adds its wall time to ``stage``."""
+
+    def __init__(self, sync) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.fn_calls: dict[str, int] = defaultdict(int)
+        self._sync = sync
+
+    def wrap(self, obj: Any, name: str, stage: str) -> None:
+        from torch.profiler import record_function
+
+        fn = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            self._sync()
+            t0 = time.perf_counter()
+            with record_function(stage):
+                out = fn(*a, **k)
+                self._sync()
+            self.seconds[stage] += time.perf_counter() - t0
+            self.calls[stage] += 1
+            self.fn_calls[name] += 1
+            return out
+
+        setattr(obj, name, timed)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..audio.encode import FORMATS, encode_whole
+    from ..audio.stream import StreamPolicy
+    from ..engine.engine import Engine
+    from ..engine.scheduler import SchedulerConfig
+    from ..sampling_params import SamplingParams
+
+    set_threads(args)
+    if args.format not in FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}")
+    if args.streams < 1 or args.steps < 1:
+        raise ValueError("--streams and --steps must be >= 1")
+    sched = SchedulerConfig(max_num_seqs=args.streams, max_model_len=args.steps + 512)
+    engine = Engine.from_pretrained(args.model, device=args.device, precision=args.precision, scheduler=sched)
+    core, dev = engine.core, engine.device
+    engine.synthesize(["你好。"], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    timer = StageTimer(sync)
+    timer.wrap(core, "normalizer", "normalise")
+    timer.wrap(core.tokenizer, "encode", "tokenise")
+    timer.wrap(core.runner, "_prefill", "prefill")
+    timer.wrap(core.runner, "_decode_trunk", "decode")
+    timer.wrap(core.runner, "_heads", "decode")
+    timer.wrap(core.runner, "_sample", "sampling")
+    timer.wrap(engine.model.decoder, "forward", "decoder")
+    timer.wrap(engine.model.vocos, "forward", "vocoder")
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(seed=1 + i, min_new_tokens=args.steps, max_new_tokens=args.steps, refine_text=args.refine)
+
+    audio: dict[str, list] = defaultdict(list)
+    steps = 0
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.streams):
+            core.add_request(f"profile-{i}", core.prepare(args.text, params(i)), StreamPolicy())
+        first = None
+        while core.has_unfinished():
+            outs = core.step()
+            steps += 1
+            for out in outs:
+                if len(out.audio) and first is None:
+                    first = time.perf_counter() - t0
+                audio[out.request_id].append(out.audio)
+        for chunks in audio.values():
+            t1 = time.perf_counter()
+            encode_whole(np.concatenate(chunks), args.format)
+            timer.seconds["encode"] += time.perf_counter() - t1
+            timer.calls["encode"] += 1
+        wall = time.perf_counter() - t0
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    staged = sum(timer.seconds.values())
+    breakdown = {
+        s: {
+            "s": round(timer.seconds.get(s, 0.0), 4),
+            "share": round(timer.seconds.get(s, 0.0) / wall, 4),
+            "calls": timer.calls.get(s, 0),
+        }
+        for s in STAGES
+    }
+    breakdown["other"] = {"s": round(wall - staged, 4), "share": round((wall - staged) / wall, 4), "calls": steps}
+    audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / 24000
+    top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return {
+        "bench": "profile",
+        "model": str(args.model),
+        "device": str(dev),
+        "precision": engine.precision.name,
+        "threads": torch.get_num_threads(),
+        "streams": args.streams,
+        "steps": args.steps,
+        "engine_steps": steps,
+        "wall_s": round(wall, 3),
+        "first_chunk_s": round(first, 3) if first is not None else None,
+        "audio_s": round(audio_s, 3),
+        "rtf": round(wall / audio_s, 4) if audio_s else None,
+        "decode_ms_per_step": round(1000 * timer.seconds["decode"] / max(1, timer.fn_calls["_decode_trunk"]), 2),
+        "stages": breakdown,
+        "trace": args.trace,
+        "top_ops": top,
+        **peak_memory_mb(dev),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        result = run(args)
+    except ValueError as exc:
+        return fail(str(exc))
+    table = result.pop("top_ops")
+    stats.emit(result)
+    import sys
+
+    print(table, file=sys.stderr)  # the op table for humans; stdout stays one JSON line
+    return 0

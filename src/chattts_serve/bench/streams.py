@@ -1,0 +1,136 @@
+"""``chattts-serve bench streams``: N concurrent streaming requests inside one process (``AsyncEngine``,
+the server's engine without HTTP), swept over N. Per level: time to first audio chunk (p50/p99),
+per-stream real-time factor, underruns (a listener who starts at the first chunk would have to wait),
+aggregate audio-seconds per wall-second. ``--reference-python``: the reference runs each level as one
+batched ``Chat.infer`` and once with ``stream=True`` (its first chunk), in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+from . import stats
+from .common import add_model_arguments, fail, peak_memory_mb, run_reference, set_threads, texts
+from .serve import simulate_playback
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--concurrency", default="1,4,8,16,32", help="comma-separated stream counts")
+
+
+async def _level(engine, items: list[str], steps: int) -> dict[str, Any]:
+    from ..sampling_params import SamplingParams
+
+    async def one(i: int, text: str):
+        params = SamplingParams(seed=100 + i, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
+        arrivals, audio, t0 = [], 0.0, time.perf_counter()
+        async for chunk in engine.stream(text, params):
+            audio += len(chunk.audio) / chunk.sample_rate
+            arrivals.append((chunk.elapsed_s, audio))
+        return arrivals, time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(one(i, t) for i, t in enumerate(items)))
+    wall = time.perf_counter() - t0
+    ttfb = [next(t for t, a in arr if a > 0) for arr, _ in res]
+    audio = [arr[-1][1] for arr, _ in res]
+    rtf = [total / a for (_, total), a in zip(res, audio, strict=True)]
+    after_first = [(total - f) / a for (_, total), f, a in zip(res, ttfb, audio, strict=True)]
+    plays = [simulate_playback(arr) for arr, _ in res]
+    r3 = lambda d: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}  # noqa: E731
+    return {
+        "n": len(items),
+        "wall_s": round(wall, 3),
+        "audio_s_per_s": round(sum(audio) / wall, 4),
+        "ttfb_s": r3(stats.summarize(ttfb)),
+        "rtf": r3(stats.summarize(rtf)),
+        "rtf_after_first_chunk": r3(stats.summarize(after_first)),
+        "underrun_streams": sum(not p.kept_up for p in plays),
+        "stall_s_max": round(max(p.stall_s for p in plays), 3),
+        "all_faster_than_real_time": max(rtf) < 1.0,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from ..engine.async_engine import AsyncEngine
+    from ..engine.scheduler import SchedulerConfig
+
+    set_threads(args)
+    levels = [int(x) for x in str(args.concurrency).split(",")]
+    if min(levels) < 1 or args.steps < 1:
+        raise ValueError("--concurrency levels and --steps must be >= 1")
+    sched = SchedulerConfig(max_num_seqs=max(levels), max_model_len=args.steps + 256)
+    engine = AsyncEngine.from_pretrained(args.model, args.device, args.precision, sched)
+    try:
+        asyncio.run(_level(engine, texts(args, 1), 8))  # warm-up
+        ours = [asyncio.run(_level(engine, texts(args, n), args.steps)) for n in levels]
+        device = engine.core.device
+    finally:
+        engine.shutdown()
+    out: dict[str, Any] = {
+        "bench": "streams",
+        "model": str(args.model),
+        "device": str(device),
+        "precision": args.precision,
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "levels": ours,
+        **peak_memory_mb(device),
+    }
+    if args.reference_python:
+        py, th = args.reference_python, args.threads
+        stream = run_reference(py, "stream", args.model, texts(args, 1), args.steps, th)
+        ref = []
+        for n in levels:
+            r = run_reference(py, "offline", args.model, texts(args, n), args.steps, th)
+            ref.append({"n": n, "wall_s": round(r["wall_s"], 3), "audio_s_per_s": round(r["audio_s"] / r["wall_s"], 4)})
+        out["reference"] = {"first_chunk_s": round(stream["first_chunk_s"], 3), "levels": ref}
+        out["throughput_ratio"] = {
+            str(o["n"]): round(o["audio_s_per_s"] / r["audio_s_per_s"], 3) for o, r in zip(ours, ref, strict=True)
+        }
+        out["first_chunk_ratio"] = round(stream["first_chunk_s"] / ours[0]["ttfb_s"]["p50"], 2)
+    return out
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    x = [lv["n"] for lv in result["levels"]]
+    thr = {"ours": [lv["audio_s_per_s"] for lv in result["levels"]]}
+    if "reference" in result:
+        thr["reference"] = [lv["audio_s_per_s"] for lv in result["reference"]["levels"]]
+    ttfb = {
+        "p50": [lv["ttfb_s"]["p50"] for lv in result["levels"]],
+        "p99": [lv["ttfb_s"]["p99"] for lv in result["levels"]],
+    }
+    rtf = {"max": [lv["rtf"]["max"] for lv in result["levels"]], "real time": [1.0] * len(x)}
+    stats.save_plot(
+        path,
+        x,
+        [
+            stats.Panel("audio-s per s", thr),
+            stats.Panel("first chunk (s)", ttfb),
+            stats.Panel("per-stream RTF", rtf),
+        ],
+        xlabel="concurrent streams",
+        title=f"streams: {result['steps']} steps each, {result['precision']}, {result['device']}",
+        logx=True,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.plot:
+        stats.require_matplotlib()
+    try:
+        result = run(args)
+    except ValueError as exc:
+        return fail(str(exc))
+    if args.plot:
+        plot(result, args.plot)
+        result["plot"] = args.plot
+    stats.emit(result)
+    return 0

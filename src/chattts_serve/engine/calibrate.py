@@ -1,0 +1,43 @@
+"""Activation ranges for ``int8-static``: run the fp32 model on sample texts and record, per linear
+layer of the GPT, the largest |input| it saw (prefill of the prompt, the refine pass and audio decode).
+
+Runs through a one-slot ``Engine`` so every projection is a plain ``nn.Linear`` that the hooks see.
+"""
+
+from __future__ import annotations
+
+from ..model.checkpoint import LoadedModel
+from ..model.quant import record_absmax
+from ..model.speaker import SpeakerStats
+from ..model.tokenizer import Tokenizer
+from ..sampling_params import RefineParams, SamplingParams
+from .scheduler import SchedulerConfig
+
+CALIBRATION_TEXTS: tuple[str, ...] = (
+    "四川美食确实以辣闻名，但也有不辣的选择，比如甜水面、赖汤圆、蛋烘糕、叶儿粑等。",
+    "The quick brown fox jumps over the lazy dog, and then it takes a long nap in the warm sun.",
+    "你好，今天我们来聊一聊 machine learning 和语音合成 [laugh] 的故事。",
+)
+
+
+def calibrate(
+    model: LoadedModel,
+    tokenizer: Tokenizer,
+    speaker_stats: SpeakerStats | None,
+    texts: tuple[str, ...] = CALIBRATION_TEXTS,
+    audio_steps: int = 48,
+    refine_steps: int = 16,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Largest |input| per ``nn.Linear`` of ``model.gpt`` (names as in ``named_modules``)."""
+    from .engine import Engine  # the engine module imports this one
+
+    engine = Engine(model, tokenizer, speaker_stats, SchedulerConfig(max_num_seqs=1, max_model_len=1024))
+    speaker = engine.sample_speaker(seed) if speaker_stats is not None else None
+    params = SamplingParams(
+        seed=seed,
+        speaker=speaker,
+        max_new_tokens=audio_steps,
+        refine=RefineParams(max_new_tokens=refine_steps),
+    )
+    return record_absmax(model.gpt, lambda: engine.synthesize(list(texts), params))

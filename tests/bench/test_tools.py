@@ -1,0 +1,169 @@
+"""The in-process bench tools (``bench offline``, ``bench streams``, ``profile``, ``eval``) through the
+real CLI on the tiny checkpoint: each prints one parseable JSON line whose numbers hang together, and
+bad flags fail cleanly. Speed itself is not checked here (benchmarks live apart from tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from chattts_serve.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(capsys, *argv: str) -> dict:
+    assert main(list(argv)) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return json.loads(lines[0])
+
+
+def test_bench_offline(tiny_ckpt, tmp_path, capsys):
+    plot = tmp_path / "offline.png"
+    r = run_cli(
+        capsys,
+        "bench",
+        "offline",
+        "--model",
+        str(tiny_ckpt),
+        "--threads",
+        "1",
+        "--num-texts",
+        "3",
+        "--steps",
+        "12",
+        "--batch-size",
+        "2",
+        "--precision",
+        "int8-static",
+        "--plot",
+        str(plot),
+    )
+    assert r["bench"] == "offline" and r["precision"] == "int8-static" and r["num_texts"] == 3
+    assert r["audio_s"] == pytest.approx(3 * (512 * 12 - 256) / 24000, abs=0.01)
+    assert r["audio_s_per_s"] == pytest.approx(r["audio_s"] / r["wall_s"], rel=0.01)
+    assert r["decode_steps_per_s"] == pytest.approx(36 / r["wall_s"], rel=0.01)
+    lat = r["latency_s"]
+    assert lat["n"] == 3 and 0 < lat["p50"] <= lat["p99"] <= r["wall_s"] + 1e-3
+    assert r["peak_rss_mb"] > 0
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_bench_streams(tiny_ckpt, tmp_path, capsys):
+    plot = tmp_path / "streams.png"
+    r = run_cli(
+        capsys,
+        "bench",
+        "streams",
+        "--model",
+        str(tiny_ckpt),
+        "--threads",
+        "1",
+        "--concurrency",
+        "1,3",
+        "--steps",
+        "40",
+        "--plot",
+        str(plot),
+    )
+    assert [lv["n"] for lv in r["levels"]] == [1, 3]
+    for lv in r["levels"]:
+        assert lv["ttfb_s"]["n"] == lv["n"] and 0 < lv["ttfb_s"]["p50"] <= lv["wall_s"]
+        assert lv["rtf"]["max"] > 0 and lv["underrun_streams"] in range(lv["n"] + 1)
+        assert lv["all_faster_than_real_time"] == (lv["rtf"]["max"] < 1)
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_profile_stages_add_up(tiny_ckpt, tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    r = run_cli(
+        capsys,
+        "profile",
+        "--model",
+        str(tiny_ckpt),
+        "--threads",
+        "1",
+        "--steps",
+        "30",
+        "--streams",
+        "2",
+        "--format",
+        "wav",
+        "--trace",
+        str(trace),
+    )
+    st = r["stages"]
+    assert set(st) == {
+        "normalise",
+        "tokenise",
+        "prefill",
+        "decode",
+        "sampling",
+        "decoder",
+        "vocoder",
+        "encode",
+        "other",
+    }
+    assert st["prefill"]["calls"] == 2 and st["sampling"]["calls"] >= 30 and st["encode"]["calls"] == 2
+    assert sum(s["s"] for s in st.values()) == pytest.approx(r["wall_s"], abs=0.01)
+    assert st["other"]["s"] >= -0.01
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"prefill", "decode", "sampling", "vocoder"} <= names
+
+
+def test_eval_fp32_against_itself_is_perfect_and_modes_are_bounded(tiny_ckpt, capsys):
+    r = run_cli(
+        capsys,
+        "eval",
+        "--model",
+        str(tiny_ckpt),
+        "--threads",
+        "1",
+        "--steps",
+        "16",
+        "--num-texts",
+        "2",
+        "--modes",
+        "fp32,int8-static",
+    )
+    exact, static = r["modes"]
+    assert exact["precision"] == "fp32"
+    assert exact["tf_top1_agreement"] == 1.0 and exact["tf_kl_nats"] == 0.0
+    assert exact["free_run_code_agreement"] == 1.0 and exact["wav_snr_db"] is None  # inf: identical audio
+    assert 0 <= static["tf_top1_agreement"] <= 1 and static["tf_kl_nats"] > 0
+    assert static["wav_snr_db"] is not None and "| int8-static |" in r["markdown"]
+
+
+def test_bad_flags_fail_cleanly(tiny_ckpt, capsys):
+    assert main(["eval", "--model", str(tiny_ckpt), "--modes", "fp16"]) == 2
+    assert "fp16 needs a CUDA device" in capsys.readouterr().err
+    assert main(["bench", "offline", "--model", str(tiny_ckpt), "--num-texts", "0"]) == 2
+    assert main(["profile", "--model", str(tiny_ckpt), "--format", "ogg"]) == 2
+
+
+@pytest.mark.reference
+@pytest.mark.skipif(not os.environ.get("CHATTTS_REFERENCE_PYTHON"), reason="needs CHATTTS_REFERENCE_PYTHON")
+def test_offline_side_by_side_with_the_reference(tiny_ckpt, capsys):
+    r = run_cli(
+        capsys,
+        "bench",
+        "offline",
+        "--model",
+        str(tiny_ckpt),
+        "--threads",
+        "1",
+        "--num-texts",
+        "2",
+        "--steps",
+        "10",
+        "--reference-python",
+        os.environ["CHATTTS_REFERENCE_PYTHON"],
+    )
+    ref = r["reference"]
+    assert ref["n"] == 2 and ref["steps"] == 10 and ref["wall_s"] > 0
+    assert ref["audio_s"] == pytest.approx(r["audio_s"], rel=0.05)  # same texts, same lengths
+    assert r["speedup_vs_reference"] == pytest.approx(r["audio_s_per_s"] / ref["audio_s_per_s"], rel=0.01)
