@@ -26,6 +26,7 @@ from ..audio.stream import StreamPolicy
 from ..model import checkpoint
 from ..model.checkpoint import LoadedModel
 from ..model.config import SAMPLE_RATE
+from ..model.gpt import fuse_projections_
 from ..model.quant import PrecisionSpec, apply_precision_, check_supported, parse_precision
 from ..model.speaker import SpeakerStats, encode_prompt_codes, encode_speaker
 from ..model.tokenizer import Tokenizer
@@ -98,15 +99,17 @@ class Engine:
         check_supported(spec, device)
         # Every mode starts from the fp32 weights (int8 scales are taken from them, not from bf16).
         model = checkpoint.load(path_or_repo, device=device, dtype=torch.float32)
+        if scheduler is None:
+            if max_batch_size is None:  # as many KV slots as half the free memory holds
+                max_batch_size = auto_num_slots(model, SchedulerConfig().max_model_len, device, spec.trunk_dtype)
+                logger.info("KV cache: %d slots sized from free memory", max_batch_size)
+            scheduler = SchedulerConfig(max_num_seqs=max_batch_size)
+        if spec.name != "fp32" or scheduler.max_num_seqs > 1:
+            fuse_projections_(model.gpt)  # not on the reference-exact path (fp32, one slot)
         tokenizer = Tokenizer(model.root / checkpoint.TOKENIZER_DIR)
         stats = _speaker_stats(model)
         absmax = calibrate(model, tokenizer, stats) if spec.int8 == "static" else None
         apply_precision_(model.gpt, spec, device, absmax)
-        if scheduler is None:
-            if max_batch_size is None:  # as many KV slots as half the free memory holds
-                max_batch_size = auto_num_slots(model, SchedulerConfig().max_model_len, device)
-                logger.info("KV cache: %d slots sized from free memory", max_batch_size)
-            scheduler = SchedulerConfig(max_num_seqs=max_batch_size)
         return cls(model, tokenizer, stats, scheduler, spec, runner)
 
     @property

@@ -51,7 +51,9 @@ def kv_bytes_per_slot(model: LoadedModel, max_len: int, dtype: torch.dtype) -> i
     return 2 * g.num_layers * g.num_kv_heads * g.head_dim * max_len * torch.empty(0, dtype=dtype).element_size()
 
 
-def auto_num_slots(model: LoadedModel, max_len: int, device: torch.device, fraction: float = 0.5) -> int:
+def auto_num_slots(
+    model: LoadedModel, max_len: int, device: torch.device, dtype: torch.dtype, fraction: float = 0.5
+) -> int:
     """KV slots that fit in ``fraction`` of the free device memory (host RAM on CPU), 1..256."""
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
@@ -59,7 +61,7 @@ def auto_num_slots(model: LoadedModel, max_len: int, device: torch.device, fract
         import os
 
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    per_slot = kv_bytes_per_slot(model, max_len, model.gpt.norm.weight.dtype)
+    per_slot = kv_bytes_per_slot(model, max_len, dtype)
     return max(1, min(256, int(free * fraction // per_slot)))
 
 

@@ -95,6 +95,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # set by fuse_projections_
+        self._qkv_sizes = (cfg.num_heads * cfg.head_dim, *(2 * [cfg.num_kv_heads * cfg.head_dim]))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split(self._qkv_sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(
         self,
@@ -107,9 +114,10 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None,  # [B, 1, T, start + T] bool, or None = plain causal
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        q = self.q_proj(x).view(bsz, seqlen, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
+        q = q.reshape(bsz, seqlen, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(bsz, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(bsz, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         end = start + seqlen
@@ -159,9 +167,10 @@ class Attention(nn.Module):
         makes, so a row's result never depends on the other rows (batch invariance).
         """
         m = x.shape[0]
-        q = self.q_proj(x).view(m, self.num_heads, 1, self.head_dim)
-        k = self.k_proj(x).view(m, self.num_kv_heads, 1, self.head_dim)
-        v = self.v_proj(x).view(m, self.num_kv_heads, 1, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.reshape(m, self.num_heads, 1, self.head_dim)
+        k = k.reshape(m, self.num_kv_heads, 1, self.head_dim)
+        v = v.reshape(m, self.num_kv_heads, 1, self.head_dim)
         cos, sin = cos[:, None, None], sin[:, None, None]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -195,9 +204,10 @@ class Attention(nn.Module):
         scratch position past the real ones by the caller."""
         m = x.shape[0]
         ctx = mask.shape[-1]
-        q = self.q_proj(x).view(m, self.num_heads, 1, self.head_dim)
-        k = self.k_proj(x).view(m, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(m, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.reshape(m, self.num_heads, 1, self.head_dim)
+        k = k.reshape(m, self.num_kv_heads, self.head_dim)
+        v = v.reshape(m, self.num_kv_heads, self.head_dim)
         cos, sin = cos[:, None, None], sin[:, None, None]
         q = q * cos + rotate_half(q) * sin
         k = (k[:, :, None] * cos + rotate_half(k[:, :, None]) * sin)[:, :, 0]
@@ -219,8 +229,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections_
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -333,3 +347,25 @@ class GPT(nn.Module):
         for layer in self.layers:
             h = layer.decode_static(h, cos, sin, cache, positions, mask)
         return self.norm(h)
+
+
+def _concat(*linears: nn.Linear) -> nn.Linear:
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    return fused
+
+
+def fuse_projections_(gpt: GPT) -> None:
+    """q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (in place): 4 matmuls per layer
+    instead of 7, and for int8 modes one activation quantisation instead of three. Every output is the
+    same dot product as before, but the BLAS may block a wider matrix differently, so the reference-exact
+    path (fp32, one slot) keeps the separate projections."""
+    for layer in gpt.layers:
+        a, m = layer.self_attn, layer.mlp
+        if a.qkv_proj is None:
+            a.qkv_proj = _concat(a.q_proj, a.k_proj, a.v_proj)
+            del a.q_proj, a.k_proj, a.v_proj
+        if m.gate_up_proj is None:
+            m.gate_up_proj = _concat(m.gate_proj, m.up_proj)
+            del m.gate_proj, m.up_proj
