@@ -111,6 +111,7 @@ def test_profile_stages_add_up(tiny_ckpt, tmp_path, capsys):
     assert st["prefill"]["calls"] == 2 and st["sampling"]["calls"] >= 30 and st["encode"]["calls"] == 2
     assert sum(s["s"] for s in st.values()) == pytest.approx(r["wall_s"], abs=0.01)
     assert st["other"]["s"] >= -0.01
+    assert r["weight_mb"] > 0 and r["weight_read_floor_ms"] > 0 and r["floor_ratio"] > 0
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"prefill", "decode", "sampling", "vocoder"} <= names
 

@@ -25,8 +25,8 @@ def calibrate(
     tokenizer: Tokenizer,
     speaker_stats: SpeakerStats | None,
     texts: tuple[str, ...] = CALIBRATION_TEXTS,
-    audio_steps: int = 48,
-    refine_steps: int = 16,
+    audio_steps: int = 32,
+    refine_steps: int = 8,
     seed: int = 0,
 ) -> dict[str, float]:
     """Largest |input| per ``nn.Linear`` of ``model.gpt`` (names as in ``named_modules``)."""

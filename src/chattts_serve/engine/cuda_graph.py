@@ -84,7 +84,7 @@ class StaticDecoder:
             # One specialisation per (batch, ctx) bucket; dynamo's default limit (8) would fall back to eager.
             n_shapes = len(self.batch_sizes) * len(self.ctx_sizes)
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, n_shapes + 8)
-            self.fn = torch.compile(gpt.decode_static, dynamic=False, fullgraph=True)
+            self.fn = torch.compile(gpt.decode_static, dynamic=False)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.use_graphs = use_graphs and self.device.type == "cuda"
         if self.use_graphs:

@@ -142,7 +142,10 @@ class DynamicInt8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = _fbgemm_pack(linear)
 
+    @torch.compiler.disable  # fbgemm's packed weights are opaque to dynamo: a graph break, run eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            return torch.ops.quantized.linear_dynamic(x, self.packed, True)
         shape = x.shape
         y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float().contiguous(), self.packed, True)
         return y.reshape(*shape[:-1], self.out_features)
@@ -163,9 +166,12 @@ class StaticInt8Linear(nn.Module):
         self.packed = _fbgemm_pack(linear)
         self.x_scale = max(float(absmax), 1e-6) / 63.0
 
+    @torch.compiler.disable  # (see DynamicInt8Linear.forward)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
         op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            return op(x, self.x_scale, self.ZERO_POINT, self.packed)
+        shape = x.shape
         y = op(x.reshape(-1, shape[-1]).float().contiguous(), self.x_scale, self.ZERO_POINT, self.packed)
         return y.reshape(*shape[:-1], self.out_features)
 
