@@ -22,6 +22,9 @@ class ServerConfig:
     """auto (CUDA if available, else CPU), cpu, cuda, cuda:1, ..."""
     precision: str = "fp32"
     """GPT precision: fp32, bf16, fp16 (CUDA), int8, int8-dynamic (CPU), int8-static (CPU)."""
+    decode: str = "auto"
+    """Decode step: rows (per-sequence attention, batch-invariant; CPU default) or static (fixed shapes,
+    CUDA graphs; CUDA default; on CPU ~15% faster at 16 streams but not batch-invariant)."""
     cuda_graphs: bool = True
     """Capture the decode step in CUDA graphs (CUDA only)."""
     compile: bool = False
@@ -51,6 +54,12 @@ class ServerConfig:
     """torch CPU threads; 0 = torch's default."""
 
     def __post_init__(self) -> None:
+        from .model.config import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
+        if self.decode not in ("auto", "rows", "static"):
+            raise ValueError(f"decode must be auto, rows or static; got {self.decode!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         for name in (

@@ -168,3 +168,18 @@ def test_offline_side_by_side_with_the_reference(tiny_ckpt, capsys):
     assert ref["n"] == 2 and ref["steps"] == 10 and ref["wall_s"] > 0
     assert ref["audio_s"] == pytest.approx(r["audio_s"], rel=0.05)  # same texts, same lengths
     assert r["speedup_vs_reference"] == pytest.approx(r["audio_s_per_s"] / ref["audio_s_per_s"], rel=0.01)
+
+
+@pytest.mark.parametrize(("precision", "slots", "per_weight"), [("fp32", 1, 4), ("fp32", 2, 4), ("int8-dynamic", 2, 1)])
+def test_profile_weight_bytes_per_mode(tiny_ckpt, precision, slots, per_weight):
+    from chattts_serve.bench.profile import weight_bytes
+    from chattts_serve.engine.engine import Engine
+
+    e = Engine.from_pretrained(tiny_ckpt, precision=precision, max_batch_size=slots)
+    g = e.model.config.gpt
+    n = g.num_layers * (
+        g.hidden_size * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim
+        + g.num_heads * g.head_dim * g.hidden_size
+        + 3 * g.hidden_size * g.intermediate_size
+    )
+    assert weight_bytes(e.model.gpt) == n * per_weight

@@ -300,3 +300,15 @@ def test_sigterm_drains_the_stream_and_exits(tiny_ckpt, tmp_path_factory):
     assert "Traceback" not in log, log
     with pytest.raises(httpx.TransportError):
         httpx.get(srv.base + "/health", timeout=2)
+
+
+def test_server_config_refuses_unknown_precision_and_decode():
+    import pytest
+
+    from chattts_serve.config import ServerConfig
+
+    with pytest.raises(ValueError, match="precision must be one of"):
+        ServerConfig(precision="int4")
+    with pytest.raises(ValueError, match="decode must be"):
+        ServerConfig(decode="graph")
+    assert ServerConfig.from_env({"CHATTTS_SERVE_PRECISION": "int8-static"}).precision == "int8-static"

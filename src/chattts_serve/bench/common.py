@@ -31,6 +31,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_runner_arguments(p)
     p.add_argument("--steps", type=int, default=STEPS_10S, help="audio tokens per text (min = max); 469 = 10 s")
     p.add_argument("--texts-file", default=None, help="UTF-8, one text per line (default: built-in texts)")
     p.add_argument("--plot", default=None, help="write a PNG here")
@@ -40,6 +41,23 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="python of an environment with chattts==0.2.5: also run the reference on the same texts, same "
         "checkpoint, in this run, and print ratios",
     )
+
+
+def add_runner_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--decode",
+        default="auto",
+        choices=("auto", "rows", "static"),
+        help="decode step: rows (batch-invariant; CPU default) or static (CUDA-graph shape; CUDA default)",
+    )
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the static step eagerly")
+    p.add_argument("--compile", action="store_true", help="torch.compile the static decode step")
+
+
+def runner_config(args: argparse.Namespace):
+    from ..engine.cuda_graph import RunnerConfig
+
+    return RunnerConfig(decode=args.decode, cuda_graphs=args.cuda_graphs, compile=args.compile)
 
 
 def texts(args: argparse.Namespace, n: int) -> list[str]:

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from . import stats
-from .common import add_model_arguments, fail, peak_memory_mb, run_reference, set_threads, texts
+from .common import add_model_arguments, fail, peak_memory_mb, run_reference, runner_config, set_threads, texts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     items = texts(args, n)
     sched = SchedulerConfig(max_num_seqs=batch, max_model_len=args.steps + 256, max_waiting=max(1024, n))
     t_load = time.perf_counter()
-    engine = Engine.from_pretrained(args.model, device=args.device, precision=args.precision, scheduler=sched)
+    engine = Engine.from_pretrained(
+        args.model, device=args.device, precision=args.precision, scheduler=sched, runner=runner_config(args)
+    )
     load_s = time.perf_counter() - t_load
     params = SamplingParams(seed=args.seed, min_new_tokens=args.steps, max_new_tokens=args.steps, refine_text=False)
     engine.synthesize(items[:1], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model),
         "device": str(engine.device),
         "precision": engine.precision.name,
+        "decode": engine.core.runner.decode_mode,
         "threads": torch.get_num_threads(),
         "num_texts": n,
         "batch_size": batch,

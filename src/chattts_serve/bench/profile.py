@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import stats
-from .common import TEXTS, fail, peak_memory_mb, set_threads
+from .common import TEXTS, add_runner_arguments, fail, peak_memory_mb, runner_config, set_threads
 
 STAGES = ("normalise", "tokenise", "prefill", "decode", "sampling", "decoder", "vocoder", "encode")
 
@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--threads", type=int, default=None)
+    add_runner_arguments(p)
     p.add_argument("--text", default=TEXTS[0])
     p.add_argument("--streams", type=int, default=1, help="concurrent requests (the same text, other seeds)")
     p.add_argument("--steps", type=int, default=200, help="audio tokens per request")
@@ -85,7 +86,9 @@ def weight_bytes(gpt) -> int:
     for m in gpt.modules():
         if hasattr(m, "in_features") and hasattr(m, "out_features"):
             w = getattr(m, "weight", None)
-            per = 1 if not isinstance(w, torch.Tensor) or w.dtype == torch.int8 else w.element_size()
+            if not isinstance(w, torch.Tensor):  # oneDNN-packed float weights, or fbgemm's int8 ones
+                w = getattr(m, "packed", None)
+            per = w.element_size() if isinstance(w, torch.Tensor) else 1
             total += m.in_features * m.out_features * per
     return total
 
@@ -124,7 +127,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if slots < 1:
         raise ValueError("--batch-size must be >= 1")
     sched = SchedulerConfig(max_num_seqs=slots, max_model_len=args.steps + 512)
-    engine = Engine.from_pretrained(args.model, device=args.device, precision=args.precision, scheduler=sched)
+    engine = Engine.from_pretrained(
+        args.model, device=args.device, precision=args.precision, scheduler=sched, runner=runner_config(args)
+    )
     core, dev = engine.core, engine.device
     engine.synthesize(["你好。"], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -193,6 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model),
         "device": str(dev),
         "precision": engine.precision.name,
+        "decode": engine.core.runner.decode_mode,
         "threads": torch.get_num_threads(),
         "streams": args.streams,
         "batch_size": slots,

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from . import stats
-from .common import add_model_arguments, fail, peak_memory_mb, run_reference, set_threads, texts
+from .common import add_model_arguments, fail, peak_memory_mb, run_reference, runner_config, set_threads, texts
 from .serve import simulate_playback
 
 
@@ -66,11 +66,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if min(levels) < 1 or args.steps < 1:
         raise ValueError("--concurrency levels and --steps must be >= 1")
     sched = SchedulerConfig(max_num_seqs=max(levels), max_model_len=args.steps + 256)
-    engine = AsyncEngine.from_pretrained(args.model, args.device, args.precision, sched)
+    engine = AsyncEngine.from_pretrained(args.model, args.device, args.precision, sched, runner=runner_config(args))
     try:
         asyncio.run(_level(engine, texts(args, 1), 8))  # warm-up
         ours = [asyncio.run(_level(engine, texts(args, n), args.steps)) for n in levels]
         device = engine.core.device
+        decode = engine.core.runner.decode_mode
     finally:
         engine.shutdown()
     out: dict[str, Any] = {
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model),
         "device": str(device),
         "precision": args.precision,
+        "decode": decode,
         "threads": torch.get_num_threads(),
         "steps": args.steps,
         "levels": ours,

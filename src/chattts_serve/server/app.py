@@ -55,7 +55,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
             sched = SchedulerConfig(
                 max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, max_waiting=config.max_waiting
             )
-            runner = RunnerConfig(cuda_graphs=config.cuda_graphs, compile=config.compile)
+            runner = RunnerConfig(decode=config.decode, cuda_graphs=config.cuda_graphs, compile=config.compile)
             eng = await asyncio.to_thread(
                 AsyncEngine.from_pretrained, config.model, _device(config.device), config.precision, sched, None, runner
             )
