@@ -24,8 +24,10 @@ from ..model.config import SAMPLES_PER_TOKEN
 
 @dataclass(frozen=True, slots=True)
 class StreamPolicy:
-    first_chunk: int = 12
-    """Steps in the first chunk (12 steps = 256 ms of audio)."""
+    first_chunk: int = 4
+    """Steps in the first chunk (4 steps = 85 ms of audio). The first audio leaves after
+    ``first_chunk + lookahead`` steps; a small first chunk costs no seam quality (full-size model,
+    120 steps: seams 56.9 dB at 4 vs 56.8 dB at 12), while a short lookahead would (7 dB at 2)."""
     max_chunk: int = 96
     """Chunks grow x2 per chunk up to this many steps."""
     left_context: int = 16
