@@ -201,16 +201,22 @@ class Attention(nn.Module):
                 scale=self.head_dim**-0.5,
             )
             return self.o_proj(out.reshape(1, self.num_heads * self.head_dim))
-        out = torch.zeros(m, self.num_heads, 1, self.head_dim, dtype=x.dtype, device=x.device)
+        n = len(slots)
+        # Every row's new key/value in one indexed write (a copy: the same values as row by row).
+        where = (torch.tensor(slots, device=x.device), torch.tensor(lengths, device=x.device))
+        k_cache[where[0], :, where[1]] = k[:n, :, 0]
+        v_cache[where[0], :, where[1]] = v[:n, :, 0]
+        outs = []
         for row, (slot, pos) in enumerate(zip(slots, lengths, strict=True)):
-            k_cache[slot, :, pos] = k[row, :, 0]
-            v_cache[slot, :, pos] = v[row, :, 0]
             keys, values = k_cache[slot : slot + 1, :, : pos + 1], v_cache[slot : slot + 1, :, : pos + 1]
             if rep > 1:
                 keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-            out[row] = F.scaled_dot_product_attention(
-                q[row : row + 1], keys, values, dropout_p=0.0, scale=self.head_dim**-0.5
-            )[0]
+            outs.append(
+                F.scaled_dot_product_attention(q[row : row + 1], keys, values, dropout_p=0.0, scale=self.head_dim**-0.5)
+            )
+        if m > n:  # padding rows (pad_rows_to): zeros, as before
+            outs.append(q.new_zeros(m - n, self.num_heads, 1, self.head_dim))
+        out = torch.cat(outs)
         return self.o_proj(out.reshape(m, self.num_heads * self.head_dim))
 
     def decode_static(
