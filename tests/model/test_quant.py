@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from chattts_serve.model.linear import swap_linears_
 from chattts_serve.model.quant import (
     DynamicInt8Linear,
     Int8Linear,
@@ -15,7 +16,6 @@ from chattts_serve.model.quant import (
     parse_precision,
     quantize_weight,
     record_absmax,
-    swap_linears_,
 )
 
 CPU = torch.device("cpu")

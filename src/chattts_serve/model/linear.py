@@ -9,6 +9,8 @@ not bit-identical to MKL's GEMV, so the engine keeps plain ``F.linear`` in its r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,16 +55,22 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
 
-def pack_linears_(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` inside ``module`` by a ``PackedLinear`` (in place); returns how many."""
+def swap_linears_(module: nn.Module, make: Callable[[str, nn.Linear], nn.Module], prefix: str = "") -> int:
+    """Replace every ``nn.Linear`` under ``module`` by ``make(qualified_name, linear)``; returns the count."""
     count = 0
     for name, child in list(module.named_children()):
+        qual = f"{prefix}{name}"
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, make(qual, child))
             count += 1
         else:
-            count += pack_linears_(child)
+            count += swap_linears_(child, make, qual + ".")
     return count
+
+
+def pack_linears_(module: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``module`` by a ``PackedLinear`` (in place); returns how many."""
+    return swap_linears_(module, lambda _name, lin: PackedLinear(lin))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:

@@ -25,7 +25,7 @@ call from the whole batch (so a row's result depends on its neighbours: not batc
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import PRECISIONS
+from .linear import swap_linears_
 
 Precision = Literal["fp32", "bf16", "fp16", "int8", "int8-dynamic", "int8-static"]
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -180,19 +181,6 @@ class StaticInt8Linear(nn.Module):
 # Module swap
 
 
-def swap_linears_(module: nn.Module, make: Callable[[str, nn.Linear], nn.Module], prefix: str = "") -> int:
-    """Replace every ``nn.Linear`` under ``module`` by ``make(qualified_name, linear)``; returns the count."""
-    count = 0
-    for name, child in list(module.named_children()):
-        qual = f"{prefix}{name}"
-        if isinstance(child, nn.Linear):
-            setattr(module, name, make(qual, child))
-            count += 1
-        else:
-            count += swap_linears_(child, make, qual + ".")
-    return count
-
-
 def record_absmax(module: nn.Module, run: Callable[[], None]) -> dict[str, float]:
     """Largest |input| seen by each ``nn.Linear`` under ``module`` while ``run()`` executes."""
     seen: dict[str, float] = {}
@@ -233,7 +221,3 @@ def apply_precision_(
     # frequencies) stay fp32.
     for p in gpt.parameters():
         p.data = p.data.to(spec.trunk_dtype)
-
-
-def int8_linears(module: nn.Module) -> Iterable[nn.Module]:
-    return (m for m in module.modules() if isinstance(m, (Int8Linear, DynamicInt8Linear, StaticInt8Linear)))
