@@ -9,10 +9,12 @@ import resource
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..model.config import PRECISIONS
+from . import stats
 
 # ~10 s each when spoken; with random weights the length is fixed by --steps anyway.
 TEXTS: tuple[str, ...] = (
@@ -110,3 +112,23 @@ def set_threads(args: argparse.Namespace) -> None:
 def fail(msg: str) -> int:
     print(f"chattts-serve bench: error: {msg}", file=sys.stderr)
     return 2
+
+
+def run_tool(
+    args: argparse.Namespace,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    plot: Callable[[dict[str, Any], str], bool] | None = None,
+) -> int:
+    """The ``main`` of every in-process bench tool: fail before a long run if a plot was asked for and
+    cannot be drawn, run, draw (``plot`` says whether it drew), print one JSON line. A ValueError (bad
+    flags) exits 2 with its message."""
+    if args.plot:
+        stats.require_matplotlib()
+    try:
+        result = run(args)
+    except ValueError as exc:
+        return fail(str(exc))
+    if args.plot and plot is not None and plot(result, args.plot):
+        result["plot"] = args.plot
+    stats.emit(result)
+    return 0

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..model.config import PRECISIONS
 from . import stats
-from .common import TEXTS, fail, set_threads
+from .common import TEXTS, run_tool, set_threads
 
 DEFAULT_MODES = ("bf16", "int8", "int8-dynamic", "int8-static")
 
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         del eng
         gc.collect()
-    return {
+    result = {
         "bench": "eval",
         "model": str(args.model),
         "device": str(device),
@@ -170,6 +170,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "modes": rows,
     }
+    result["markdown"] = markdown_table(result)
+    return result
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -186,32 +188,28 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join([head, *lines])
 
 
+def plot(result: dict[str, Any], path: str) -> bool:
+    if not result["modes"]:
+        return False
+    names = [r["precision"] for r in result["modes"]]
+    stats.save_plot(
+        path,
+        list(range(len(names))),
+        [
+            stats.Panel(
+                "agreement",
+                {
+                    "teacher-forced top-1": [r["tf_top1_agreement"] for r in result["modes"]],
+                    "free-run codes": [r["free_run_code_agreement"] for r in result["modes"]],
+                },
+            ),
+            stats.Panel("waveform SNR (dB)", {"vs fp32": [r["wav_snr_db"] for r in result["modes"]]}),
+        ],
+        xlabel=" / ".join(f"{i}={n}" for i, n in enumerate(names)),
+        title=f"quality vs fp32 ({result['num_texts']} texts x {result['steps']} steps)",
+    )
+    return True
+
+
 def main(args: argparse.Namespace) -> int:
-    if args.plot:
-        stats.require_matplotlib()
-    try:
-        result = run(args)
-    except ValueError as exc:
-        return fail(str(exc))
-    if args.plot and result["modes"]:
-        names = [r["precision"] for r in result["modes"]]
-        stats.save_plot(
-            args.plot,
-            list(range(len(names))),
-            [
-                stats.Panel(
-                    "agreement",
-                    {
-                        "teacher-forced top-1": [r["tf_top1_agreement"] for r in result["modes"]],
-                        "free-run codes": [r["free_run_code_agreement"] for r in result["modes"]],
-                    },
-                ),
-                stats.Panel("waveform SNR (dB)", {"vs fp32": [r["wav_snr_db"] for r in result["modes"]]}),
-            ],
-            xlabel=" / ".join(f"{i}={n}" for i, n in enumerate(names)),
-            title=f"quality vs fp32 ({result['num_texts']} texts x {result['steps']} steps)",
-        )
-        result["plot"] = args.plot
-    result["markdown"] = markdown_table(result)
-    stats.emit(result)
-    return 0
+    return run_tool(args, run, plot)

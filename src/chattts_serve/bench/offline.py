@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from . import stats
-from .common import add_model_arguments, fail, peak_memory_mb, run_reference, runner_config, set_threads, texts
+from .common import add_model_arguments, peak_memory_mb, run_reference, run_tool, runner_config, set_threads, texts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def plot(result: dict[str, Any], latencies_path: str) -> None:
+def plot(result: dict[str, Any], latencies_path: str) -> bool:
     lat = result["latency_s"]
     x = [50, 90, 99]
     series = {"ours": [lat["p50"], lat["p90"], lat["p99"]]}
@@ -93,17 +93,8 @@ def plot(result: dict[str, Any], latencies_path: str) -> None:
         xlabel="percentile",
         title=f"offline: {result['num_texts']} texts x {result['steps']} steps, {result['precision']}",
     )
+    return True
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.plot:
-        stats.require_matplotlib()
-    try:
-        result = run(args)
-    except ValueError as exc:
-        return fail(str(exc))
-    if args.plot:
-        plot(result, args.plot)
-        result["plot"] = args.plot
-    stats.emit(result)
-    return 0
+    return run_tool(args, run, plot)

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from . import stats
-from .common import add_model_arguments, fail, peak_memory_mb, run_reference, runner_config, set_threads, texts
+from .common import add_model_arguments, peak_memory_mb, run_reference, run_tool, runner_config, set_threads, texts
 from .serve import simulate_playback
 
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def plot(result: dict[str, Any], path: str) -> None:
+def plot(result: dict[str, Any], path: str) -> bool:
     x = [lv["n"] for lv in result["levels"]]
     thr = {"ours": [lv["audio_s_per_s"] for lv in result["levels"]]}
     if "reference" in result:
@@ -122,17 +122,8 @@ def plot(result: dict[str, Any], path: str) -> None:
         title=f"streams: {result['steps']} steps each, {result['precision']}, {result['device']}",
         logx=True,
     )
+    return True
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.plot:
-        stats.require_matplotlib()
-    try:
-        result = run(args)
-    except ValueError as exc:
-        return fail(str(exc))
-    if args.plot:
-        plot(result, args.plot)
-        result["plot"] = args.plot
-    stats.emit(result)
-    return 0
+    return run_tool(args, run, plot)
