@@ -156,6 +156,26 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
+    def rotated_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token per row: x [M, hidden], cos/sin [M, 1, 1, head_dim] -> q [M, heads, 1, head_dim]
+        and k, v [M, kv_heads, 1, head_dim], q and k rotated."""
+        m = x.shape[0]
+        if self.qkv_proj is not None:
+            # Rotate q and k in one go: they are adjacent columns of the fused projection's output.
+            qkv = self.qkv_proj(x)
+            nq = self.num_heads + self.num_kv_heads
+            qk = qkv[:, : nq * self.head_dim].reshape(m, nq, 1, self.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin
+            v = qkv[:, nq * self.head_dim :].reshape(m, self.num_kv_heads, 1, self.head_dim)
+            return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+        q, k, v = self.project(x)
+        q = q.reshape(m, self.num_heads, 1, self.head_dim)
+        k = k.reshape(m, self.num_kv_heads, 1, self.head_dim)
+        v = v.reshape(m, self.num_kv_heads, 1, self.head_dim)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
     def decode(
         self,
         x: torch.Tensor,  # [M, hidden]; rows >= len(slots) are padding
@@ -164,48 +184,20 @@ class Attention(nn.Module):
         cache: KVCache,
         slots: list[int],
         lengths: list[int],  # cache positions already written per row; the new token goes there
+        where: tuple[torch.Tensor, torch.Tensor],  # slots and lengths as device tensors
     ) -> torch.Tensor:
         """One new token per row, each row at its own position in its own slot.
 
         Attention runs row by row over exactly that row's keys, with the same call a batch-1 decode
         makes, so a row's result never depends on the other rows (batch invariance).
         """
-        m = x.shape[0]
-        # cos/sin arrive as [M, 1, 1, head_dim] (shaped once per step by GPT.decode).
-        if self.qkv_proj is not None:
-            # Rotate q and k in one go: they are adjacent columns of the fused projection's output.
-            qkv = self.qkv_proj(x)
-            nq = self.num_heads + self.num_kv_heads
-            qk = qkv[:, : nq * self.head_dim].reshape(m, nq, 1, self.head_dim)
-            qk = qk * cos + rotate_half(qk) * sin
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            v = qkv[:, nq * self.head_dim :].reshape(m, self.num_kv_heads, 1, self.head_dim)
-        else:
-            q, k, v = self.project(x)
-            q = q.reshape(m, self.num_heads, 1, self.head_dim)
-            k = k.reshape(m, self.num_kv_heads, 1, self.head_dim)
-            v = v.reshape(m, self.num_kv_heads, 1, self.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+        m, n = x.shape[0], len(slots)
+        q, k, v = self.rotated_qkv(x, cos, sin)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        rep = self.num_heads // self.num_kv_heads
-        if m == 1 and rep == 1:  # one sequence: no output buffer, no copies
-            slot, pos = slots[0], lengths[0]
-            k_cache[slot, :, pos] = k[0, :, 0]
-            v_cache[slot, :, pos] = v[0, :, 0]
-            out = F.scaled_dot_product_attention(
-                q,
-                k_cache[slot : slot + 1, :, : pos + 1],
-                v_cache[slot : slot + 1, :, : pos + 1],
-                dropout_p=0.0,
-                scale=self.head_dim**-0.5,
-            )
-            return self.o_proj(out.reshape(1, self.num_heads * self.head_dim))
-        n = len(slots)
         # Every row's new key/value in one indexed write (a copy: the same values as row by row).
-        where = (torch.tensor(slots, device=x.device), torch.tensor(lengths, device=x.device))
         k_cache[where[0], :, where[1]] = k[:n, :, 0]
         v_cache[where[0], :, where[1]] = v[:n, :, 0]
+        rep = self.num_heads // self.num_kv_heads
         outs = []
         for row, (slot, pos) in enumerate(zip(slots, lengths, strict=True)):
             keys, values = k_cache[slot : slot + 1, :, : pos + 1], v_cache[slot : slot + 1, :, : pos + 1]
@@ -214,15 +206,15 @@ class Attention(nn.Module):
             outs.append(
                 F.scaled_dot_product_attention(q[row : row + 1], keys, values, dropout_p=0.0, scale=self.head_dim**-0.5)
             )
-        if m > n:  # padding rows (pad_rows_to): zeros, as before
+        if m > n:  # padding rows (pad_rows_to): zeros
             outs.append(q.new_zeros(m - n, self.num_heads, 1, self.head_dim))
-        out = torch.cat(outs)
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self.o_proj(out.reshape(m, self.num_heads * self.head_dim))
 
     def decode_static(
         self,
         x: torch.Tensor,  # [B, hidden]: row b decodes the sequence in cache slot b
-        cos: torch.Tensor,  # [B, head_dim]
+        cos: torch.Tensor,  # [B, 1, 1, head_dim]
         sin: torch.Tensor,
         cache: KVCache,
         positions: torch.Tensor,  # [B] int64: where row b's new token goes
@@ -235,17 +227,11 @@ class Attention(nn.Module):
         scratch position past the real ones by the caller."""
         m = x.shape[0]
         ctx = mask.shape[-1]
-        q, k, v = self.project(x)
-        q = q.reshape(m, self.num_heads, 1, self.head_dim)
-        k = k.reshape(m, self.num_kv_heads, self.head_dim)
-        v = v.reshape(m, self.num_kv_heads, self.head_dim)
-        cos, sin = cos[:, None, None], sin[:, None, None]
-        q = q * cos + rotate_half(q) * sin
-        k = (k[:, :, None] * cos + rotate_half(k[:, :, None]) * sin)[:, :, 0]
+        q, k, v = self.rotated_qkv(x, cos, sin)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
         rows = torch.arange(m, device=x.device)
-        k_cache[rows, :, positions] = k
-        v_cache[rows, :, positions] = v
+        k_cache[rows, :, positions] = k[:, :, 0]
+        v_cache[rows, :, positions] = v[:, :, 0]
         keys, values = k_cache[:m, :, :ctx], v_cache[:m, :, :ctx]
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
@@ -281,8 +267,8 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, slots, start, attn_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def decode(self, h, cos, sin, cache, slots, lengths):
-        h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, cache, slots, lengths)
+    def decode(self, h, cos, sin, cache, slots, lengths, where):
+        h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, cache, slots, lengths, where)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def decode_static(self, h, cos, sin, cache, positions, mask):
@@ -362,9 +348,10 @@ class GPT(nn.Module):
         h = embeds if rows == bsz else torch.cat([embeds, embeds.new_zeros(rows - bsz, embeds.shape[1])])
         pos = torch.tensor(lengths + [0] * (rows - bsz), device=h.device)
         cos, sin = rope_cos_sin(pos, self.inv_freq, h.dtype)
-        cos, sin = cos[:, None, None], sin[:, None, None]
+        cos, sin = cos[:, None, None], sin[:, None, None]  # shaped once for every layer
+        where = (torch.tensor(slots, device=h.device), pos[:bsz])
         for layer in self.layers:
-            h = layer.decode(h, cos, sin, cache, slots, lengths)
+            h = layer.decode(h, cos, sin, cache, slots, lengths, where)
         return self.norm(h)
 
     def decode_static(self, embeds: torch.Tensor, cache: KVCache, positions: torch.Tensor, ctx: int) -> torch.Tensor:
@@ -374,6 +361,7 @@ class GPT(nn.Module):
         ``positions[b]`` is where row b's token goes; rows with nothing to decode point at a scratch
         position >= ``ctx`` (their output is ignored). Returns final-norm hidden states ``[B, hidden]``."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, embeds.dtype)
+        cos, sin = cos[:, None, None], sin[:, None, None]
         mask = (torch.arange(ctx, device=embeds.device)[None, :] <= positions[:, None])[:, None, None, :]
         h = embeds
         for layer in self.layers:
