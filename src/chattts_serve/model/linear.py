@@ -36,12 +36,20 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
+def on_rows(
+    x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Apply a kernel that takes contiguous 2-D input of ``dtype`` to x [..., in]. A decode step's input
+    already is one and goes straight in (each extra call costs there); anything else is reshaped."""
+    dtype = dtype or x.dtype
+    if x.dim() == 2 and x.dtype == dtype and x.is_contiguous():
+        return matmul(x)
+    y = matmul(x.reshape(-1, x.shape[-1]).to(dtype).contiguous())
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.dim() == 2 and x.is_contiguous():  # the decode step: skip the reshapes (each call costs us)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    shape = x.shape
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), packed, bias, "none", [], "")
-    return out.reshape(*shape[:-1], out.shape[-1])
+    return on_rows(x, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], ""))
 
 
 class PackedLinear(nn.Module):

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import PRECISIONS
-from .linear import swap_linears_
+from .linear import on_rows, swap_linears_
 
 Precision = Literal["fp32", "bf16", "fp16", "int8", "int8-dynamic", "int8-static"]
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -111,16 +111,16 @@ class Int8Linear(nn.Module):
         # Fused int8 GEMM where torch has one for this device; else dequantise into the matmul.
         self._fused = compute_dtype != torch.float16 and _has_kernel("aten::_weight_int8pack_mm", q.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(self.compute_dtype).contiguous()
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self._fused:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scale)
-        else:
-            y = F.linear(x2, self.weight.to(self.compute_dtype)) * self.scale
+            return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale)
+        return F.linear(rows, self.weight.to(self.compute_dtype)) * self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = on_rows(x, self._matmul, self.compute_dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y.to(x.dtype)
 
 
 def _fbgemm_pack(linear: nn.Linear) -> torch.Tensor:
@@ -145,11 +145,7 @@ class DynamicInt8Linear(nn.Module):
 
     @torch.compiler.disable  # fbgemm's packed weights are opaque to dynamo: a graph break, run eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
-            return torch.ops.quantized.linear_dynamic(x, self.packed, True)
-        shape = x.shape
-        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float().contiguous(), self.packed, True)
-        return y.reshape(*shape[:-1], self.out_features)
+        return on_rows(x, lambda rows: torch.ops.quantized.linear_dynamic(rows, self.packed, True), torch.float32)
 
 
 class StaticInt8Linear(nn.Module):
@@ -170,11 +166,7 @@ class StaticInt8Linear(nn.Module):
     @torch.compiler.disable  # (see DynamicInt8Linear.forward)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
-        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
-            return op(x, self.x_scale, self.ZERO_POINT, self.packed)
-        shape = x.shape
-        y = op(x.reshape(-1, shape[-1]).float().contiguous(), self.x_scale, self.ZERO_POINT, self.packed)
-        return y.reshape(*shape[:-1], self.out_features)
+        return on_rows(x, lambda rows: op(rows, self.x_scale, self.ZERO_POINT, self.packed), torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------
