@@ -8,6 +8,12 @@ CASES.json is a list of cases (see ``tests/fidelity/cases.py``); for each, the r
 ``Chat.infer`` runs, and hooks record the refine ids and text, the audio codes, the GPT hidden states,
 the Decoder mel and the Vocos waveform before the reference's |x| <= 1e-5 sample filter. The DVAE
 (codes -> mel) and its encoder (speaker from audio) are recorded as well. Results go into one npz.
+
+A case with ``"split": true`` runs ``split_text=True, max_split_batch=1`` (one piece per GPT call, the
+batch-1 setting our batch-invariant engine matches): the reference first speaks piece 0 alone (the
+voice step), encodes that audio into ``spk_smp`` with piece 0 as ``txt_smp``, then speaks every piece.
+Recorded: the voice step's codes, the sample and its transcript, and the pieces' codes, hidden states
+and waveforms, concatenated in order.
 """
 
 from __future__ import annotations
@@ -68,6 +74,16 @@ def run_case(chat: ChatTTS.Chat, case: dict) -> dict[str, np.ndarray]:
             prompt=case.get("refine_prompt", ""),
             show_tqdm=False,
         )
+        if case.get("split"):
+            chat.infer(
+                case["text"],
+                skip_refine_text=True,
+                params_infer_code=code_p,
+                do_text_normalization=case.get("normalize", True),
+                split_text=True,
+                max_split_batch=1,
+            )
+            return _split_outputs(rec, code_p)
         text_out = None
         if not case.get("skip_refine", True):
             text_out = chat.infer(
@@ -103,6 +119,20 @@ def run_case(chat: ChatTTS.Chat, case: dict) -> dict[str, np.ndarray]:
         codes = torch.from_numpy(out["codes"]).t()[None].to(torch.int32)
         out["dvae_mel"] = chat.dvae(codes.clone()).numpy()[0].astype(np.float32)
     return out
+
+
+def _split_outputs(rec: dict[str, list], code_p) -> dict[str, np.ndarray]:
+    assert len(rec["ids"]) >= 3 and code_p.spk_smp is not None, "want a voice step and >= 2 pieces"
+    pieces = range(1, len(rec["ids"]))  # call 0 is the voice step
+    return {
+        "pieces": np.array(len(pieces)),
+        "voice_codes": rec["ids"][0][0].numpy().astype(np.int64),
+        "voice_sample": np.array(code_p.spk_smp),
+        "voice_text": np.array(code_p.txt_smp),
+        "codes": np.concatenate([rec["ids"][k][0].numpy() for k in pieces]).astype(np.int64),
+        "hiddens": np.concatenate([rec["hiddens"][k][0].numpy() for k in pieces]).astype(np.float32),
+        "wav": np.concatenate([rec["wav"][k][0] for k in pieces]).astype(np.float32),
+    }
 
 
 def main() -> None:

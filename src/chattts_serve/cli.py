@@ -77,6 +77,12 @@ def _build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--refine-prompt", default="", help="e.g. [oral_2][laugh_0][break_6]")
     syn.add_argument("--no-normalize", action="store_true", help="skip text normalisation")
     syn.add_argument("--no-split", action="store_true", help="do not split long text into sentences")
+    syn.add_argument(
+        "--no-first-sentence-voice",
+        action="store_true",
+        help="with split text, do not speak the first sentence first to take every sentence's voice from it "
+        "(the reference's way of keeping one voice; costs one extra sentence of generation)",
+    )
 
     srv = sub.add_parser("serve", help="run the HTTP/WebSocket server (OpenAI-compatible + native API)")
     _add_server_args(srv)
@@ -181,6 +187,7 @@ def _params(args: argparse.Namespace):
         refine=RefineParams(prompt=args.refine_prompt),
         do_text_normalization=not args.no_normalize,
         split_text=not args.no_split,
+        first_sentence_voice=not args.no_first_sentence_voice,
     )
 
 

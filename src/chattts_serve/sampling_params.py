@@ -88,6 +88,12 @@ class SamplingParams:
     """"zh", "en" or None (detect)."""
     split_text: bool = True
     """Split long text into sentences, generate each, and join the audio (as the reference)."""
+    first_sentence_voice: bool = True
+    """With split text of several sentences and no ``speaker_sample``: generate the first sentence
+    alone, encode its audio into a voice sample, and speak every sentence (the first included) with
+    that sample and the first sentence as its transcript, so timbre and prosody stay the same across
+    sentences. This is the reference's behaviour; it costs one extra sentence of generation (and the
+    first streamed chunk waits for it). False: every sentence uses only the speaker embedding."""
     ensure_non_empty: bool = True
     """Unseeded requests whose first step is EOS are generated again (as the reference)."""
 

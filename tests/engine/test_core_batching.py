@@ -4,6 +4,8 @@ and a failing request fails alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -298,7 +300,7 @@ def test_queue_full(engine):
     assert "c" not in core.jobs and core.scheduler.num_waiting == 2
     run.step()  # a admitted: one place free in the queue
     with pytest.raises(QueueFullError):  # two segments do not fit in one place; nothing is left behind
-        run.add("multi", TEXTS[2], pc)
+        run.add("multi", TEXTS[2], replace(pc, first_sentence_voice=False))
     assert "multi" not in core.jobs and core.scheduler.num_waiting == 1
     run.add("c", TEXTS[4], pc)  # the refused id can be used again
     run.drain()

@@ -70,17 +70,116 @@ def test_split_text_lengths_add_up_per_segment(tiny_engine):
     assert len(whole.text) == 1 and len(whole.audio) == 512 * n - 256
 
 
-def test_split_segments_equal_separate_runs(tiny_engine):
-    """Each segment is generated and decoded on its own: audio is the concatenation of the parts."""
-    [r] = synth(tiny_engine, "今天天气很好。我们去公园散步吧。", max_new_tokens=10)
-    assert len(r.text) == 2
-    parts = synth(tiny_engine, r.text, max_new_tokens=10, do_text_normalization=False, split_text=False)
+def _assert_concatenation(r, parts):
     np.testing.assert_array_equal(r.codes, np.concatenate([p.codes for p in parts]))
     offs = 0
     for p in parts:
         np.testing.assert_allclose(r.audio[offs : offs + len(p.audio)], p.audio, atol=1e-6)
         offs += len(p.audio)
     assert offs == len(r.audio)
+
+
+def test_split_segments_equal_separate_runs(tiny_engine):
+    """Without the voice step each segment is generated and decoded on its own: the audio is the
+    concatenation of the parts."""
+    [r] = synth(tiny_engine, "今天天气很好。我们去公园散步吧。", max_new_tokens=10, first_sentence_voice=False)
+    assert len(r.text) == 2 and r.voice_sample is None
+    parts = synth(tiny_engine, r.text, max_new_tokens=10, do_text_normalization=False, split_text=False)
+    _assert_concatenation(r, parts)
+
+
+def test_voice_step_is_the_first_sentence_spoken_alone_then_used_as_sample(tiny_engine):
+    """The reference's voice step, by hand through the public API: speak sentence 1 alone, take a voice
+    sample from its audio, speak every sentence with that sample and sentence 1 as its transcript."""
+    speaker = tiny_engine.sample_speaker(seed=3)
+    text = "今天天气很好。我们去公园散步吧。明天见。"
+    [r] = synth(tiny_engine, text, min_new_tokens=12, max_new_tokens=12, speaker=speaker)
+    assert len(r.text) == 3 and r.voice_sample is not None
+    [first] = synth(
+        tiny_engine,
+        r.text[0],
+        min_new_tokens=12,
+        max_new_tokens=12,
+        speaker=speaker,
+        do_text_normalization=False,
+        split_text=False,
+    )
+    sample = tiny_engine.speaker_from_audio(first.audio)
+    assert sample == r.voice_sample
+    parts = synth(
+        tiny_engine,
+        r.text,
+        min_new_tokens=12,
+        max_new_tokens=12,
+        speaker=speaker,
+        do_text_normalization=False,
+        split_text=False,
+        speaker_sample=sample,
+        speaker_sample_text=r.text[0],
+    )
+    _assert_concatenation(r, parts)
+    # ... and it changes the speech: without it the codes differ.
+    [plain] = synth(
+        tiny_engine, text, min_new_tokens=12, max_new_tokens=12, speaker=speaker, first_sentence_voice=False
+    )
+    assert not np.array_equal(plain.codes, r.codes)
+
+
+def test_voice_step_needs_several_sentences_and_no_sample(tiny_engine):
+    [one] = synth(tiny_engine, "今天天气很好。", max_new_tokens=8)
+    assert one.voice_sample is None  # one sentence: nothing to keep consistent
+    sample = tiny_engine.speaker_from_audio(one.audio) if len(one.audio) >= 2048 else None
+    if sample is not None:
+        [given] = synth(tiny_engine, "今天天气很好。明天见。", max_new_tokens=8, speaker_sample=sample)
+        assert given.voice_sample is None  # the caller's sample wins
+    [unsplit] = synth(tiny_engine, "今天天气很好。明天见。", max_new_tokens=8, split_text=False)
+    assert unsplit.voice_sample is None and len(unsplit.text) == 1
+
+
+def test_voice_step_with_refine_uses_the_refined_first_sentence(tiny_engine):
+    text = "今天天气很好。我们去公园散步吧。"
+    [r] = synth(
+        tiny_engine,
+        text,
+        min_new_tokens=10,
+        max_new_tokens=10,
+        refine_text=True,
+        refine=RefineParams(max_new_tokens=12),
+    )
+    assert len(r.text) == 2 and r.voice_sample is not None
+    # The refined text is spoken as it is (not normalised again, homophones included), as the reference.
+    [first] = synth(
+        tiny_engine,
+        r.text[0],
+        min_new_tokens=10,
+        max_new_tokens=10,
+        do_text_normalization=False,
+        do_homophone_replacement=False,
+        split_text=False,
+    )
+    assert tiny_engine.speaker_from_audio(first.audio) == r.voice_sample
+
+
+def test_params_per_text_batch_like_separate_calls(tiny_engine):
+    s1, s2 = tiny_engine.sample_speaker(seed=1), tiny_engine.sample_speaker(seed=2)
+    texts = ["今天天气很好", "我们去公园散步吧", "明天见"]
+    params = [
+        SamplingParams(seed=1, speaker=s1, max_new_tokens=9, refine_text=False),
+        SamplingParams(seed=2, speaker=s2, max_new_tokens=11, refine_text=False, prompt="[speed_2]"),
+        SamplingParams(seed=3, max_new_tokens=7, refine_text=False, temperature=0.6),
+    ]
+    batched = tiny_engine.synthesize(texts, params)
+    for text, p, r in zip(texts, params, batched, strict=True):
+        [alone] = tiny_engine.synthesize(text, p)
+        np.testing.assert_array_equal(r.codes, alone.codes)
+        np.testing.assert_array_equal(r.audio, alone.audio)
+
+
+def test_params_per_text_must_match_the_texts(tiny_engine):
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 texts"):
+        tiny_engine.synthesize(["a", "b", "c"], [SamplingParams(), SamplingParams()])
+    with pytest.raises(ValueError, match="params must be SamplingParams"):
+        tiny_engine.synthesize(["a", "b"], [SamplingParams(), {"seed": 1}])
 
 
 # ---------------------------------------------------------------- determinism and batching

@@ -71,4 +71,28 @@ def build_cases(ckpt: Path) -> list[dict]:
             "max_new_tokens": 120,
         },
         {"text": "abc 123 ok!", "seed": 51, "normalize": False, "min_new_tokens": 100, "max_new_tokens": 100},
+        # Longer than the official tokenizer's 256-token padding/truncation length: kept whole.
+        {"text": LONG_TEXT, "speaker": s2, "seed": 61, "min_new_tokens": 40, "max_new_tokens": 40},
+        # Split text: the reference's voice step (piece 0 spoken alone, its audio the voice sample of all).
+        {
+            "text": "今天天气真不错。我们一起去公园散步吧。你觉得怎么样。明天见。",
+            "speaker": s1,
+            "seed": 71,
+            "split": True,
+            "min_new_tokens": 30,
+            "max_new_tokens": 30,
+        },
+        {
+            "text": "Hello there. This is the second sentence. And the last one.",
+            "speaker": s2,
+            "seed": 72,
+            "split": True,
+            "max_new_tokens": 120,
+        },
     ]
+
+
+# 330 characters, one token each: past the 256 ids of the tokenizer file's padding/truncation blocks.
+LONG_TEXT = "".join("今天天气真不错我们一起去公园散步吧你觉得怎么样明天见"[i % 26] for i in range(300)) + (
+    "，这是一段很长的文字，用来测试分词器不会截断。" * 1
+)

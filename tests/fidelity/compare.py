@@ -35,7 +35,7 @@ def params_for(case: dict) -> SamplingParams:
         speaker_sample=case.get("speaker_sample"),
         speaker_sample_text=case.get("speaker_sample_text", ""),
         do_text_normalization=case.get("normalize", True),
-        split_text=False,
+        split_text=case.get("split", False),
     )
 
 
@@ -43,6 +43,25 @@ def _maxdiff(a, b) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
     return float(np.abs(a - b).max()) if a.size else 0.0
+
+
+def _compare_split(i: int, result, captured: list, ref: dict, note) -> None:
+    """A split text: the voice step (piece 0 alone), its voice sample, then every piece with it."""
+    code_outs = [o for o in captured if o.seq.kind == "code" and o.token is not None]
+    voice_ref = ref[f"{i}/voice_codes"]
+    voice = np.array([o.token for o in code_outs[: len(voice_ref)]], dtype=np.int64)
+    assert np.array_equal(voice, voice_ref), f"case {i}: voice-step codes differ"
+    assert result.voice_sample == str(ref[f"{i}/voice_sample"]), f"case {i}: voice sample differs"
+    assert result.text[0] == str(ref[f"{i}/voice_text"]), f"case {i}: voice sample transcript"
+    assert len(result.text) == int(ref[f"{i}/pieces"]), f"case {i}: {len(result.text)} pieces"
+    ref_codes = ref[f"{i}/codes"]
+    assert result.codes.shape == ref_codes.shape, f"case {i}: {result.codes.shape} vs {ref_codes.shape}"
+    mismatch = np.nonzero((result.codes != ref_codes).any(1))[0]
+    assert mismatch.size == 0, f"case {i}: codes differ first at step {mismatch[:1]}"
+    # Pieces run one after another here (one slot), so their hidden states come in piece order.
+    hiddens = torch.stack([o.hidden for o in code_outs[len(voice_ref) :]])
+    note("hidden_states", _maxdiff(hiddens.numpy(), ref[f"{i}/hiddens"]))
+    note("end_to_end_wav", _maxdiff(result.audio, ref[f"{i}/wav"]))
 
 
 def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> dict:
@@ -70,6 +89,12 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
     for i, case in enumerate(cases):
         captured.clear()
         [result] = engine.synthesize(case["text"], params_for(case))
+        if case.get("split"):
+            _compare_split(i, result, captured, ref, note)
+            report["steps_compared"] += len(result.codes) + len(ref[f"{i}/voice_codes"])
+            report["split_cases"] = report.get("split_cases", 0) + 1
+            report["cases"] += 1
+            continue
         ref_codes = ref[f"{i}/codes"]
         assert result.codes.shape == ref_codes.shape, f"case {i}: {result.codes.shape} vs {ref_codes.shape}"
         mismatch = np.nonzero((result.codes != ref_codes).any(1))[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -308,3 +309,47 @@ def test_load_repo_id_offline_says_how_to_get_weights(tmp_path, monkeypatch):
     assert "--model" in msg
     assert "checkpoint random" in msg
     assert "\n" not in msg
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the official files may hold that our generator does not write (the asset audit of issue 9):
+# the stored dtype is not known for certain, the trunk may carry the deleted `embed_tokens`, a
+# config.json saved by transformers has more (and fewer) keys, and a download folder holds older files.
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_load_files_stored_in_half_precision(tiny_ckpt, tmp_path, dtype):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    for rel in SAFETENSORS:
+        tensors = load_file(str(ckpt / rel))
+        save_file({k: v.to(dtype) for k, v in tensors.items()}, str(ckpt / rel), metadata={"format": "pt"})
+    m = load(ckpt)
+    for mod in (m.gpt, m.embed, m.decoder, m.dvae, m.vocos):
+        assert {p.dtype for p in mod.parameters()} == {torch.float32}
+    want = load_file(str(tiny_ckpt / "asset/gpt/model.safetensors"))["norm.weight"].to(dtype).float()
+    assert torch.equal(m.gpt.norm.weight, want)
+
+
+def test_load_trunk_with_embed_tokens_and_transformers_config(tiny_ckpt, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    rel = "asset/gpt/model.safetensors"
+    tensors = load_file(str(ckpt / rel))
+    hidden = tensors["norm.weight"].shape[0]
+    tensors["embed_tokens.weight"] = torch.zeros(32000, hidden)
+    save_file(tensors, str(ckpt / rel), metadata={"format": "pt"})
+    cfg_path = ckpt / "asset/gpt/config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for key in ("num_audio_tokens", "num_text_tokens", "num_vq", "rope_theta"):
+        cfg.pop(key)  # absent: the official defaults apply
+    cfg.update(
+        {"_name_or_path": "/data/gpt", "transformers_version": "4.41.2", "head_dim": 64 if hidden == 768 else None}
+    )
+    cfg_path.write_text(json.dumps(cfg))
+    for old in ("asset/GPT.pt", "asset/DVAE_full.pt", "asset/tokenizer.pt", "config/gpt.yaml", "config/path.yaml"):
+        (ckpt / old).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / old).write_bytes(b"older release files: ignored")
+    m = load(ckpt)
+    assert m.config == read_config(tiny_ckpt)
+    assert torch.equal(m.gpt.norm.weight, load(tiny_ckpt).gpt.norm.weight)

@@ -118,6 +118,24 @@ def test_split_text(http):
     assert len(whole.content) == 2 * EXPECTED
 
 
+def test_split_text_keeps_the_first_sentence_voice(http):
+    """Several sentences: by default the first is spoken alone first and its audio is every sentence's
+    voice sample (the reference's voice step); first_sentence_voice=false turns it off. Same length
+    either way, different speech; a single sentence is unaffected."""
+    two = "今天天气真不错。我们去公园吧。"
+    body = {"text": two, "format": "pcm", **FIXED, "stream": False}
+    voiced = http.post("/v1/tts", json=body)
+    plain = http.post("/v1/tts", json={**body, "first_sentence_voice": False})
+    assert voiced.status_code == plain.status_code == 200
+    assert len(voiced.content) == len(plain.content) == 2 * expected_samples(TOKENS, segments=2)
+    assert voiced.content != plain.content
+    one = {"text": TEXT, "format": "pcm", **FIXED, "stream": False}
+    assert (
+        http.post("/v1/tts", json=one).content
+        == http.post("/v1/tts", json={**one, "first_sentence_voice": False}).content
+    )
+
+
 def _stream_chunks(http, body) -> tuple[list[bytes], list[float]]:
     chunks, times = [], []
     t0 = time.monotonic()
@@ -220,6 +238,39 @@ def test_websocket_two_sentences_and_wav(server):
     assert events[-1]["type"] == "end"
     assert {e["part"] for e in chunks} == {0, 1}  # one synthesis per sentence
     assert sum(e["samples"] for e in chunks) == expected_samples(20, segments=2)
+
+
+def _ws_parts(server, first_sentence_voice: bool) -> dict[int, bytes]:
+    start = {
+        "type": "start",
+        "format": "pcm",
+        "seed": 3,
+        "refine_text": False,
+        "min_new_tokens": 20,
+        "max_new_tokens": 20,
+        "first_sentence_voice": first_sentence_voice,
+    }
+    with connect(ws_url(server), open_timeout=10, close_timeout=5) as ws:
+        ws.send(json.dumps(start))
+        for piece in ("今天天气真不错。", "我们去公园吧。", "明天见。"):
+            ws.send(json.dumps({"type": "text", "text": piece}))
+        ws.send(json.dumps({"type": "end"}))
+        parts: dict[int, bytes] = {}
+        while True:
+            event = json.loads(ws.recv(timeout=HTTP_TIMEOUT))
+            if event["type"] == "chunk" and event["bytes"]:
+                parts[event["part"]] = parts.get(event["part"], b"") + ws.recv(timeout=HTTP_TIMEOUT)
+            elif event["type"] in ("end", "error"):
+                assert event["type"] == "end", event
+                return parts
+
+
+def test_websocket_later_parts_keep_the_first_part_voice(server):
+    voiced, plain = _ws_parts(server, True), _ws_parts(server, False)
+    assert sorted(voiced) == sorted(plain) == [0, 1, 2]
+    assert voiced[0] == plain[0]  # the first part is heard as it is
+    assert all(len(voiced[i]) == len(plain[i]) == 2 * expected_samples(20) for i in range(3))
+    assert voiced[1] != plain[1] and voiced[2] != plain[2]  # the later ones speak with its voice
 
 
 def _ws_collect_any(ws) -> tuple[list[dict], list[bytes]]:

@@ -60,6 +60,8 @@ class AudioChunk:
     sample_rate: int = SAMPLE_RATE
     segments: list[SegmentResult] | None = None
     """On the last chunk of a completed request: each sentence's text and codes."""
+    voice_sample: str | None = None
+    """On the last chunk: the voice sample the first sentence gave (see ``SamplingParams.first_sentence_voice``)."""
 
 
 @dataclass(slots=True)
@@ -71,6 +73,7 @@ class GenerationResult:
     time_to_first_audio_s: float | None
     total_s: float
     sample_rate: int = SAMPLE_RATE
+    voice_sample: str | None = None
 
     @property
     def codes(self) -> np.ndarray:
@@ -213,6 +216,7 @@ class AsyncEngine:
                         done,
                         final.finish_reason if done else None,
                         segments=final.segments if done else None,
+                        voice_sample=final.voice_sample if done else None,
                     )
                     index, position = index + 1, position + len(audio)
                     finished = done
@@ -239,7 +243,13 @@ class AsyncEngine:
             last = chunk
         audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         return GenerationResult(
-            last.request_id, audio, last.finish_reason, last.segments or [], first, time.monotonic() - t0
+            last.request_id,
+            audio,
+            last.finish_reason,
+            last.segments or [],
+            first,
+            time.monotonic() - t0,
+            voice_sample=last.voice_sample,
         )
 
     def _submit(

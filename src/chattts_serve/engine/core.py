@@ -1,11 +1,13 @@
 """``EngineCore``: one engine step = schedule -> run the model -> update -> audio.
 
-A request (one text) is split into sentences (segments). Each segment gets an optional refine
-sequence (GPT text head) and then an audio-code sequence (GPT audio heads); all sequences of all
-requests share the continuous batch. Each code sequence feeds an ``AudioStream``, whose windows are
-decoded (Decoder + Vocos) batched across every stream that has one ready this step. A request's audio
-leaves in segment order. The core is single-threaded and synchronous: ``Engine`` drives it to
-completion offline, ``AsyncEngine`` runs it in a background thread for serving.
+A request (one text) is split into sentences (segments). Each segment gets an optional refine sequence
+(GPT text head) and then an audio-code sequence (GPT audio heads); all sequences of all requests share
+the continuous batch. With several segments and no voice sample, the first segment's text is first
+spoken alone by a *voice* sequence whose audio, encoded by the DVAE, becomes the voice sample of every
+segment (the reference's way of keeping one voice across sentences). Each code sequence feeds an
+``AudioStream``, whose windows are decoded (Decoder + Vocos) batched across every stream that has one
+ready this step. A request's audio leaves in segment order. The core is single-threaded and synchronous:
+``Engine`` drives it to completion offline, ``AsyncEngine`` runs it in a background thread for serving.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..audio.decode import decode_windows
 from ..audio.stream import AudioStream, StreamPolicy
 from ..model.checkpoint import LoadedModel
 from ..model.config import AUDIO_EOS
-from ..model.speaker import decode_prompt_codes, decode_speaker, normalized_speaker_embedding
+from ..model.speaker import decode_prompt_codes, decode_speaker, encode_prompt_codes, normalized_speaker_embedding
 from ..model.tokenizer import Tokenizer, code_prompt, refine_prompt
 from ..sampling_params import SamplingParams
 from ..text.normalize import Normalizer, split_text
@@ -34,6 +36,8 @@ from .scheduler import Scheduler, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 MAX_TEXT_CHARS = 20_000
+MIN_VOICE_SAMPLES = 2048
+"""Least first-sentence audio (4 steps) the voice step encodes into a sample; less: no sample."""
 
 
 @dataclass(slots=True)
@@ -44,6 +48,8 @@ class PreparedRequest:
     params: SamplingParams
     speaker: np.ndarray | None  # float16 [hidden]
     sample_codes: torch.Tensor | None  # [T_s, 4]
+    voice_step: bool = False
+    """Speak the first segment alone first and use its audio as every segment's voice sample."""
 
 
 @dataclass(slots=True)
@@ -58,6 +64,9 @@ class RequestOutput:
     """Audio steps generated so far (all segments)."""
     segments: list[SegmentResult] | None = None
     """On the final output of a completed request: each sentence's text and codes."""
+    voice_sample: str | None = None
+    """On the final output: the voice sample made from the first sentence (prompt-codes string, usable
+    as ``SamplingParams.speaker_sample`` with the first sentence's text), when the voice step ran."""
 
 
 @dataclass(slots=True)
@@ -78,6 +87,11 @@ class _Segment:
     refined_text: str | None = None
     pcm: list[np.ndarray] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    code_queued: bool = False
+
+    @property
+    def spoken_text(self) -> str:
+        return self.refined_text if self.refined_text is not None else self.text
 
 
 @dataclass(eq=False)
@@ -89,6 +103,12 @@ class _Job:
     arrival: float
     speaker: torch.Tensor | None
     segments: list[_Segment]
+    voice: _Segment | None = None
+    """The voice step's segment while it is pending or running (never emitted)."""
+    sample_codes: torch.Tensor | None = None
+    """Voice-sample codes [T_s, 4] of every code pass: the request's own, or the voice step's."""
+    sample_text: str = ""
+    voice_sample: str | None = None
     emit_index: int = 0
     status: FinishReason | None = None
     error: str | None = None
@@ -150,7 +170,8 @@ class EngineCore:
             sample = decode_prompt_codes(params.speaker_sample).t().contiguous()  # [T_s, 4]
             if sample.numel() == 0 or sample.shape[1] != self.model.config.gpt.num_vq or int(sample.max()) >= AUDIO_EOS:
                 raise ValueError("speaker_sample does not hold valid [4, T] audio codes")
-        return PreparedRequest(segments, params, speaker, sample)
+        voice_step = params.split_text and params.first_sentence_voice and sample is None and len(segments) > 1
+        return PreparedRequest(segments, params, speaker, sample, voice_step)
 
     # ------------------------------------------------------------------ submission and abort
 
@@ -176,11 +197,19 @@ class EngineCore:
             time.monotonic() if arrival is None else arrival,
             speaker,
             [_Segment(i, t) for i, t in enumerate(prepared.segments)],
+            sample_codes=prepared.sample_codes,
+            sample_text=prepared.params.speaker_sample_text,
         )
-        first = [self._new_sequence(job, seg) for seg in job.segments]
+        if prepared.voice_step:
+            job.voice = _Segment(-1, prepared.segments[0])
+        if job.params.refine_text:  # every segment's refine pass; code passes follow as texts are ready
+            first = job.segments
+        else:
+            first = [job.voice] if job.voice is not None else job.segments
+        seqs = [self._new_sequence(job, seg) for seg in first]
         queued = []
         try:
-            for seq in first:
+            for seq in seqs:
                 self.scheduler.add(seq)
                 queued.append(seq)
         except Exception:
@@ -188,8 +217,9 @@ class EngineCore:
                 self.scheduler.abort(seq.request_id)
             raise
         self.jobs[request_id] = job
-        for seq, seg in zip(first, job.segments, strict=True):
+        for seq, seg in zip(seqs, first, strict=True):
             self._seq_segment[seq.seq_id] = (job, seg)
+            seg.code_queued = seq.kind == "code"
 
     def abort(self, request_id: str) -> bool:
         """Stop a request: its sequences leave at the next step; it finishes with reason "aborted"."""
@@ -208,7 +238,7 @@ class EngineCore:
     def _new_sequence(self, job: _Job, seg: _Segment) -> Sequence:
         p = job.params
         cfg = self.scheduler.config
-        if p.refine_text and seg.refined_text is None:
+        if p.refine_text and seg.refined_text is None and seg is not job.voice:
             r = p.refine
             ids = self.tokenizer.encode(refine_prompt(seg.text, r.prompt))
             sampling = StepSampling(
@@ -224,10 +254,9 @@ class EngineCore:
             kind, eos, prompt_len = "text", self.tokenizer.eos_id, len(ids)
             inputs = SeqInputs(ids, sampling)
         else:
-            text = seg.refined_text if seg.refined_text is not None else seg.text
             has_speaker = job.speaker is not None
-            ids = self.tokenizer.encode(code_prompt(text, p.prompt, has_speaker, p.speaker_sample_text))
-            sample = job.prepared.sample_codes
+            ids = self.tokenizer.encode(code_prompt(seg.spoken_text, p.prompt, has_speaker, job.sample_text))
+            sample = job.sample_codes
             prompt_len = len(ids) + (0 if sample is None else len(sample))
             sampling = StepSampling(
                 p.temperatures,
@@ -284,6 +313,7 @@ class EngineCore:
         for out in step_outputs:
             self._on_step(out)
         self._decode_audio()
+        self._finish_voice_steps()
         return self._collect_outputs()
 
     def _on_step(self, out: StepOutput) -> None:
@@ -293,10 +323,12 @@ class EngineCore:
             return
         if seq.kind == "code":
             if seg.stream is None or out.restarted:
-                seg.stream = self._new_stream(job, seq)
+                # The voice step's audio is decoded once, whole, as the reference decodes it.
+                policy = StreamPolicy.one_shot() if seg is job.voice else job.policy
+                seg.stream = AudioStream(policy, self.model.config.gpt.hidden_size, seq.max_new_tokens, self.device)
             if out.token is not None:
                 seg.stream.push(out.token, out.hidden)
-                job.num_steps += 1
+                job.num_steps += seg is not job.voice
             if out.finished:
                 seg.stream.finish()
                 seg.finish_reason = seq.status.finish_reason
@@ -308,16 +340,44 @@ class EngineCore:
                 return
             ids = [t[0] for t in seq.tokens if t[0] < self.tokenizer.break_0_id]
             seg.refined_text = self.tokenizer.decode(ids)
+            if seg.index == 0 and job.voice is not None:
+                job.voice.text = seg.refined_text  # the reference's voice step speaks the refined text
+            self._queue_code_passes(job)
+
+    def _queue_code_passes(self, job: _Job) -> None:
+        """Queue every code pass whose text is ready: the voice step first (when the request has one),
+        then, once its sample exists, each segment's own."""
+        p = job.params
+        todo = [job.voice] if job.voice is not None else job.segments
+        for seg in todo:
+            text_ready = not p.refine_text or job.segments[max(seg.index, 0)].refined_text is not None
+            if seg.code_queued or not text_ready:
+                continue
             try:
                 code_seq = self._new_sequence(job, seg)
                 self.scheduler.add(code_seq, continuation=True)
             except Exception as exc:
                 self._fail(job, str(exc))
                 return
+            seg.code_queued = True
             self._seq_segment[code_seq.seq_id] = (job, seg)
 
-    def _new_stream(self, job: _Job, seq: Sequence) -> AudioStream:
-        return AudioStream(job.policy, self.model.config.gpt.hidden_size, seq.max_new_tokens, self.device)
+    def _finish_voice_step(self, job: _Job) -> None:
+        """The voice step's audio is complete: encode it into the voice sample of every segment."""
+        voice = job.voice
+        wav = np.concatenate(voice.pcm) if voice.pcm else np.zeros(0, np.float32)
+        codes = None
+        if len(wav) >= MIN_VOICE_SAMPLES:
+            with torch.inference_mode():
+                codes = self.model.dvae.encode(torch.from_numpy(wav).to(self.device)).cpu()  # [4, T_s]
+        if codes is not None and codes.shape[1] > 0:
+            job.sample_codes = codes.t().contiguous().long()
+            job.sample_text = voice.text
+            job.voice_sample = encode_prompt_codes(codes)
+        else:  # too little audio to take a voice from: every segment keeps the speaker embedding only
+            logger.info("request %s: first sentence gave %d samples; no voice sample", job.request_id, len(wav))
+        job.voice = None
+        self._queue_code_passes(job)
 
     def _fail(self, job: _Job, message: str) -> None:
         if job.status is None:
@@ -329,7 +389,7 @@ class EngineCore:
         for job in self.jobs.values():
             if job.status is not None:
                 continue
-            for seg in job.segments:
+            for seg in (*job.segments, *([job.voice] if job.voice is not None else [])):
                 if seg.stream is not None and (w := seg.stream.next_window()) is not None:
                     windows.append((seg, w))
         if not windows:
@@ -344,8 +404,17 @@ class EngineCore:
         for (seg, w), samples in zip(windows, pcm, strict=True):
             seg.pcm.append(w.stream.accept(w, samples))
 
+    def _finish_voice_steps(self) -> None:
+        for job in list(self.jobs.values()):
+            if job.status is None and job.voice is not None and job.voice.stream is not None and job.voice.stream.done:
+                try:
+                    self._finish_voice_step(job)
+                except Exception as exc:
+                    logger.exception("voice step failed")
+                    self._fail(job, f"voice step failed: {exc}")
+
     def _job_of(self, seg: _Segment) -> _Job:
-        return next(j for j in self.jobs.values() if seg in j.segments)
+        return next(j for j in self.jobs.values() if seg in j.segments or seg is j.voice)
 
     def _collect_outputs(self) -> list[RequestOutput]:
         outputs = []
@@ -372,9 +441,10 @@ class EngineCore:
                 if done:
                     reasons = [s.finish_reason for s in job.segments]
                     out.finished, out.finish_reason = True, "length" if "length" in reasons else "stop"
+                    out.voice_sample = job.voice_sample
                     out.segments = [
                         SegmentResult(
-                            s.refined_text if s.refined_text is not None else s.text,
+                            s.spoken_text,
                             np.asarray(s.stream.codes, dtype=np.int64).reshape(-1, self.model.config.gpt.num_vq),
                             s.finish_reason,
                         )

@@ -52,6 +52,10 @@ class Result:
     sample_rate: int = SAMPLE_RATE
     elapsed_s: float = 0.0
     """Seconds from the ``synthesize`` call to this text's completion (its latency in a batch)."""
+    voice_sample: str | None = None
+    """The voice sample made from the first sentence when the voice step ran
+    (``SamplingParams.first_sentence_voice``); pass it as ``speaker_sample`` with ``text[0]`` as
+    ``speaker_sample_text`` to speak other texts in the same voice."""
 
     @property
     def duration(self) -> float:
@@ -150,19 +154,26 @@ class Engine:
     def synthesize(
         self,
         texts: str | list[str],
-        params: SamplingParams | None = None,
+        params: SamplingParams | list[SamplingParams] | None = None,
         progress: bool = False,
     ) -> list[Result]:
-        """One ``Result`` per text. Raises ``ValueError`` for bad input before any compute."""
-        params = params or SamplingParams()
+        """One ``Result`` per text. ``params``: one ``SamplingParams`` for every text, or a list with
+        one per text (different speakers, seeds, prompts; all batched together). Raises ``ValueError``
+        for bad input before any compute."""
         if isinstance(texts, str):
             texts = [texts]
         if not isinstance(texts, (list, tuple)) or not texts:
             raise ValueError("texts must be a non-empty string or list of strings")
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(texts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(texts)} texts; give one per text")
+            per_text = list(params)
+        else:
+            per_text = [params or SamplingParams()] * len(texts)
         prepared = []
-        for i, text in enumerate(texts):
+        for i, (text, p) in enumerate(zip(texts, per_text, strict=True)):
             try:
-                prepared.append(self.core.prepare(text, params))
+                prepared.append(self.core.prepare(text, p))
             except ValueError as exc:
                 msg = str(exc)
                 msg = f"text {i} {msg[5:]}" if msg.startswith("text ") else f"text {i}: {msg}"
@@ -195,6 +206,7 @@ class Engine:
                             text=[s.text for s in segs],
                             finish_reasons=[s.finish_reason for s in segs],
                             elapsed_s=time.perf_counter() - start,
+                            voice_sample=out.voice_sample,
                         )
                         bar.update(1)
         finally:

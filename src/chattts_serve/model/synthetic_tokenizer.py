@@ -5,6 +5,13 @@ size (21128 WordPiece entries + 50 ChatTTS control tokens at ids 21128..21177, t
 token per CJK character as the real bert-base-chinese vocab has, and the standard BERT pipeline
 (lowercasing, CJK splitting, ``##`` continuation pieces), so both our tokenizer and the reference's
 ``BertTokenizerFast`` load it and produce the same ids.
+
+Only the vocabulary is made up. Every other field mirrors the official files exactly, the hostile ones
+included: ``tokenizer.json`` carries the official ``truncation`` (256, LongestFirst) and ``padding``
+(Fixed 256, ``[PAD]``) blocks, which ``tokenizers`` applies on every ``encode`` unless the reader turns
+them off; the 55 added tokens are all ``special``; ``tokenizer_config.json`` and
+``special_tokens_map.json`` carry the official options and the control tokens as
+``additional_special_tokens``. A test asset friendlier than the real one would hide real bugs.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokeniz
 from tokenizers.models import WordPiece
 
 WORDPIECE_SIZE = 21128
+MAX_LENGTH = 256
+"""The official files' truncation / padding length (tokenizer.json blocks, tokenizer_config max_length)."""
+BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 # ChatTTS control tokens in id order, starting at id 21128 (official ids).
 CONTROL_TOKENS: tuple[str, ...] = (
@@ -99,12 +109,67 @@ def build_tokenizer() -> Tokenizer:
         pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
         special_tokens=[("[CLS]", 101), ("[SEP]", 102)],
     )
-    bert_specials = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in bert_specials])
-    added = tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in CONTROL_TOKENS])
+    # As in the official file: the 5 BERT specials and the 50 control tokens, all special, none normalised.
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in BERT_SPECIALS])
+    added = tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in CONTROL_TOKENS])
     if added != len(CONTROL_TOKENS) or tok.token_to_id(CONTROL_TOKENS[0]) != WORDPIECE_SIZE:
         raise RuntimeError("synthetic tokenizer: control tokens did not land at the official ids")
+    # The official file's blocks: every plain `tokenizers` encode pads to 256 ids and cuts longer input.
+    tok.enable_truncation(max_length=MAX_LENGTH, stride=0, strategy="longest_first", direction="right")
+    tok.enable_padding(direction="right", pad_id=0, pad_type_id=0, pad_token="[PAD]", length=MAX_LENGTH)
     return tok
+
+
+def _added_token_entry(content: str) -> dict:
+    return {
+        "content": content,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
+
+
+def tokenizer_config(tok: Tokenizer) -> dict:
+    """``tokenizer_config.json`` with the official fields (a ``BertTokenizer`` saved by transformers)."""
+    added = {str(tok.token_to_id(t)): _added_token_entry(t) for t in (*BERT_SPECIALS, *CONTROL_TOKENS)}
+    return {
+        "added_tokens_decoder": added,
+        "additional_special_tokens": list(CONTROL_TOKENS),
+        "clean_up_tokenization_spaces": True,
+        "cls_token": "[CLS]",
+        "do_basic_tokenize": True,
+        "do_lower_case": True,
+        "mask_token": "[MASK]",
+        "max_length": MAX_LENGTH,
+        "model_max_length": 1000000000000000019884624838656,
+        "never_split": None,
+        "pad_to_multiple_of": None,
+        "pad_token": "[PAD]",
+        "pad_token_type_id": 0,
+        "padding_side": "right",
+        "sep_token": "[SEP]",
+        "stride": 0,
+        "strip_accents": None,
+        "tokenize_chinese_chars": True,
+        "tokenizer_class": "BertTokenizer",
+        "truncation_side": "right",
+        "truncation_strategy": "longest_first",
+        "unk_token": "[UNK]",
+    }
+
+
+def special_tokens_map() -> dict:
+    entry = lambda t: {k: v for k, v in _added_token_entry(t).items() if k != "special"}  # noqa: E731
+    return {
+        "additional_special_tokens": [entry(t) for t in CONTROL_TOKENS],
+        "cls_token": entry("[CLS]"),
+        "mask_token": entry("[MASK]"),
+        "pad_token": entry("[PAD]"),
+        "sep_token": entry("[SEP]"),
+        "unk_token": entry("[UNK]"),
+    }
 
 
 def write_tokenizer(directory: Path) -> None:
@@ -112,21 +177,5 @@ def write_tokenizer(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
     tok.save(str(directory / "tokenizer.json"))
-    specials = {
-        "cls_token": "[CLS]",
-        "mask_token": "[MASK]",
-        "pad_token": "[PAD]",
-        "sep_token": "[SEP]",
-        "unk_token": "[UNK]",
-    }
-    config = {
-        "tokenizer_class": "BertTokenizerFast",
-        "do_lower_case": True,
-        "tokenize_chinese_chars": True,
-        "strip_accents": None,
-        "clean_up_tokenization_spaces": True,
-        "model_max_length": 1000000000000000019884624838656,
-        **specials,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok), indent=2) + "\n")
+    (directory / "special_tokens_map.json").write_text(json.dumps(special_tokens_map(), indent=2) + "\n")

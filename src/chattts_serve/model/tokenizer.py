@@ -21,6 +21,11 @@ class Tokenizer:
     def __init__(self, directory: str | Path) -> None:
         directory = Path(directory)
         self._tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+        # The official tokenizer.json pads every encoding to 256 [PAD] ids and cuts longer input
+        # (its "padding" / "truncation" blocks). The reference calls transformers without padding or
+        # truncation, which turns both off per call: so do we, whatever the file says.
+        self._tok.no_padding()
+        self._tok.no_truncation()
         config_path = directory / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         # transformers applies its Python-level space clean-up on decode when the config asks for it

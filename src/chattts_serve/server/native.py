@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import uuid
+from dataclasses import replace
 
 import numpy as np
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
@@ -15,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..audio.encode import StreamingEncoder, encode_whole
+from ..engine.core import MIN_VOICE_SAMPLES
 from .protocol import MEDIA_TYPES, TTSRequest
 from .service import APIError, AudioResponse, build_params, build_policy, check_length, resolve_voice
 
@@ -121,7 +123,12 @@ async def tts_stream(ws: WebSocket):
                 raise
             part += 1
             encoder = StreamingEncoder(body.format)
+            first_part_audio = [] if _voice_from_first_part(params) else None
             async for chunk in resp.chunks():
+                if first_part_audio is not None:
+                    first_part_audio.append(chunk.audio)
+                    if chunk.finished and chunk.finish_reason in ("stop", "length"):
+                        params = await _with_first_part_voice(st, params, chunk, first_part_audio)
                 data = encoder.write(chunk.audio) + (encoder.finish() if chunk.finished else b"")
                 total += len(chunk.audio)
                 await ws.send_text(
@@ -147,6 +154,25 @@ async def tts_stream(ws: WebSocket):
         await _send_error(ws, str(exc.detail), 1013)
     finally:
         reading.cancel()
+
+
+def _voice_from_first_part(params) -> bool:
+    return params.split_text and params.first_sentence_voice and params.speaker_sample is None
+
+
+async def _with_first_part_voice(st, params, final, audio: list[np.ndarray]):
+    """The session's voice, kept from its first part on: every later part is spoken with a voice sample
+    of the first part's audio and its text as transcript (the engine's voice step, for text that
+    arrives in pieces; the first part itself has already been heard as it was)."""
+    if not final.segments:
+        return params
+    sample = final.voice_sample
+    if sample is None:
+        wav = np.concatenate(audio) if audio else np.zeros(0, np.float32)
+        if len(wav) < MIN_VOICE_SAMPLES:
+            return params
+        sample = await asyncio.to_thread(st.engine.engine.speaker_from_audio, wav)
+    return replace(params, speaker_sample=sample, speaker_sample_text=final.segments[0].text)
 
 
 def _speakable(text: str) -> bool:

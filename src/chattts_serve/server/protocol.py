@@ -44,6 +44,8 @@ class ChatTTSOptions(_Strict):
     do_homophone_replacement: bool | None = None
     lang: Literal["zh", "en"] | None = None
     split_text: bool | None = None
+    first_sentence_voice: bool | None = None
+    """With split text: speak the first sentence first and take every sentence's voice from it."""
 
     @field_validator("temperature", "top_p", "repetition_penalty", "refine_temperature", "refine_top_p")
     @classmethod

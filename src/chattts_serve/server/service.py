@@ -131,6 +131,7 @@ def build_params(opts: ChatTTSOptions, voice: Voice, prompt: str | None = None) 
         do_homophone_replacement=opts.do_homophone_replacement,
         lang=opts.lang,
         split_text=opts.split_text,
+        first_sentence_voice=opts.first_sentence_voice,
     )
     refine = _given(
         prompt=opts.refine_prompt,
