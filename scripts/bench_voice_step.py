@@ -17,7 +17,7 @@ import torch
 
 from chattts_serve import SamplingParams
 from chattts_serve.engine.async_engine import AsyncEngine
-from chattts_serve.engine.scheduler import SchedulerConfig
+from chattts_serve.engine.config import EngineConfig
 
 TEXT = "今天天气真不错。我们一起去公园散步吧。你觉得怎么样。"
 
@@ -48,10 +48,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = AsyncEngine.from_pretrained(
-        args.model, precision=args.precision, scheduler=SchedulerConfig(max_num_seqs=4)
-    )
-    speaker = engine.engine.sample_speaker(seed=1)
+    engine = AsyncEngine.from_pretrained(args.model, config=EngineConfig.with_slots(4, precision=args.precision))
+    speaker = engine.sample_speaker(seed=1)
     base = dict(seed=7, speaker=speaker, refine_text=False, min_new_tokens=args.steps, max_new_tokens=args.steps)
     out = {"cpu": cpu_name(), "precision": args.precision, "threads": args.threads, "steps_per_sentence": args.steps}
     try:

@@ -30,9 +30,9 @@ import torch
 
 from chattts_serve.bench import eval as eval_tool
 from chattts_serve.bench import offline, streams
-from chattts_serve.engine.cuda_graph import RunnerConfig
+from chattts_serve.engine.config import EngineConfig, RunnerConfig
 from chattts_serve.engine.engine import Engine
-from chattts_serve.model.checkpoint import write_random
+from chattts_serve.model.random_checkpoint import write_random
 from chattts_serve.sampling_params import SamplingParams
 
 
@@ -59,7 +59,7 @@ def check_graphs(model: str, device: str, steps: int) -> dict:
     runs = {}
     for graphs in (False, True):
         eng = Engine.from_pretrained(
-            model, device, "fp32", max_batch_size=4, runner=RunnerConfig(decode="static", cuda_graphs=graphs)
+            model, device, EngineConfig.with_slots(4, runner=RunnerConfig(decode="static", cuda_graphs=graphs))
         )
         n_graphs = len(eng.core.runner.static.graphs)
         t0 = time.perf_counter()

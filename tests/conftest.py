@@ -17,7 +17,7 @@ TINY_SEED = 0
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """The tiny random checkpoint (official layout), written once per test run."""
-    from chattts_serve.model.checkpoint import write_random
+    from chattts_serve.model.random_checkpoint import write_random
 
     return write_random(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=TINY_SEED)
 
@@ -25,5 +25,6 @@ def tiny_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_ckpt):
     from chattts_serve import Engine
+    from chattts_serve.engine.config import EngineConfig
 
-    return Engine.from_pretrained(tiny_ckpt, device="cpu", precision="fp32", max_batch_size=8)
+    return Engine.from_pretrained(tiny_ckpt, device="cpu", config=EngineConfig.with_slots(8))

@@ -15,27 +15,92 @@ import os
 import signal
 import sys
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 
-from .model.config import PRECISIONS
+from .engine.config import add_engine_arguments
+from .model.config import DEFAULT_MODEL
+from .sampling_params import RefineParams, SamplingParams
 
-DEFAULT_MODEL = os.environ.get("CHATTTS_MODEL", "2Noise/ChatTTS")
+MODEL_ENV = "CHATTTS_SERVE_MODEL"
+
+
+def _model_default() -> str:
+    return os.environ.get(MODEL_ENV, DEFAULT_MODEL)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        default=DEFAULT_MODEL,
-        help="checkpoint directory or Hugging Face repo id (default: $CHATTTS_MODEL or 2Noise/ChatTTS)",
+        default=_model_default(),
+        help=f"checkpoint directory or Hugging Face repo id (default: ${MODEL_ENV} or {DEFAULT_MODEL})",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    add_engine_arguments(p, skip=("max_num_seqs", "max_waiting"))
+
+
+def _default(cls, name: str):
+    return next(f.default for f in fields(cls) if f.name == name)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling flags; defaults are SamplingParams' own (None here: ``from_options`` keeps them)."""
+    d = lambda name: f"(default: {_default(SamplingParams, name)!r})"  # noqa: E731
+    p.add_argument("--seed", type=int, default=None, help=d("seed"))
+    p.add_argument("--speaker", default=None, help="speaker string (see `speaker new`)")
+    p.add_argument("--temperature", type=float, default=None, help=d("temperature"))
+    p.add_argument("--top-p", type=float, default=None, help=d("top_p"))
+    p.add_argument("--top-k", type=int, default=None, help=d("top_k"))
+    p.add_argument("--repetition-penalty", type=float, default=None, help=d("repetition_penalty"))
+    p.add_argument("--max-new-tokens", type=int, default=None, help=d("max_new_tokens"))
+    p.add_argument("--min-new-tokens", type=int, default=None, help=d("min_new_tokens"))
+    p.add_argument("--prompt", default=None, help=f"audio prompt, e.g. [speed_3] {d('prompt')}")
+    p.add_argument("--no-refine", dest="refine_text", action="store_false", default=None, help="skip the refine pass")
     p.add_argument(
-        "--precision",
-        default="fp32",
-        choices=PRECISIONS,
-        help="GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
-        "int8-static (CPU, int8 activations too); see the README's quality table",
+        "--refine-prompt",
+        default=None,
+        help=f"e.g. [oral_2][laugh_0][break_6] (default: {_default(RefineParams, 'prompt')!r})",
     )
+    p.add_argument(
+        "--no-normalize",
+        dest="do_text_normalization",
+        action="store_false",
+        default=None,
+        help="skip text normalisation",
+    )
+    p.add_argument(
+        "--no-split",
+        dest="split_text",
+        action="store_false",
+        default=None,
+        help="do not split long text into sentences",
+    )
+    p.add_argument(
+        "--no-first-sentence-voice",
+        dest="first_sentence_voice",
+        action="store_false",
+        default=None,
+        help="with split text, do not speak the first sentence first to take every sentence's voice from it "
+        "(the reference's way of keeping one voice; costs one extra sentence of generation)",
+    )
+
+
+_SAMPLING_FLAGS = (
+    "seed",
+    "speaker",
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "max_new_tokens",
+    "min_new_tokens",
+    "prompt",
+    "refine_text",
+    "refine_prompt",
+    "do_text_normalization",
+    "split_text",
+    "first_sentence_voice",
+)
 
 
 def _batch_size(value: str) -> int | None:
@@ -64,25 +129,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=_batch_size, default=16, help="sequences generated together (KV slots), or 'auto'"
     )
     _add_model_args(syn)
-    syn.add_argument("--seed", type=int, default=None)
-    syn.add_argument("--speaker", default=None, help="speaker string (see `speaker new`)")
-    syn.add_argument("--temperature", type=float, default=0.3)
-    syn.add_argument("--top-p", type=float, default=0.7)
-    syn.add_argument("--top-k", type=int, default=20)
-    syn.add_argument("--repetition-penalty", type=float, default=1.05)
-    syn.add_argument("--max-new-tokens", type=int, default=2048)
-    syn.add_argument("--min-new-tokens", type=int, default=0)
-    syn.add_argument("--prompt", default="[speed_5]", help="audio prompt, e.g. [speed_3]")
-    syn.add_argument("--no-refine", action="store_true", help="skip the refine_text pass")
-    syn.add_argument("--refine-prompt", default="", help="e.g. [oral_2][laugh_0][break_6]")
-    syn.add_argument("--no-normalize", action="store_true", help="skip text normalisation")
-    syn.add_argument("--no-split", action="store_true", help="do not split long text into sentences")
-    syn.add_argument(
-        "--no-first-sentence-voice",
-        action="store_true",
-        help="with split text, do not speak the first sentence first to take every sentence's voice from it "
-        "(the reference's way of keeping one voice; costs one extra sentence of generation)",
-    )
+    _add_sampling_args(syn)
 
     srv = sub.add_parser("serve", help="run the HTTP/WebSocket server (OpenAI-compatible + native API)")
     _add_server_args(srv)
@@ -90,7 +137,7 @@ def _build_parser() -> argparse.ArgumentParser:
     spk = sub.add_parser("speaker", help="speaker strings")
     spk_sub = spk.add_subparsers(dest="speaker_command", required=True)
     new = spk_sub.add_parser("new", help="print a random speaker string")
-    new.add_argument("--model", default=DEFAULT_MODEL)
+    new.add_argument("--model", default=_model_default())
     new.add_argument("--seed", type=int, default=None)
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, in-process streams, HTTP load")
@@ -122,15 +169,14 @@ def _bench_module(name: str):
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    """One flag per ServerConfig field (defaults None: then CHATTTS_SERVE_* or the field default)."""
-    from dataclasses import MISSING, fields
+    """One flag per ServerConfig field and per engine option (defaults None: then CHATTTS_SERVE_* or the
+    dataclass default)."""
+    from .server.config import ENV_PREFIX, ServerConfig
 
-    from .config import ServerConfig
-
-    for f in fields(ServerConfig):
+    for f in ServerConfig.server_fields():
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
-        doc = f"(default: {default!r}; env CHATTTS_SERVE_{f.name.upper()})"
+        default = f.default
+        doc = f"(default: {default!r}; env {ENV_PREFIX}{f.name.upper()})"
         if isinstance(default, bool):
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=doc)
         elif isinstance(default, tuple):
@@ -144,18 +190,18 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         else:
             kind = type(default) if default is not None else str
             p.add_argument(flag, dest=f.name, type=kind, default=None, help=doc)
+    add_engine_arguments(p, none_defaults=True)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
     import uvicorn
 
-    from .config import ServerConfig
+    from .engine.config import FLAT_OPTIONS
     from .server.app import create_app
+    from .server.config import ServerConfig
 
-    overrides = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
-    config = ServerConfig.from_env(**overrides)
+    names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
+    config = ServerConfig.from_env(**{name: getattr(args, name) for name in names})
     logging.getLogger().setLevel(config.log_level.upper())
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a no-op handler lets a clean
     # shutdown end with exit code 0.
@@ -170,29 +216,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _params(args: argparse.Namespace):
-    from .sampling_params import RefineParams, SamplingParams
-
-    return SamplingParams(
-        seed=args.seed,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        repetition_penalty=args.repetition_penalty,
-        min_new_tokens=args.min_new_tokens,
-        max_new_tokens=args.max_new_tokens,
-        speaker=args.speaker,
-        prompt=args.prompt,
-        refine_text=not args.no_refine,
-        refine=RefineParams(prompt=args.refine_prompt),
-        do_text_normalization=not args.no_normalize,
-        split_text=not args.no_split,
-        first_sentence_voice=not args.no_first_sentence_voice,
-    )
-
-
 def _synthesize(args: argparse.Namespace) -> int:
     from .audio.wav import write_wav
+    from .engine.config import EngineConfig, engine_config_from_args
     from .engine.engine import Engine
 
     if (args.text is None) == (args.input is None):
@@ -209,10 +235,11 @@ def _synthesize(args: argparse.Namespace) -> int:
         texts = [args.text]
         if not args.text.strip():
             raise ValueError("the text is empty")
-    params = _params(args)
-    engine = Engine.from_pretrained(
-        args.model, device=args.device, precision=args.precision, max_batch_size=args.batch_size
-    )
+    params = SamplingParams.from_options(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
+    config = engine_config_from_args(args, EngineConfig(auto_slots=args.batch_size is None))
+    if args.batch_size is not None:
+        config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=args.batch_size))
+    engine = Engine.from_pretrained(args.model, device=args.device, config=config)
     start = time.perf_counter()
     results = engine.synthesize(texts, params, progress=True)
     wall = time.perf_counter() - start
@@ -250,7 +277,7 @@ def _speaker_new(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_random(args: argparse.Namespace) -> int:
-    from .model.checkpoint import write_random
+    from .model.random_checkpoint import write_random
 
     root = write_random(args.directory, args.size, seed=args.seed)
     print(f"wrote a random {args.size} checkpoint (seed {args.seed}) to {root}")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from .model.config import NUM_VQ
 
@@ -124,5 +125,17 @@ class SamplingParams:
         return self.refine.seed if self.refine.seed is not None else self.seed
 
     @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+    def from_options(cls, base: SamplingParams | None = None, **options: Any) -> SamplingParams:
+        """``base`` (default: the defaults) with flat options set, as the HTTP API and the CLI name
+        them: every field by its name, and the refine pass's as ``refine_<field>``. None keeps the
+        value. Raises ValueError for an unknown name or a bad value."""
+        base = base or cls()
+        own = {f.name for f in fields(cls)} - {"refine"}
+        refine_names = {f"refine_{f.name}": f.name for f in fields(RefineParams)}
+        unknown = set(options) - own - set(refine_names)
+        if unknown:
+            raise ValueError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
+        given = {k: v for k, v in options.items() if v is not None}
+        refine = {refine_names[k]: v for k, v in given.items() if k in refine_names}
+        top = {k: v for k, v in given.items() if k in own}
+        return replace(base, **top, refine=replace(base.refine, **refine))

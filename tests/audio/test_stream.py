@@ -11,7 +11,9 @@ import torch
 
 from chattts_serve import Engine, SamplingParams
 from chattts_serve.audio.decode import decode
-from chattts_serve.audio.stream import AudioStream, StreamPolicy, Window
+from chattts_serve.audio.policy import StreamPolicy
+from chattts_serve.audio.stream import AudioStream, Window
+from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.core import EngineCore
 from chattts_serve.model.config import ConvStackConfig, DecoderConfig, ModelConfig, VocosConfig
 
@@ -271,10 +273,10 @@ def deep_config() -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def deep_engine(tmp_path_factory):
-    from chattts_serve.model.checkpoint import write_random
+    from chattts_serve.model.random_checkpoint import write_random
 
     root = write_random(tmp_path_factory.mktemp("deep") / "ckpt", deep_config(), seed=0)
-    return Engine.from_pretrained(root, device="cpu", precision="fp32", max_batch_size=4)
+    return Engine.from_pretrained(root, device="cpu", config=EngineConfig.with_slots(4))
 
 
 TEXT = "今天天气真不错，我们一起去公园散步吧。"
@@ -300,9 +302,9 @@ def run_requests(core: EngineCore, reqs: dict[str, tuple[SamplingParams, StreamP
             if o.finished:
                 finals[o.request_id] = o
         for rid in reqs:
-            job = core.jobs.get(rid)
-            if job is not None and job.segments[0].stream is not None:
-                streams[rid] = job.segments[0].stream
+            req = core.pipeline.requests.get(rid)
+            if req is not None and req.segments[0].stream is not None:
+                streams[rid] = req.segments[0].stream
     assert all(finals[rid].finish_reason == "length" for rid in reqs)
     return chunks, finals, streams
 

@@ -10,8 +10,8 @@ import struct
 
 import pytest
 
-from chattts_serve.bench import serve
-from chattts_serve.bench.serve import AudioCounter, Playback, RequestResult, simulate_playback
+from chattts_serve.bench import serve, serve_load
+from chattts_serve.bench.serve_load import AudioCounter, Playback, RequestResult, simulate_playback
 
 from ..server.conftest import running_server
 
@@ -127,7 +127,7 @@ def test_request_bodies_match_the_server_schema(endpoint):
     from chattts_serve.server.protocol import SpeechRequest, TTSRequest
 
     args = parse("--endpoint", endpoint, "--steps", "12", "--format", "wav")
-    spec = serve.build_request(args, "Hello there.", 7)
+    spec = serve_load.build_request(args, "Hello there.", 7)
     model = SpeechRequest if endpoint == "openai" else TTSRequest
     req = model(**spec.body)  # strict, extra="forbid": a misspelt or misplaced field fails here
     assert spec.path == ("/v1/audio/speech" if endpoint == "openai" else "/v1/tts")
@@ -136,7 +136,7 @@ def test_request_bodies_match_the_server_schema(endpoint):
         assert req.stream is True and req.format == "wav"
     else:
         assert req.response_format == "wav" and req.input == "Hello there."
-    free = serve.build_request(parse("--endpoint", endpoint), "x", 0).body
+    free = serve_load.build_request(parse("--endpoint", endpoint), "x", 0).body
     assert "min_new_tokens" not in free and "max_new_tokens" not in free
 
 
@@ -154,11 +154,11 @@ def test_bad_flags_are_rejected():
 
 
 def test_poisson_arrivals():
-    a = serve.poisson_arrivals(4.0, random.Random(3), 2000, None)
-    assert a == serve.poisson_arrivals(4.0, random.Random(3), 2000, None)  # reproducible from --seed
+    a = serve_load.poisson_arrivals(4.0, random.Random(3), 2000, None)
+    assert a == serve_load.poisson_arrivals(4.0, random.Random(3), 2000, None)  # reproducible from --seed
     assert len(a) == 2000 and all(x < y for x, y in zip(a, a[1:], strict=False))
     assert a[-1] / len(a) == pytest.approx(0.25, rel=0.1)  # mean gap 1/rate
-    capped = serve.poisson_arrivals(4.0, random.Random(3), None, 5.0)
+    capped = serve_load.poisson_arrivals(4.0, random.Random(3), None, 5.0)
     assert capped and capped[-1] <= 5.0 and capped == [x for x in a if x <= 5.0]
 
 

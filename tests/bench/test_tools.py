@@ -10,6 +10,7 @@ import os
 import pytest
 
 from chattts_serve.cli import main
+from chattts_serve.engine.config import EngineConfig
 
 pytestmark = pytest.mark.timeout(300)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -175,7 +176,7 @@ def test_profile_weight_bytes_per_mode(tiny_ckpt, precision, slots, per_weight):
     from chattts_serve.bench.profile import weight_bytes
     from chattts_serve.engine.engine import Engine
 
-    e = Engine.from_pretrained(tiny_ckpt, precision=precision, max_batch_size=slots)
+    e = Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(slots, precision=precision))
     g = e.model.config.gpt
     n = g.num_layers * (
         g.hidden_size * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from chattts_serve import Engine, SamplingParams
-from chattts_serve.audio.stream import StreamPolicy
+from chattts_serve.audio.policy import StreamPolicy
 from chattts_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.scheduler import QueueFullError, SchedulerConfig
 
 TEXT = "今天天气真不错，我们一起去公园散步吧。"
@@ -23,7 +24,7 @@ def p(seed: int, n: int = 60, **kw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def aengine(tiny_ckpt):
-    engine = AsyncEngine.from_pretrained(tiny_ckpt, scheduler=SchedulerConfig(max_num_seqs=4))
+    engine = AsyncEngine.from_pretrained(tiny_ckpt, config=EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4)))
     yield engine
     engine.shutdown()
 
@@ -54,7 +55,7 @@ def test_stream_chunks_are_contiguous_and_complete(aengine):
 
 
 def test_stream_codes_equal_offline_engine(aengine, tiny_ckpt):
-    offline = Engine.from_pretrained(tiny_ckpt, max_batch_size=4)
+    offline = Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(4))
     [ref] = offline.synthesize(TEXT, p(2, 70))
     chunks = run(collect(aengine, TEXT, p(2, 70)))
     np.testing.assert_array_equal(chunks[-1].segments[0].codes, ref.codes)
@@ -68,7 +69,7 @@ def test_generate_returns_whole_audio(aengine):
     result = run(aengine.generate(TEXT, p(3, 50)))
     assert result.finish_reason in ("stop", "length")
     assert len(result.audio) == 512 * len(result.codes) - 256
-    assert result.time_to_first_audio_s is not None and result.total_s >= result.time_to_first_audio_s
+    assert result.time_to_first_audio_s is not None and result.elapsed_s >= result.time_to_first_audio_s
 
 
 def test_concurrent_streams_match_alone(aengine):
@@ -103,9 +104,9 @@ def test_breaking_out_aborts_and_frees_the_slot(aengine):
             break
         for _ in range(200):
             await asyncio.sleep(0.02)
-            if "to-abort" not in aengine.core.jobs and aengine.num_running <= 1:
+            if not aengine.core.has_request("to-abort") and aengine.stats().num_running <= 1:
                 break
-        assert "to-abort" not in aengine.core.jobs
+        assert not aengine.core.has_request("to-abort")
         return await other
 
     other = run(scenario())
@@ -163,7 +164,9 @@ def test_model_work_never_runs_on_the_event_loop(aengine):
 
 
 def test_queue_full_is_refused(tiny_ckpt):
-    engine = AsyncEngine.from_pretrained(tiny_ckpt, scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=2))
+    engine = AsyncEngine.from_pretrained(
+        tiny_ckpt, config=EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=2))
+    )
 
     async def scenario():
         tasks = []
@@ -182,7 +185,7 @@ def test_queue_full_is_refused(tiny_ckpt):
 
 
 def test_shutdown_then_submit_raises(tiny_ckpt):
-    engine = AsyncEngine.from_pretrained(tiny_ckpt, scheduler=SchedulerConfig(max_num_seqs=2))
+    engine = AsyncEngine.from_pretrained(tiny_ckpt, config=EngineConfig(scheduler=SchedulerConfig(max_num_seqs=2)))
     run(collect(engine, TEXT, p(1, 20)))
     engine.shutdown()
     with pytest.raises(EngineDeadError):

@@ -1,5 +1,5 @@
 """engine/sampler.py: the batched path (``batched_probs`` + ``sample_with_noise``) against the
-single-sequence functions (``process_logits`` + ``sample``), bit for bit.
+single-sequence oracle (``sampler_oracle.process_logits`` + ``sample``), bit for bit.
 
 Each "sequence" owns 1 row (text) or 4 rows (code, one per codebook) with its own temperature(s),
 top_p, top_k, repetition penalty, generated history and min_new_tokens. The batched call gets the
@@ -15,14 +15,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from chattts_serve.engine.sampler import (
-    PENALTY_WINDOW,
-    batched_probs,
-    effective_top_k,
-    process_logits,
-    sample,
-    sample_with_noise,
-)
+from chattts_serve.engine.sampler import PENALTY_WINDOW, batched_probs, effective_top_k, sample_with_noise
+
+from .sampler_oracle import process_logits, sample
 
 EOS = 625
 VOCAB = 626

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from chattts_serve import Engine, RefineParams, SamplingParams
-from chattts_serve.audio.stream import StreamPolicy
+from chattts_serve.audio.policy import StreamPolicy
+from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.core import EngineCore, RequestOutput
 from chattts_serve.engine.scheduler import QueueFullError, SchedulerConfig
 
@@ -27,7 +28,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt):
-    return Engine.from_pretrained(tiny_ckpt, device="cpu", precision="fp32", max_batch_size=8)
+    return Engine.from_pretrained(tiny_ckpt, device="cpu", config=EngineConfig.with_slots(8))
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +38,7 @@ def leave_engine_idle(request):
     yield
     if "engine" in request.fixturenames:
         core = request.getfixturevalue("engine").core
-        for rid in list(core.jobs):
+        for rid in list(core.pipeline.requests):
             core.abort(rid)
         for _ in range(5):
             core.step()
@@ -219,7 +220,9 @@ def test_streaming_does_not_change_codes(engine):
 
 
 def test_abort_frees_slot_and_leaves_others_alone(engine):
-    core = EngineCore(engine.model, engine.tokenizer, SchedulerConfig(max_num_seqs=4))
+    core = EngineCore(
+        engine.model, engine.tokenizer, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4)), engine.layout
+    )
     sched = core.scheduler
     reqs = {f"a{i}": (TEXTS[i % 2 * 3], base(seed=20 + i, min_new_tokens=30, max_new_tokens=50)) for i in range(4)}
     late = ("late", TEXTS[4], base(seed=30, max_new_tokens=30))
@@ -245,7 +248,7 @@ def test_abort_frees_slot_and_leaves_others_alone(engine):
     [newcomer] = [s for s in sched.running if s.request_id == "late"]
     assert newcomer.slot == slot  # the freed slot went to the waiting request in the same step
     assert sched.num_running == 4 and sched.num_waiting == 0
-    assert "a2" not in core.jobs
+    assert not core.has_request("a2")
 
     run.drain()
     assert_idle(core)
@@ -273,7 +276,9 @@ def test_abort_frees_slot_count_on_shared_engine(engine):
 
 
 def test_abort_waiting_and_refining_requests(engine):
-    core = EngineCore(engine.model, engine.tokenizer, SchedulerConfig(max_num_seqs=1))
+    core = EngineCore(
+        engine.model, engine.tokenizer, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1)), engine.layout
+    )
     run = Run(core)
     run.add("first", TEXT, base(seed=1, refine_text=True, refine=RefineParams(max_new_tokens=20, min_new_tokens=20)))
     run.add("queued", TEXT, base(seed=2))
@@ -290,18 +295,23 @@ def test_abort_waiting_and_refining_requests(engine):
 
 
 def test_queue_full(engine):
-    core = EngineCore(engine.model, engine.tokenizer, SchedulerConfig(max_num_seqs=1, max_waiting=2))
+    core = EngineCore(
+        engine.model,
+        engine.tokenizer,
+        EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=2)),
+        engine.layout,
+    )
     run = Run(core)
     pa, pb, pc = base(seed=1, max_new_tokens=15), base(seed=2, max_new_tokens=15), base(seed=3, max_new_tokens=15)
     run.add("a", TEXT, pa)
     run.add("b", TEXTS[1], pb)
     with pytest.raises(QueueFullError):
         run.add("c", TEXTS[4], pc)
-    assert "c" not in core.jobs and core.scheduler.num_waiting == 2
+    assert not core.has_request("c") and core.scheduler.num_waiting == 2
     run.step()  # a admitted: one place free in the queue
     with pytest.raises(QueueFullError):  # two segments do not fit in one place; nothing is left behind
         run.add("multi", TEXTS[2], replace(pc, first_sentence_voice=False))
-    assert "multi" not in core.jobs and core.scheduler.num_waiting == 1
+    assert not core.has_request("multi") and core.scheduler.num_waiting == 1
     run.add("c", TEXTS[4], pc)  # the refused id can be used again
     run.drain()
     for rid, text, p in (("a", TEXT, pa), ("b", TEXTS[1], pb), ("c", TEXTS[4], pc)):
@@ -311,7 +321,12 @@ def test_queue_full(engine):
 
 
 def test_accepted_refine_request_is_not_failed_by_queue_bound(engine):
-    core = EngineCore(engine.model, engine.tokenizer, SchedulerConfig(max_num_seqs=1, max_waiting=1))
+    core = EngineCore(
+        engine.model,
+        engine.tokenizer,
+        EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=1)),
+        engine.layout,
+    )
     run = Run(core)
     run.add("a", "你好。", base(seed=1, max_new_tokens=10, refine_text=True, refine=RefineParams(max_new_tokens=3)))
     run.step()  # a's refine pass is running; the queue is empty again
@@ -362,7 +377,7 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeyp
     [final] = [o for o in outs if o.request_id == "doomed"]
     assert final.finished and final.finish_reason == "error"
     assert "device on fire" in final.error
-    assert "doomed" not in core.jobs
+    assert not core.has_request("doomed")
     assert core.step() == []  # its sequence leaves the running set; the runner drops its state
     assert_idle(core)
 

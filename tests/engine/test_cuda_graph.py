@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from chattts_serve.engine.cuda_graph import RunnerConfig, StaticDecoder, batch_buckets, ctx_buckets
+from chattts_serve.engine.config import EngineConfig, RunnerConfig
+from chattts_serve.engine.cuda_graph import StaticDecoder, batch_buckets, ctx_buckets
 from chattts_serve.engine.engine import Engine
 from chattts_serve.engine.scheduler import SchedulerConfig
 from chattts_serve.model.checkpoint import load
@@ -22,14 +23,6 @@ def test_buckets():
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
     assert ctx_buckets(2304) == [256, 512, 1024, 2048, 2304]
     assert ctx_buckets(100) == [100]
-
-
-def test_runner_config():
-    assert RunnerConfig().resolve(torch.device("cpu")) == "rows"
-    assert RunnerConfig().resolve(torch.device("cuda")) == "static"
-    assert RunnerConfig(decode="static").resolve(torch.device("cpu")) == "static"
-    with pytest.raises(ValueError, match="decode must be"):
-        RunnerConfig(decode="graph")
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +72,7 @@ def test_static_decoder_refuses_positions_past_the_cache(gpt):
 def test_engine_static_decode_gives_the_same_codes(tiny_ckpt, tiny_engine):
     params = SamplingParams(seed=3, max_new_tokens=40)
     want = tiny_engine.synthesize(TEXTS, params)
-    static = Engine.from_pretrained(tiny_ckpt, max_batch_size=4, runner=RunnerConfig(decode="static"))
+    static = Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(4, runner=RunnerConfig(decode="static")))
     assert static.core.runner.static is not None and not static.core.runner.static.use_graphs  # no CUDA
     got = static.synthesize(TEXTS, params)
     for a, b in zip(want, got, strict=True):
@@ -91,8 +84,12 @@ def test_engine_static_decode_gives_the_same_codes(tiny_ckpt, tiny_engine):
 def test_compiled_static_step_gives_the_same_codes(tiny_ckpt):
     sched = SchedulerConfig(max_num_seqs=1, max_model_len=200)
     params = SamplingParams(seed=4, max_new_tokens=16, refine_text=False)
-    eager = Engine.from_pretrained(tiny_ckpt, scheduler=sched, runner=RunnerConfig(decode="static"))
-    compiled = Engine.from_pretrained(tiny_ckpt, scheduler=sched, runner=RunnerConfig(decode="static", compile=True))
+    eager = Engine.from_pretrained(
+        tiny_ckpt, config=EngineConfig(scheduler=sched, runner=RunnerConfig(decode="static"))
+    )
+    compiled = Engine.from_pretrained(
+        tiny_ckpt, config=EngineConfig(scheduler=sched, runner=RunnerConfig(decode="static", compile=True))
+    )
     a, b = eager.synthesize(TEXTS[:1], params)[0], compiled.synthesize(TEXTS[:1], params)[0]
     np.testing.assert_array_equal(a.codes, b.codes)
 
@@ -101,8 +98,10 @@ def test_compiled_static_step_gives_the_same_codes(tiny_ckpt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graph_replay_equals_eager_on_cuda(tiny_ckpt):
     params = SamplingParams(seed=3, max_new_tokens=40)
-    eager = Engine.from_pretrained(tiny_ckpt, "cuda", max_batch_size=4, runner=RunnerConfig(cuda_graphs=False))
-    graph = Engine.from_pretrained(tiny_ckpt, "cuda", max_batch_size=4)
+    eager = Engine.from_pretrained(
+        tiny_ckpt, "cuda", EngineConfig.with_slots(4, runner=RunnerConfig(cuda_graphs=False))
+    )
+    graph = Engine.from_pretrained(tiny_ckpt, "cuda", EngineConfig.with_slots(4))
     assert graph.core.runner.static.graphs
     for a, b in zip(eager.synthesize(TEXTS, params), graph.synthesize(TEXTS, params), strict=True):
         np.testing.assert_array_equal(a.codes, b.codes)

@@ -8,6 +8,7 @@ import pytest
 from torch import nn
 
 from chattts_serve.engine.calibrate import calibrate
+from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.engine import Engine
 from chattts_serve.model import checkpoint
 from chattts_serve.model.quant import StaticInt8Linear
@@ -20,7 +21,7 @@ TEXTS = ["你好，世界。", "Hello there, my friend.", "Good morning."]
 
 @pytest.fixture(scope="module", params=["bf16", "int8", "int8-dynamic", "int8-static"])
 def engine(request, tiny_ckpt):
-    return Engine.from_pretrained(tiny_ckpt, precision=request.param, max_batch_size=4)
+    return Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(4, precision=request.param))
 
 
 def test_mode_synthesizes_and_repeats(engine):
@@ -42,9 +43,9 @@ def test_batch_invariance_where_promised(engine):
 
 def test_precision_is_reported_and_fp16_refused_on_cpu(tiny_ckpt):
     with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
-        Engine.from_pretrained(tiny_ckpt, precision="fp16")
+        Engine.from_pretrained(tiny_ckpt, config=EngineConfig(precision="fp16"))
     with pytest.raises(ValueError, match="precision must be one of"):
-        Engine.from_pretrained(tiny_ckpt, precision="int3")
+        Engine.from_pretrained(tiny_ckpt, config=EngineConfig(precision="int3"))
 
 
 def test_calibration_sees_every_projection(tiny_ckpt):
@@ -56,6 +57,6 @@ def test_calibration_sees_every_projection(tiny_ckpt):
 
 
 def test_static_engine_uses_calibrated_scales(tiny_ckpt):
-    e = Engine.from_pretrained(tiny_ckpt, precision="int8-static", max_batch_size=2)
+    e = Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(2, precision="int8-static"))
     mods = [m for m in e.model.gpt.modules() if isinstance(m, StaticInt8Linear)]
     assert mods and len({m.x_scale for m in mods}) > 1

@@ -1,4 +1,5 @@
-"""engine/sampler.py: every pure function against a plain numpy / python-loop reference."""
+"""sampler_oracle.py (the single-sequence sampler the batched one is tested against): every pure function against
+a plain numpy / python-loop reference, with the window and min-keep constants of engine/sampler.py."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from chattts_serve.engine.sampler import (
-    MIN_TOKENS_TO_KEEP,
-    PENALTY_WINDOW,
+from chattts_serve.engine.sampler import MIN_TOKENS_TO_KEEP, PENALTY_WINDOW
+
+from .sampler_oracle import (
     apply_repetition_penalty,
     apply_temperature,
     apply_top_k,

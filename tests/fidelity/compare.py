@@ -9,6 +9,7 @@ import torch
 
 from chattts_serve import Engine, RefineParams, SamplingParams
 from chattts_serve.audio.decode import codes_to_mel, hidden_to_mel, mel_to_wav
+from chattts_serve.engine.config import EngineConfig
 from chattts_serve.model.speaker import SpeakerStats, default_speaker_stats, encode_speaker
 
 TOL = 1e-4
@@ -69,16 +70,16 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
 
     The engine runs with one KV slot: every matmul then sees exactly the rows of a batch-1 reference
     run, which is what makes fp32 bit-identical (see ``ModelRunner.pad_rows_to``)."""
-    engine = Engine.from_pretrained(ckpt, device="cpu", precision="fp32", max_batch_size=1)
+    engine = Engine.from_pretrained(ckpt, device="cpu", config=EngineConfig.with_slots(1))
     model = engine.model
     captured: list = []
-    on_step = engine.core._on_step
+    update = engine.core.pipeline.update
 
-    def recording_on_step(out):
-        captured.append(out)
-        on_step(out)
+    def recording_update(outputs):
+        captured.extend(outputs)
+        return update(outputs)
 
-    engine.core._on_step = recording_on_step
+    engine.core.pipeline.update = recording_update
     report = {"cases": 0, "steps_compared": 0, "long_cases": 0, "eos_cases": 0, "max_abs": {}}
     worst = report["max_abs"]
 

@@ -1,4 +1,5 @@
-"""model/checkpoint.py: random checkpoints, official parameter counts, config reading, load errors."""
+"""model/checkpoint.py: official parameter counts, config reading, load errors (the random-weight
+generator that writes ``tiny_ckpt`` is tested in test_random_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from chattts_serve.model import checkpoint
-from chattts_serve.model.checkpoint import CheckpointError, load, read_config, write_random
-from chattts_serve.model.config import ConvStackConfig, DecoderConfig, GPTConfig, ModelConfig
+from chattts_serve.model.checkpoint import CheckpointError, load, read_config
+from chattts_serve.model.config import GPTConfig, ModelConfig
 from chattts_serve.model.dvae import DVAE, Decoder
 from chattts_serve.model.embed import Embed
 from chattts_serve.model.gpt import GPT
@@ -36,10 +37,6 @@ OFFICIAL_FILES = {
 SAFETENSORS = sorted(f for f in OFFICIAL_FILES if f.endswith(".safetensors"))
 
 
-def all_files(root: Path) -> set[str]:
-    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
-
-
 def n_params(m: torch.nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
@@ -50,56 +47,13 @@ def embed_numel_as_stored(cfg: GPTConfig) -> int:
     return q * a * h + t * h + t * (1 + h) + q * a * (1 + h)
 
 
-# ---------------------------------------------------------------- write_random
-
-
-def test_write_random_is_deterministic(tmp_path, tiny_ckpt):
-    a = write_random(tmp_path / "a", "tiny", seed=0)
-    b = write_random(tmp_path / "b", "tiny", seed=0)
-    c = write_random(tmp_path / "c", "tiny", seed=1)
-    files = all_files(a)
-    assert files == all_files(b) == all_files(c) == all_files(tiny_ckpt)
-    for rel in files:
-        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
-        assert (a / rel).read_bytes() == (tiny_ckpt / rel).read_bytes(), rel  # the fixture uses seed 0
-    for rel in SAFETENSORS + [checkpoint.SPK_STAT]:
-        assert (a / rel).read_bytes() != (c / rel).read_bytes(), rel
-    # a different seed changes the weights themselves, not just the metadata
-    wa, wc = load_file(a / "asset/gpt/model.safetensors"), load_file(c / "asset/gpt/model.safetensors")
-    assert wa.keys() == wc.keys()
-    assert all(not torch.equal(wa[k], wc[k]) for k in wa)
-
-
-def test_write_random_file_list_tiny(tiny_ckpt):
-    # hidden size 64 != 768: our optional speaker statistics are written too
-    assert all_files(tiny_ckpt) == OFFICIAL_FILES | {"asset/spk_stat.txt"}
-
-
-def test_write_random_768_has_no_spk_stat(tmp_path):
-    tiny = ModelConfig.tiny()
-    cfg = ModelConfig(
-        gpt=GPTConfig(hidden_size=768, num_layers=1, num_heads=12, num_kv_heads=12, intermediate_size=16),
-        decoder=DecoderConfig(ConvStackConfig(idim=384, odim=16, hidden=8, num_layers=1, bn_dim=8)),
-        dvae=tiny.dvae,
-        vocos=tiny.vocos,
-    )
-    root = write_random(tmp_path / "ck", cfg, seed=0)
-    assert all_files(root) == OFFICIAL_FILES
-    assert read_config(root) == cfg
-
-
-def test_write_random_rejects_unknown_size(tmp_path):
-    with pytest.raises(ValueError, match="size"):
-        write_random(tmp_path / "x", "medium")
+# ---------------------------------------------------------------- official sizes
 
 
 def test_tiny_embed_file_numel_matches_formula(tiny_ckpt):
     with safe_open(str(tiny_ckpt / "asset/Embed.safetensors"), "pt") as f:
         total = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     assert total == embed_numel_as_stored(ModelConfig.tiny().gpt)
-
-
-# ---------------------------------------------------------------- official sizes
 
 
 def test_full_config_parameter_counts_are_official():

@@ -294,10 +294,10 @@ def test_sigterm_drains_the_stream_and_exits(tiny_ckpt, tmp_path_factory):
 def test_server_config_refuses_unknown_precision_and_decode():
     import pytest
 
-    from chattts_serve.config import ServerConfig
+    from chattts_serve.server.config import ServerConfig
 
     with pytest.raises(ValueError, match="precision must be one of"):
-        ServerConfig(precision="int4")
+        ServerConfig.from_env({}, precision="int4")
     with pytest.raises(ValueError, match="decode must be"):
-        ServerConfig(decode="graph")
-    assert ServerConfig.from_env({"CHATTTS_SERVE_PRECISION": "int8-static"}).precision == "int8-static"
+        ServerConfig.from_env({}, decode="graph")
+    assert ServerConfig.from_env({"CHATTTS_SERVE_PRECISION": "int8-static"}).engine.precision == "int8-static"

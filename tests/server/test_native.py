@@ -216,6 +216,19 @@ def test_websocket_stream(server, http):
     assert ref.content == pcm
 
 
+def test_websocket_initial_text_dash_is_kept(server, http):
+    """A start message may carry the first text itself; "-" is a text like any other, not "no text"."""
+    options = {"format": "pcm", "seed": 1, "refine_text": False, "max_new_tokens": 40}
+    with connect(ws_url(server), open_timeout=10, close_timeout=5) as ws:
+        ws.send(json.dumps({"type": "start", "text": "-", **options}))
+        ws.send(json.dumps({"type": "text", "text": TEXT}))
+        ws.send(json.dumps({"type": "end"}))
+        events, pcm = _ws_collect(ws)
+    assert events[-1]["type"] == "end" and pcm
+    assert pcm == http.post("/v1/tts", json={"text": "-" + TEXT, **options}).content
+    assert pcm != http.post("/v1/tts", json={"text": TEXT, **options}).content  # the "-" was spoken
+
+
 def test_websocket_two_sentences_and_wav(server):
     with connect(ws_url(server), open_timeout=10, close_timeout=5) as ws:
         ws.send(

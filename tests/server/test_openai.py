@@ -136,6 +136,13 @@ def test_sse_via_extra_body(client):
     audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     assert events[-1]["type"] == "speech.audio.done"
     assert len(audio) == 2 * EXPECTED
+    # Real usage: the text's tokens in (one per CJK character and the full stop, as the tokenizer
+    # splits them), the audio tokens out (one per 512 samples, fixed to TOKENS here).
+    assert events[-1]["usage"] == {
+        "input_tokens": len(TEXT),
+        "output_tokens": TOKENS,
+        "total_tokens": len(TEXT) + TOKENS,
+    }
 
 
 def test_chattts_extra_fields_accepted(client):

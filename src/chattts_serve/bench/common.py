@@ -56,10 +56,13 @@ def add_runner_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the static decode step")
 
 
-def runner_config(args: argparse.Namespace):
-    from ..engine.cuda_graph import RunnerConfig
+def engine_config(args: argparse.Namespace, **scheduler: int):
+    """The ``EngineConfig`` of the tool's flags (precision, decode step) and the given scheduler limits."""
+    from ..engine.config import EngineConfig, RunnerConfig
+    from ..engine.scheduler import SchedulerConfig
 
-    return RunnerConfig(decode=args.decode, cuda_graphs=args.cuda_graphs, compile=args.compile)
+    runner = RunnerConfig(decode=args.decode, cuda_graphs=args.cuda_graphs, compile=args.compile)
+    return EngineConfig(precision=args.precision, scheduler=SchedulerConfig(**scheduler), runner=runner)
 
 
 def texts(args: argparse.Namespace, n: int) -> list[str]:

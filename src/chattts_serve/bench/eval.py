@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     import torch
 
+    from ..engine.config import EngineConfig
     from ..engine.engine import Engine
     from ..model.quant import check_supported, parse_precision
 
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.steps < 2 or not texts:
         raise ValueError("--steps must be >= 2 and --num-texts >= 1")
 
-    ref = Engine.from_pretrained(args.model, device=device, precision="fp32", max_batch_size=1)
+    ref = Engine.from_pretrained(args.model, device, EngineConfig.with_slots(1))
     codes = _free_run(ref, texts, args.steps, args.seed)
     ids = [_prompt_ids(ref, t) for t in texts]
     base = []
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rows = []
     for mode in modes:
-        eng = Engine.from_pretrained(args.model, device=device, precision=mode, max_batch_size=1)
+        eng = Engine.from_pretrained(args.model, device, EngineConfig.with_slots(1, precision=mode))
         top1, kl, mel_d, snr = [], [], [], []
         for i, c, (lp32, mel32, wav32) in zip(ids, codes, base, strict=True):
             h, lg = teacher_forced(eng, i, c)

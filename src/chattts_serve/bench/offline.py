@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from . import stats
-from .common import add_model_arguments, peak_memory_mb, run_reference, run_tool, runner_config, set_threads, texts
+from .common import add_model_arguments, engine_config, peak_memory_mb, run_reference, run_tool, set_threads, texts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +26,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from ..engine.engine import Engine
-    from ..engine.scheduler import SchedulerConfig
     from ..sampling_params import SamplingParams
 
     set_threads(args)
@@ -35,11 +34,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if n < 1 or args.steps < 1 or batch < 1:
         raise ValueError("--num-texts, --batch-size and --steps must be >= 1")
     items = texts(args, n)
-    sched = SchedulerConfig(max_num_seqs=batch, max_model_len=args.steps + 256, max_waiting=max(1024, n))
+    config = engine_config(args, max_num_seqs=batch, max_model_len=args.steps + 256, max_waiting=max(1024, n))
     t_load = time.perf_counter()
-    engine = Engine.from_pretrained(
-        args.model, device=args.device, precision=args.precision, scheduler=sched, runner=runner_config(args)
-    )
+    engine = Engine.from_pretrained(args.model, device=args.device, config=config)
     load_s = time.perf_counter() - t_load
     params = SamplingParams(seed=args.seed, min_new_tokens=args.steps, max_new_tokens=args.steps, refine_text=False)
     engine.synthesize(items[:1], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
@@ -59,7 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model),
         "device": str(engine.device),
         "precision": engine.precision.name,
-        "decode": engine.core.runner.decode_mode,
+        "decode": engine.decode_mode,
         "threads": torch.get_num_threads(),
         "num_texts": n,
         "batch_size": batch,

@@ -2,11 +2,12 @@
 
 Stages: normalise, tokenise, prefill, decode (GPT trunk + heads), sampling, decoder (hidden states ->
 mel), vocoder (mel -> audio), encode (audio -> the response format), and "other" (scheduling, stream
-bookkeeping: the engine loop's own Python). Each stage is timed by wrapping the one function that
-does it on this engine instance only (nothing changes for other engines), with a
-``torch.profiler.record_function`` label so the trace shows the same names; on CUDA each stage
-synchronises first, so its time is its own. ``--trace PATH`` writes the torch.profiler trace (open
-it in chrome://tracing or https://ui.perfetto.dev).
+bookkeeping: the engine loop's own Python). The model runner times its own stages (prefill, decode,
+sampling) through its ``stage_timer``; the others are timed by wrapping the one public function that
+does each, on this engine instance only. Every stage carries a ``torch.profiler.record_function`` label
+so the trace shows the same names; on CUDA each stage synchronises first, so its time is its own.
+``--trace PATH`` writes the torch.profiler trace (open it in chrome://tracing or
+https://ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import argparse
 import functools
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from . import stats
-from .common import TEXTS, add_runner_arguments, fail, peak_memory_mb, runner_config, set_threads
+from .common import TEXTS, add_runner_arguments, engine_config, fail, peak_memory_mb, set_threads
 
 STAGES = ("normalise", "tokenise", "prefill", "decode", "sampling", "decoder", "vocoder", "encode")
 
@@ -46,30 +49,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class StageTimer:
-    """Wraps ``obj.name`` so each call adds its wall time to ``stage``."""
+    """Adds the wall time of each named stage: as the runner's ``stage_timer`` (``stage(name)``), or
+    by wrapping a public function (``wrap``)."""
 
     def __init__(self, sync) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        self.fn_calls: dict[str, int] = defaultdict(int)
         self._sync = sync
 
-    def wrap(self, obj: Any, name: str, stage: str) -> None:
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
         from torch.profiler import record_function
 
+        self._sync()
+        t0 = time.perf_counter()
+        with record_function(name):
+            yield
+            self._sync()
+        self.seconds[name] += time.perf_counter() - t0
+        self.calls[name] += 1
+
+    def wrap(self, obj: Any, name: str, stage: str) -> None:
         fn = getattr(obj, name)
 
         @functools.wraps(fn)
         def timed(*a, **k):
-            self._sync()
-            t0 = time.perf_counter()
-            with record_function(stage):
-                out = fn(*a, **k)
-                self._sync()
-            self.seconds[stage] += time.perf_counter() - t0
-            self.calls[stage] += 1
-            self.fn_calls[name] += 1
-            return out
+            with self.stage(stage):
+                return fn(*a, **k)
 
         setattr(obj, name, timed)
 
@@ -107,9 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from ..audio.encode import FORMATS, encode_whole
-    from ..audio.stream import StreamPolicy
+    from ..audio.policy import StreamPolicy
     from ..engine.engine import Engine
-    from ..engine.scheduler import SchedulerConfig
     from ..sampling_params import SamplingParams
 
     set_threads(args)
@@ -120,20 +125,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     slots = args.batch_size if args.batch_size is not None else args.streams
     if slots < 1:
         raise ValueError("--batch-size must be >= 1")
-    sched = SchedulerConfig(max_num_seqs=slots, max_model_len=args.steps + 512)
-    engine = Engine.from_pretrained(
-        args.model, device=args.device, precision=args.precision, scheduler=sched, runner=runner_config(args)
-    )
+    config = engine_config(args, max_num_seqs=slots, max_model_len=args.steps + 512)
+    engine = Engine.from_pretrained(args.model, device=args.device, config=config)
     core, dev = engine.core, engine.device
     engine.synthesize(["你好。"], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     timer = StageTimer(sync)
-    timer.wrap(core, "normalizer", "normalise")
-    timer.wrap(core.tokenizer, "encode", "tokenise")
-    timer.wrap(core.runner, "_prefill", "prefill")
-    timer.wrap(core.runner, "_decode_trunk", "decode")
-    timer.wrap(core.runner, "_heads", "decode")
-    timer.wrap(core.runner, "_sample", "sampling")
+    core.runner.stage_timer = timer  # prefill, decode, sampling
+    timer.wrap(core.inputs, "normalizer", "normalise")
+    timer.wrap(engine.tokenizer, "encode", "tokenise")
     timer.wrap(engine.model.decoder, "forward", "decoder")
     timer.wrap(engine.model.vocos, "forward", "vocoder")
     response = SimpleNamespace(encode=encode_whole)  # what the server does with the audio
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for s in STAGES
     }
     breakdown["other"] = {"s": round(wall - staged, 4), "share": round((wall - staged) / wall, 4), "calls": steps}
-    decode_ms = 1000 * timer.seconds["decode"] / max(1, timer.fn_calls["_decode_trunk"])
+    decode_ms = 1000 * timer.seconds["decode"] / max(1, timer.calls["decode"])
     top = None
     if args.trace:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model),
         "device": str(dev),
         "precision": engine.precision.name,
-        "decode": engine.core.runner.decode_mode,
+        "decode": engine.decode_mode,
         "threads": torch.get_num_threads(),
         "streams": args.streams,
         "batch_size": slots,

@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from . import stats
-from .common import add_model_arguments, peak_memory_mb, run_reference, run_tool, runner_config, set_threads, texts
-from .serve import simulate_playback
+from .common import add_model_arguments, engine_config, peak_memory_mb, run_reference, run_tool, set_threads, texts
+from .serve_load import simulate_playback
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,19 +59,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from ..engine.async_engine import AsyncEngine
-    from ..engine.scheduler import SchedulerConfig
 
     set_threads(args)
     levels = [int(x) for x in str(args.concurrency).split(",")]
     if min(levels) < 1 or args.steps < 1:
         raise ValueError("--concurrency levels and --steps must be >= 1")
-    sched = SchedulerConfig(max_num_seqs=max(levels), max_model_len=args.steps + 256)
-    engine = AsyncEngine.from_pretrained(args.model, args.device, args.precision, sched, runner=runner_config(args))
+    config = engine_config(args, max_num_seqs=max(levels), max_model_len=args.steps + 256)
+    engine = AsyncEngine.from_pretrained(args.model, args.device, config)
     try:
         asyncio.run(_level(engine, texts(args, 1), 8))  # warm-up
         ours = [asyncio.run(_level(engine, texts(args, n), args.steps)) for n in levels]
-        device = engine.core.device
-        decode = engine.core.runner.decode_mode
+        device = engine.device
+        decode = engine.decode_mode
     finally:
         engine.shutdown()
     out: dict[str, Any] = {

@@ -26,13 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..audio.stream import StreamPolicy
-from ..model.config import SAMPLE_RATE
+from ..audio.policy import StreamPolicy
+from ..model.config import DEFAULT_MODEL
 from ..sampling_params import SamplingParams
-from .core import PreparedRequest, RequestOutput, SegmentResult
-from .cuda_graph import RunnerConfig
+from .config import EngineConfig
 from .engine import Engine
-from .scheduler import QueueFullError, SchedulerConfig
+from .input_processor import PreparedRequest
+from .outputs import RequestOutput, Result, build_result
+from .scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -43,45 +44,6 @@ class EngineError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
-
-
-@dataclass(slots=True)
-class AudioChunk:
-    request_id: str
-    audio: np.ndarray
-    """float32 mono PCM at ``sample_rate``; the samples that follow the previous chunk."""
-    index: int
-    start_sample: int
-    """Position of this chunk's first sample in the request's audio."""
-    elapsed_s: float
-    """Seconds from submission to this chunk being ready (the first chunk's is the time to first audio)."""
-    finished: bool = False
-    finish_reason: str | None = None
-    sample_rate: int = SAMPLE_RATE
-    segments: list[SegmentResult] | None = None
-    """On the last chunk of a completed request: each sentence's text and codes."""
-    voice_sample: str | None = None
-    """On the last chunk: the voice sample the first sentence gave (see ``SamplingParams.first_sentence_voice``)."""
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    request_id: str
-    audio: np.ndarray
-    finish_reason: str | None
-    segments: list[SegmentResult]
-    time_to_first_audio_s: float | None
-    total_s: float
-    sample_rate: int = SAMPLE_RATE
-    voice_sample: str | None = None
-
-    @property
-    def codes(self) -> np.ndarray:
-        return np.concatenate([s.codes for s in self.segments]) if self.segments else np.zeros((0, 4), np.int64)
-
-    @property
-    def duration(self) -> float:
-        return len(self.audio) / self.sample_rate
 
 
 @dataclass(eq=False)
@@ -126,10 +88,10 @@ class _Collector:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, stream_policy: StreamPolicy | None = None) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.core = engine.core
-        self.stream_policy = stream_policy or StreamPolicy()
+        self.stream_policy = engine.config.stream
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._collectors: dict[str, _Collector] = {}
         self._wakeup = threading.Event()
@@ -142,17 +104,11 @@ class AsyncEngine:
     @classmethod
     def from_pretrained(
         cls,
-        path_or_repo: str | Path,
+        path_or_repo: str | Path = DEFAULT_MODEL,
         device: str | torch.device = "cpu",
-        precision: str = "fp32",
-        scheduler: SchedulerConfig | None = None,
-        stream_policy: StreamPolicy | None = None,
-        runner: RunnerConfig | None = None,
+        config: EngineConfig | None = None,
     ) -> AsyncEngine:
-        engine = Engine.from_pretrained(
-            path_or_repo, device=device, precision=precision, scheduler=scheduler, runner=runner
-        )
-        return cls(engine, stream_policy)
+        return cls(Engine.from_pretrained(path_or_repo, device, config))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -189,8 +145,9 @@ class AsyncEngine:
         request_id: str | None = None,
         policy: StreamPolicy | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[AudioChunk]:
-        """Audio chunks as they are decoded. Raises ValueError (bad input), QueueFullError (no capacity),
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's audio in deltas as it is decoded; the last one has ``finished`` set and the
+        sentences' texts and codes. Raises ValueError (bad input), QueueFullError (no capacity),
         EngineError (the request failed) or EngineDeadError."""
         params = params or SamplingParams()
         prepared = await asyncio.to_thread(self.core.prepare, text, params)
@@ -207,16 +164,18 @@ class AsyncEngine:
                     if done and final.finish_reason == "error":
                         finished = True
                         raise EngineError(final.error or "request failed")
-                    chunk = AudioChunk(
+                    chunk = RequestOutput(
                         rid,
                         audio,
-                        index,
-                        position,
-                        time.monotonic() - t0,
                         done,
                         final.finish_reason if done else None,
+                        num_steps=final.num_steps if done else 0,
                         segments=final.segments if done else None,
+                        num_input_tokens=final.num_input_tokens if done else 0,
                         voice_sample=final.voice_sample if done else None,
+                        index=index,
+                        start_sample=position,
+                        elapsed_s=time.monotonic() - t0,
                     )
                     index, position = index + 1, position + len(audio)
                     finished = done
@@ -230,7 +189,7 @@ class AsyncEngine:
 
     async def generate(
         self, text: str, params: SamplingParams | None = None, *, request_id: str | None = None, priority: int = 0
-    ) -> GenerationResult:
+    ) -> Result:
         """The whole utterance (decoded once at the end of each sentence, no streaming overhead)."""
         t0 = time.monotonic()
         parts, first, last = [], None, None
@@ -242,15 +201,7 @@ class AsyncEngine:
             parts.append(chunk.audio)
             last = chunk
         audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-        return GenerationResult(
-            last.request_id,
-            audio,
-            last.finish_reason,
-            last.segments or [],
-            first,
-            time.monotonic() - t0,
-            voice_sample=last.voice_sample,
-        )
+        return build_result(last, audio, time.monotonic() - t0, first)
 
     def _submit(
         self, prepared: PreparedRequest, request_id: str | None, policy: StreamPolicy, priority: int
@@ -320,12 +271,46 @@ class AsyncEngine:
                 if (c := self._collectors.get(rid)) is not None:
                     c.fail(exc)
 
-    # ------------------------------------------------------------------ introspection (metrics)
+    # ------------------------------------------------------------------ what the server needs
 
     @property
-    def num_running(self) -> int:
-        return self.core.scheduler.num_running
+    def hidden_size(self) -> int:
+        return self.engine.hidden_size
 
     @property
-    def num_waiting(self) -> int:
-        return self.core.scheduler.num_waiting
+    def device(self):
+        return self.engine.device
+
+    @property
+    def decode_mode(self) -> str:
+        return self.engine.decode_mode
+
+    def sample_speaker(self, seed: int | None = None) -> str:
+        return self.engine.sample_speaker(seed)
+
+    async def speaker_from_audio(self, wav: np.ndarray) -> str:
+        """``Engine.speaker_from_audio`` in a worker thread (the DVAE encoder is not the GPT: it runs
+        beside the engine loop without touching its state)."""
+        return await asyncio.to_thread(self.engine.speaker_from_audio, wav)
+
+    def stats(self) -> EngineStats:
+        sched = self.core.scheduler
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_slots=sched.config.max_num_seqs,
+            kv_slots_used=sched.config.max_num_seqs - sched.slots.num_free,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load (read without locks: each number is current, together they may
+    be one step apart)."""
+
+    num_running: int
+    """Sequences decoding."""
+    num_waiting: int
+    """Sequences queued for a KV slot."""
+    kv_slots: int
+    kv_slots_used: int

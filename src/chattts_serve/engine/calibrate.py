@@ -1,16 +1,20 @@
 """Activation ranges for ``int8-static``: run the fp32 model on sample texts and record, per linear
 layer of the GPT, the largest |input| it saw (prefill of the prompt, the refine pass and audio decode).
 
-Runs through a one-slot ``Engine`` so every projection is a plain ``nn.Linear`` that the hooks see.
+Runs a one-slot ``EngineCore`` on the model as it is (fp32, projections fused, nothing swapped yet), so
+every projection is a plain ``nn.Linear`` that the hooks see. ``model.prepare`` calls it.
 """
 
 from __future__ import annotations
 
 from ..model.checkpoint import LoadedModel
-from ..model.quant import record_absmax
-from ..model.speaker import SpeakerStats
+from ..model.prepare import ModelLayout
+from ..model.quant import SPECS, record_absmax
+from ..model.speaker import SpeakerStats, encode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import RefineParams, SamplingParams
+from .config import EngineConfig
+from .core import EngineCore
 from .scheduler import SchedulerConfig
 
 CALIBRATION_TEXTS: tuple[str, ...] = (
@@ -30,14 +34,26 @@ def calibrate(
     seed: int = 0,
 ) -> dict[str, float]:
     """Largest |input| per ``nn.Linear`` of ``model.gpt`` (names as in ``named_modules``)."""
-    from .engine import Engine  # the engine module imports this one
+    import torch
 
-    engine = Engine(model, tokenizer, speaker_stats, SchedulerConfig(max_num_seqs=1, max_model_len=1024))
-    speaker = engine.sample_speaker(seed) if speaker_stats is not None else None
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=1024))
+    core = EngineCore(model, tokenizer, config, ModelLayout(SPECS["fp32"]))
+    speaker = None
+    if speaker_stats is not None:
+        speaker = encode_speaker(speaker_stats.sample(torch.Generator().manual_seed(seed)))
     params = SamplingParams(
         seed=seed,
         speaker=speaker,
         max_new_tokens=audio_steps,
         refine=RefineParams(max_new_tokens=refine_steps),
     )
-    return record_absmax(model.gpt, lambda: engine.synthesize(list(texts), params))
+
+    def run() -> None:
+        for i, text in enumerate(texts):
+            core.add_request(f"calibrate-{i}", core.prepare(text, params))
+        while core.has_unfinished():
+            for out in core.step():
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"calibration failed: {out.error}")
+
+    return record_absmax(model.gpt, run)

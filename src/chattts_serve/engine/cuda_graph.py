@@ -13,35 +13,12 @@ into one shared memory pool; a shape without a graph (or no CUDA) runs the same 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from ..model.gpt import GPT, KVCache
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerConfig:
-    """How the model runner executes a decode step."""
-
-    decode: str = "auto"
-    """"rows": per-row attention over each sequence's exact keys (batch-invariant; CPU default);
-    "static": ``GPT.decode_static`` (graph-capturable; CUDA default); "auto" picks by device."""
-    cuda_graphs: bool = True
-    """Capture the static step in CUDA graphs (CUDA only; ignored elsewhere)."""
-    compile: bool = False
-    """``torch.compile`` the static step (inductor; fuses the elementwise ops between matmuls)."""
-
-    def __post_init__(self) -> None:
-        if self.decode not in ("auto", "rows", "static"):
-            raise ValueError(f"decode must be auto, rows or static; got {self.decode!r}")
-
-    def resolve(self, device: torch.device) -> str:
-        if self.decode != "auto":
-            return self.decode
-        return "static" if device.type == "cuda" else "rows"
 
 
 def batch_buckets(max_batch: int) -> list[int]:

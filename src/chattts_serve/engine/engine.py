@@ -14,52 +14,29 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..audio.stream import StreamPolicy
+from ..audio.policy import StreamPolicy
 from ..model import checkpoint
 from ..model.checkpoint import LoadedModel
-from ..model.config import SAMPLE_RATE
-from ..model.gpt import fuse_projections_
-from ..model.quant import PrecisionSpec, apply_precision_, check_supported, parse_precision
+from ..model.config import DEFAULT_MODEL
+from ..model.prepare import ModelLayout, prepare_model
+from ..model.quant import check_supported, parse_precision
 from ..model.speaker import SpeakerStats, encode_prompt_codes, encode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from .calibrate import calibrate
+from .config import EngineConfig
 from .core import EngineCore
-from .cuda_graph import RunnerConfig
+from .outputs import Result, build_result
 from .runner import auto_num_slots
-from .scheduler import SchedulerConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Result:
-    audio: np.ndarray
-    """float32 mono waveform at ``sample_rate``."""
-    codes: np.ndarray
-    """int64 ``[T, 4]`` audio codes (all segments, in order)."""
-    text: list[str]
-    """The text of each segment as spoken (normalised, refined)."""
-    finish_reasons: list[Literal["stop", "length", "empty"]]
-    sample_rate: int = SAMPLE_RATE
-    elapsed_s: float = 0.0
-    """Seconds from the ``synthesize`` call to this text's completion (its latency in a batch)."""
-    voice_sample: str | None = None
-    """The voice sample made from the first sentence when the voice step ran
-    (``SamplingParams.first_sentence_voice``); pass it as ``speaker_sample`` with ``text[0]`` as
-    ``speaker_sample_text`` to speak other texts in the same voice."""
-
-    @property
-    def duration(self) -> float:
-        return len(self.audio) / self.sample_rate
 
 
 class Engine:
@@ -68,53 +45,56 @@ class Engine:
         model: LoadedModel,
         tokenizer: Tokenizer,
         speaker_stats: SpeakerStats | None,
-        scheduler_config: SchedulerConfig | None = None,
-        precision: PrecisionSpec | None = None,
-        runner_config: RunnerConfig | None = None,
+        config: EngineConfig,
+        layout: ModelLayout,
     ) -> None:
+        """``model`` as ``model.prepare.prepare_model`` left it for ``config`` (``layout``);
+        ``from_pretrained`` does all of it."""
         self.model = model
-        self.precision = precision or parse_precision(model.gpt.norm.weight.dtype)
+        self.config = config
+        self.precision = layout.precision
+        self.layout = layout
         self.tokenizer = tokenizer
         self.speaker_stats = speaker_stats
-        self.core = EngineCore(model, tokenizer, scheduler_config or SchedulerConfig(), runner_config)
+        self.core = EngineCore(model, tokenizer, config, layout)
         self._ids = itertools.count()
 
     @classmethod
     def from_pretrained(
         cls,
-        path_or_repo: str | Path = checkpoint.HF_REPO,
+        path_or_repo: str | Path = DEFAULT_MODEL,
         device: str | torch.device = "cpu",
-        precision: str | torch.dtype = "fp32",
-        max_batch_size: int | None = 16,
-        scheduler: SchedulerConfig | None = None,
-        runner: RunnerConfig | None = None,
+        config: EngineConfig | None = None,
     ) -> Engine:
-        """``max_batch_size`` sequences decode together (KV-cache slots; None sizes them from free
-        memory; ``scheduler`` sets every scheduling limit instead). With one slot every matmul runs on
-        exactly the rows of a batch-1 reference run: fp32 output is bit-identical to chattts. With
-        more, a request's codes do not depend on what else runs (batch invariance; in every precision
-        but int8-dynamic). ``precision``: fp32, bf16, fp16, int8, int8-dynamic, int8-static (see
-        ``model.quant``); int8-static first calibrates on sample texts (seconds). ``runner``: decode
-        step options (static step, CUDA graphs, torch.compile; see ``engine.cuda_graph``)."""
-        spec = parse_precision(precision)
+        """Load the official files and prepare the model for ``config`` (default: ``EngineConfig()``,
+        fp32 with 16 KV slots).
+
+        With one slot (``EngineConfig.with_slots(1)``) every matmul runs on exactly the rows of a
+        batch-1 reference run: fp32 output is bit-identical to chattts. With more, a request's codes do
+        not depend on what else runs (batch invariance; in every precision but int8-dynamic).
+        ``int8-static`` first calibrates on sample texts (seconds)."""
+        config = config or EngineConfig()
+        spec = parse_precision(config.precision)
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
         check_supported(spec, device)
         # Every mode starts from the fp32 weights (int8 scales are taken from them, not from bf16).
         model = checkpoint.load(path_or_repo, device=device, dtype=torch.float32)
-        if scheduler is None:
-            if max_batch_size is None:  # as many KV slots as half the free memory holds
-                max_batch_size = auto_num_slots(model, SchedulerConfig().max_model_len, device, spec.trunk_dtype)
-                logger.info("KV cache: %d slots sized from free memory", max_batch_size)
-            scheduler = SchedulerConfig(max_num_seqs=max_batch_size)
-        if spec.name != "fp32" or scheduler.max_num_seqs > 1:
-            fuse_projections_(model.gpt)  # not on the reference-exact path (fp32, one slot)
+        if config.auto_slots:  # as many KV slots as half the free memory holds
+            n = auto_num_slots(model, config.scheduler.max_model_len, device, spec.trunk_dtype)
+            logger.info("KV cache: %d slots sized from free memory", n)
+            config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=n), auto_slots=False)
         tokenizer = Tokenizer(model.root / checkpoint.TOKENIZER_DIR)
         stats = _speaker_stats(model)
-        absmax = calibrate(model, tokenizer, stats) if spec.int8 == "static" else None
-        apply_precision_(model.gpt, spec, device, absmax)
-        return cls(model, tokenizer, stats, scheduler, spec, runner)
+        layout = prepare_model(
+            model,
+            spec,
+            config.scheduler.max_num_seqs,
+            compile=config.runner.compile,
+            calibrate=lambda m: calibrate(m, tokenizer, stats),
+        )
+        return cls(model, tokenizer, stats, config, layout)
 
     @property
     def max_batch_size(self) -> int:
@@ -127,6 +107,11 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.core.device
+
+    @property
+    def decode_mode(self) -> str:
+        """The decode step in use: "rows" or "static"."""
+        return self.core.runner.decode_mode
 
     # ---------------------------------------------------------------------------------------------
     # Speakers
@@ -199,22 +184,16 @@ class Engine:
                     if out.finished:
                         if out.finish_reason == "error":
                             raise RuntimeError(f"synthesis failed: {out.error}")
-                        segs = out.segments or []
-                        results[out.request_id] = Result(
-                            audio=np.concatenate(audio.pop(out.request_id)),
-                            codes=np.concatenate([s.codes for s in segs]) if segs else np.zeros((0, 4), np.int64),
-                            text=[s.text for s in segs],
-                            finish_reasons=[s.finish_reason for s in segs],
-                            elapsed_s=time.perf_counter() - start,
-                            voice_sample=out.voice_sample,
-                        )
+                        elapsed = time.perf_counter() - start
+                        pcm = audio.pop(out.request_id)
+                        results[out.request_id] = build_result(out, np.concatenate(pcm), elapsed)
                         bar.update(1)
         finally:
             bar.close()
-            leftover = [rid for rid in ids if rid not in results and rid in self.core.jobs]
+            leftover = [rid for rid in ids if rid not in results and self.core.has_request(rid)]
             for rid in leftover:  # after an error or interrupt: leave nothing running
                 self.core.abort(rid)
-            while any(rid in self.core.jobs for rid in leftover):
+            while any(self.core.has_request(rid) for rid in leftover):
                 self.core.step()
         return [results[i] for i in ids]
 

@@ -1,8 +1,13 @@
-"""The contracts between the stages of one engine step (no torch in the scheduler-facing parts).
+"""What flows between the stages of one engine step, and what leaves the engine (no torch here).
 
+Inside a step:
 SchedulerOutput  scheduler -> runner: which sequences prefill and which decode this step
 RunnerOutput     runner -> scheduler: the token(s) sampled for each of them
 StepOutput       scheduler -> pipeline: what each sequence gained, and whether it finished
+
+To the user:
+RequestOutput    one streamed delta of a request: its new audio; the last one carries the ``Result``
+Result           a finished request: the whole audio, each sentence's text and codes
 """
 
 from __future__ import annotations
@@ -10,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .request import Sequence
+import numpy as np
+
+from ..model.config import SAMPLE_RATE
+from .request import FinishReason, Sequence
 
 
 @dataclass(slots=True)
@@ -44,3 +52,100 @@ class StepOutput:
     finished: bool = False
     restarted: bool = False
     """The first step was EOS and the sequence goes back to the queue for new draws."""
+
+
+@dataclass(slots=True)
+class SegmentResult:
+    """One sentence of a finished request."""
+
+    text: str
+    """As spoken: normalised, and refined when the refine pass ran."""
+    codes: np.ndarray
+    """int64 [T, 4] audio codes."""
+    finish_reason: FinishReason | None
+
+
+@dataclass(slots=True)
+class Result:
+    """A finished request."""
+
+    request_id: str
+    audio: np.ndarray
+    """float32 mono waveform at ``sample_rate`` (empty for a request that ended before any audio)."""
+    segments: list[SegmentResult]
+    finish_reason: FinishReason | None
+    """"stop", or "length" when a sentence hit max_new_tokens; "aborted"/"error" never reach a Result."""
+    num_steps: int = 0
+    """Audio steps (tokens of 4 codes) generated for the spoken sentences (the voice step's are not counted)."""
+    num_input_tokens: int = 0
+    """Text tokens of the spoken sentences."""
+    voice_sample: str | None = None
+    """The voice sample made from the first sentence when the voice step ran
+    (``SamplingParams.first_sentence_voice``); pass it as ``speaker_sample`` with ``text[0]`` as
+    ``speaker_sample_text`` to speak other texts in the same voice."""
+    elapsed_s: float = 0.0
+    """Seconds from submission to completion (in an offline batch: from the ``synthesize`` call)."""
+    time_to_first_audio_s: float | None = None
+    sample_rate: int = SAMPLE_RATE
+
+    @property
+    def codes(self) -> np.ndarray:
+        """int64 [T, 4]: every sentence's codes, in order."""
+        return np.concatenate([s.codes for s in self.segments]) if self.segments else np.zeros((0, 4), np.int64)
+
+    @property
+    def text(self) -> list[str]:
+        """Each sentence's text as spoken."""
+        return [s.text for s in self.segments]
+
+    @property
+    def finish_reasons(self) -> list[FinishReason | None]:
+        return [s.finish_reason for s in self.segments]
+
+    @property
+    def duration(self) -> float:
+        return len(self.audio) / self.sample_rate
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One streamed delta of a request: the audio that follows the previous delta."""
+
+    request_id: str
+    audio: np.ndarray
+    """New float32 PCM at ``sample_rate`` since the previous output; may be empty."""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_steps: int = 0
+    """Audio steps generated so far (spoken sentences)."""
+    segments: list[SegmentResult] | None = None
+    """On the last output of a completed request: each sentence's text and codes."""
+    num_input_tokens: int = 0
+    """On the last output: text tokens of the spoken sentences."""
+    voice_sample: str | None = None
+    """On the last output: the voice sample the voice step made (see ``Result.voice_sample``)."""
+    index: int = 0
+    """Position of this delta among the request's streamed outputs (set by ``AsyncEngine.stream``)."""
+    start_sample: int = 0
+    """Position of this delta's first sample in the request's audio (set by ``AsyncEngine.stream``)."""
+    elapsed_s: float = 0.0
+    """Seconds from submission to this delta (set by ``AsyncEngine.stream``)."""
+    sample_rate: int = SAMPLE_RATE
+
+
+def build_result(
+    final: RequestOutput, audio: np.ndarray, elapsed_s: float, time_to_first_audio_s: float | None = None
+) -> Result:
+    """The ``Result`` of a completed request from its last output and all its audio."""
+    return Result(
+        final.request_id,
+        audio,
+        final.segments or [],
+        final.finish_reason,
+        final.num_steps,
+        final.num_input_tokens,
+        final.voice_sample,
+        elapsed_s,
+        time_to_first_audio_s,
+    )

@@ -25,7 +25,6 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_STOPPED = 2
     FINISHED_LENGTH = 3
     FINISHED_ABORTED = 4
-    FINISHED_ERROR = 5
 
     @property
     def is_finished(self) -> bool:
@@ -37,7 +36,6 @@ class SequenceStatus(enum.IntEnum):
             SequenceStatus.FINISHED_STOPPED: "stop",
             SequenceStatus.FINISHED_LENGTH: "length",
             SequenceStatus.FINISHED_ABORTED: "aborted",
-            SequenceStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 
@@ -65,7 +63,6 @@ class Sequence:
     tokens: list[tuple[int, ...]] = field(default_factory=list)
     """Generated tokens (EOS step excluded): 4 codes or 1 text id each."""
     num_retries: int = 0
-    error: str | None = None
 
     @property
     def num_generated(self) -> int:

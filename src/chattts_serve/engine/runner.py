@@ -8,14 +8,17 @@ with every sequence's own parameters and generator. One device-to-host copy per 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..model.checkpoint import LoadedModel
 from ..model.config import AUDIO_EOS
-from ..model.linear import pack_linears_, packing_available
-from .cuda_graph import RunnerConfig, StaticDecoder
+from ..model.prepare import ModelLayout
+from .config import RunnerConfig
+from .cuda_graph import StaticDecoder
 from .outputs import RunnerOutput, SchedulerOutput
 from .request import Sequence
 from .sampler import PENALTY_WINDOW, batched_probs, effective_top_k, sample_with_noise
@@ -23,16 +26,14 @@ from .sampler import PENALTY_WINDOW, batched_probs, effective_top_k, sample_with
 
 @dataclass(frozen=True, slots=True)
 class StepSampling:
-    """Sampling settings of one sequence."""
+    """How one sequence samples (its length limits are the ``Sequence``'s own)."""
 
     temperature: tuple[float, ...]  # 1 value (text) or one per codebook (code)
     top_p: float
     top_k: int
     repetition_penalty: float
-    min_new_tokens: int
-    max_new_tokens: int
     seed: int | None
-    ensure_non_empty: bool = True
+    """Re-seed the sequence's generator with this before every step (None: random)."""
 
 
 @dataclass(slots=True)
@@ -44,6 +45,12 @@ class SeqInputs:
     speaker: torch.Tensor | None = None  # [hidden] normalized; replaces the [spk_emb] position
     speaker_token_id: int | None = None
     prompt_codes: torch.Tensor | None = None  # [T_s, 4] voice-sample codes after the text
+
+
+class StageTimer(Protocol):
+    """Times named stages of a step (``bench.profile``): ``with timer.stage("prefill"): ...``."""
+
+    def stage(self, name: str) -> AbstractContextManager: ...
 
 
 def kv_bytes_per_slot(model: LoadedModel, max_len: int, dtype: torch.dtype) -> int:
@@ -99,16 +106,18 @@ class ModelRunner:
     def __init__(
         self,
         model: LoadedModel,
+        layout: ModelLayout,
         num_slots: int,
         max_model_len: int,
         text_eos_id: int,
         config: RunnerConfig | None = None,
     ) -> None:
+        """``model`` as ``model.prepare.prepare_model`` left it (``layout``); the runner never changes it."""
         self.model = model
         self.config = config or RunnerConfig()
         self.device = model.embed.emb_text.weight.device
         self.dtype = model.gpt.norm.weight.dtype
-        self.decode_mode = self.config.resolve(self.device)
+        self.decode_mode = self.config.resolve(self.device.type)
         # The static step needs one scratch position past the last real one (see engine.cuda_graph).
         extra = 1 if self.decode_mode == "static" else 0
         self.cache = model.gpt.new_cache(num_slots, max_model_len + extra)
@@ -116,23 +125,13 @@ class ModelRunner:
             self.cache.k.zero_(), self.cache.v.zero_()  # rows that decode nothing read finite values
         self.num_vq = model.config.gpt.num_vq
         self.text_eos_id = text_eos_id
-        # One slot: every matmul runs on exactly the rows a batch-1 reference run uses, with the same
-        # BLAS calls (bit-exact with chattts). More slots: the GPT and head weights are packed for oneDNN,
-        # whose results do not depend on the number of rows (batch-invariant, and fast at small batch);
-        # where packing is unavailable, fp32 matmuls run on a multiple of 4 rows (see GPT.decode).
-        # int8 modes have swapped the projections already (model.quant); only the fp32 heads pack then.
-        self.pad_rows_to = 1
-        self.packed = False
-        if num_slots > 1 and self.device.type == "cpu":
-            if packing_available(self.device, self.dtype) and not self.config.compile:
-                # (inductor cannot lower the packed op; it packs weights itself when it compiles)
-                pack_linears_(model.gpt)
-                self.packed = True
-            elif self.dtype == torch.float32:
-                self.pad_rows_to = 4
-            if packing_available(self.device, torch.float32):
-                model.embed.pack_heads()
+        # One slot, unprepared fp32: every matmul runs on exactly the rows a batch-1 reference run uses
+        # (bit-exact with chattts). More slots: packed weights or padded rows (see model.prepare).
+        self.pad_rows_to = layout.pad_rows_to
+        self.packed = layout.packed
         self.states: dict[int, _SeqState] = {}
+        self.stage_timer: StageTimer | None = None
+        """Set to time the prefill / decode / sampling stages of every step (profiling)."""
         self._pin = self.device.type == "cuda"
         self.static: StaticDecoder | None = None
         if self.decode_mode == "static":
@@ -146,30 +145,36 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
+    def release(self, finished: list[Sequence]) -> None:
+        """Drop the sampling state of sequences that left the running set."""
+        for seq in finished:
+            self.states.pop(seq.seq_id, None)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        for seq in sched.finished:
-            self.states.pop(seq.seq_id, None)
         order: dict[str, list[Sequence]] = {"code": [], "text": []}
         logits: dict[str, list[torch.Tensor]] = {"code": [], "text": []}
         hidden: dict[int, torch.Tensor] = {}
         for seq in sched.prefill:
-            h, lg = self._prefill(seq)
+            with self._stage("prefill"):
+                h, lg = self._prefill(seq)
             order[seq.kind].append(seq)
             logits[seq.kind].append(lg)
             hidden[seq.seq_id] = h
         if sched.decode:
-            h_dec = self._decode_trunk(sched.decode)  # [rows, hidden], padded
-            for kind in ("code", "text"):
-                idx = [i for i, s in enumerate(sched.decode) if s.kind == kind]
-                if idx:
-                    logits[kind].append(self._heads(kind, h_dec, idx))
-                    order[kind] += [sched.decode[i] for i in idx]
-                    hidden.update((sched.decode[i].seq_id, h_dec[i]) for i in idx)
+            with self._stage("decode"):
+                h_dec = self._decode_trunk(sched.decode)  # [rows, hidden], padded
+                for kind in ("code", "text"):
+                    idx = [i for i, s in enumerate(sched.decode) if s.kind == kind]
+                    if idx:
+                        logits[kind].append(self._heads(kind, h_dec, idx))
+                        order[kind] += [sched.decode[i] for i in idx]
+                        hidden.update((sched.decode[i].seq_id, h_dec[i]) for i in idx)
         kinds = [k for k in ("code", "text") if order[k]]
-        sampled = [self._sample(order[k], torch.cat(logits[k])) for k in kinds]
-        flat = (torch.cat(sampled) if len(sampled) > 1 else sampled[0]).tolist() if sampled else []
-        # ^ the step's one device-to-host copy
+        with self._stage("sampling"):
+            sampled = [self._sample(order[k], torch.cat(logits[k])) for k in kinds]
+            flat = (torch.cat(sampled) if len(sampled) > 1 else sampled[0]).tolist() if sampled else []
+            # ^ the step's one device-to-host copy
         tokens: dict[int, tuple[int, ...]] = {}
         pos = 0
         for kind in kinds:
@@ -180,6 +185,9 @@ class ModelRunner:
         return RunnerOutput(tokens, {i: h for i, h in hidden.items() if i in {s.seq_id for s in order["code"]}})
 
     # ------------------------------------------------------------------ pieces
+
+    def _stage(self, name: str) -> AbstractContextManager:
+        return self.stage_timer.stage(name) if self.stage_timer is not None else nullcontext()
 
     def _prefill(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         inp: SeqInputs = seq.payload
@@ -245,7 +253,7 @@ class ModelRunner:
         top_k = per_row([st.s.top_k for st in states], torch.long)
         k_max = max(effective_top_k(st.s.top_k, logits.shape[-1]) for st in states)
         steps = [s.num_generated for s in seqs]
-        blocked = [n < st.s.min_new_tokens for n, st in zip(steps, states, strict=True)]
+        blocked = [n < s.min_new_tokens for n, s in zip(steps, seqs, strict=True)]
         block = per_row(blocked, torch.bool) if any(blocked) else None
         history = torch.cat([st.history for st in states])
         valid_len = per_row([min(n, PENALTY_WINDOW) for n in steps], torch.long)

@@ -10,6 +10,7 @@ error mid-generation.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ class SchedulerConfig:
     """KV-cache slots = sequences decoding at once."""
     max_model_len: int = 2048 + 256
     """Positions per slot: prompt + max_new_tokens of any sequence must fit."""
-    max_waiting: int = 1024
+    max_waiting: int = 256
     """Bound of the waiting queue; beyond it submissions are refused with QueueFullError."""
     max_prefill_tokens: int = 2048
     """Prompt tokens prefilled per step (at least one sequence is always admitted when a slot is free),
@@ -45,16 +46,21 @@ class SchedulerConfig:
 
 
 class SlotPool:
-    """Free list of KV-cache slots."""
+    """Free KV-cache slots, handed out lowest first (a min-heap).
+
+    The static decode step runs one batch bucket covering slots ``0..max(live slot)`` (``cuda_graph``): an idle
+    slot below the highest live one is padding it computes for nothing. Filling the lowest hole first keeps the
+    live rows packed at the low end, so the bucket follows the number of live rows instead of the history of
+    which slots were freed last."""
 
     def __init__(self, num_slots: int) -> None:
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # sorted, so already a heap
 
     def allocate(self) -> int:
-        return self._free.pop()
+        return heapq.heappop(self._free)
 
     def free(self, slot: int) -> None:
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     @property
     def num_free(self) -> int:
@@ -101,12 +107,6 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED_ABORTED
                 aborted.append(seq)
         return aborted
-
-    def finish_with_error(self, seq: Sequence, message: str) -> None:
-        seq.status, seq.error = SequenceStatus.FINISHED_ERROR, message
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-            self._finished.append(seq)
 
     # ------------------------------------------------------------------ one step
 

@@ -1,13 +1,16 @@
 """Model dimensions. They are read from the checkpoint itself (``asset/gpt/config.json`` plus tensor
 shapes), never hard-coded at the call sites, so tiny test checkpoints load through the same code.
 
-``ModelConfig.full()`` and ``ModelConfig.tiny()`` are the two presets that ``checkpoint.write_random``
+``ModelConfig.full()`` and ``ModelConfig.tiny()`` are the two presets that ``random_checkpoint.write_random``
 writes; ``full`` is the official ChatTTS size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "2Noise/ChatTTS"
+"""The official checkpoint (Hugging Face hub repo id), used when no ``--model`` is given."""
 
 # GPT precision modes (see ``model.quant``); here so that torch-free code (the CLI) can list them.
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int8-dynamic", "int8-static")

@@ -1,6 +1,6 @@
 """Log-mel features with plain ``torch.stft`` (no torchaudio): 24 kHz, n_fft 1024, hop 256, magnitude
 (power 1), HTK mel scale without norm, centred frames with reflect padding. Window and filterbank come
-from the checkpoint; ``hann_window``/``mel_filterbank`` build them for ``checkpoint.write_random``.
+from the checkpoint; ``hann_window``/``mel_filterbank`` build them for ``random_checkpoint.write_random``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Precision modes of the GPT trunk: float dtypes and int8 weights, applied as a module swap after load.
 
-A mode is chosen by name in config (``Precision``), never guessed from file names: the official files
+A mode is chosen by name in config (``EngineConfig.precision``), never guessed from file names: the official files
 are fp32 and every mode starts from them. Norms, rotary, softmax, the output heads and sampling stay
 in fp32 in every mode (RMSNorm upcasts; the heads and the sampler run on ``.float()`` hidden states).
 
@@ -36,7 +36,6 @@ from torch import nn
 from .config import PRECISIONS
 from .linear import on_rows, swap_linears_
 
-Precision = Literal["fp32", "bf16", "fp16", "int8", "int8-dynamic", "int8-static"]
 _ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
@@ -48,14 +47,16 @@ class PrecisionSpec:
     int8: Literal["none", "weight", "dynamic", "static"]
 
 
-SPECS = {
-    "fp32": PrecisionSpec("fp32", torch.float32, "none"),
-    "bf16": PrecisionSpec("bf16", torch.bfloat16, "none"),
-    "fp16": PrecisionSpec("fp16", torch.float16, "none"),
-    "int8": PrecisionSpec("int8", torch.bfloat16, "weight"),
-    "int8-dynamic": PrecisionSpec("int8-dynamic", torch.float32, "dynamic"),
-    "int8-static": PrecisionSpec("int8-static", torch.float32, "static"),
+_MODES = {  # name -> (trunk dtype, int8 kind); the names are model.config.PRECISIONS
+    "fp32": (torch.float32, "none"),
+    "bf16": (torch.bfloat16, "none"),
+    "fp16": (torch.float16, "none"),
+    "int8": (torch.bfloat16, "weight"),
+    "int8-dynamic": (torch.float32, "dynamic"),
+    "int8-static": (torch.float32, "static"),
 }
+assert tuple(_MODES) == PRECISIONS
+SPECS = {name: PrecisionSpec(name, *_MODES[name]) for name in PRECISIONS}
 
 
 def parse_precision(value: str | torch.dtype) -> PrecisionSpec:

@@ -15,12 +15,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import ServerConfig
 from ..engine.async_engine import AsyncEngine
-from ..engine.cuda_graph import RunnerConfig
-from ..engine.scheduler import SchedulerConfig
 from ..sampling_params import SamplingParams
 from . import native, openai_routes, voices_routes
+from .config import ServerConfig
 from .metrics import Metrics
 from .service import APIError, Limits
 from .voices import VoiceStore
@@ -52,12 +50,8 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
                 import torch
 
                 torch.set_num_threads(config.threads)
-            sched = SchedulerConfig(
-                max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, max_waiting=config.max_waiting
-            )
-            runner = RunnerConfig(decode=config.decode, cuda_graphs=config.cuda_graphs, compile=config.compile)
             eng = await asyncio.to_thread(
-                AsyncEngine.from_pretrained, config.model, _device(config.device), config.precision, sched, None, runner
+                AsyncEngine.from_pretrained, config.model, _device(config.device), config.engine
             )
         app.state.engine = eng
         app.state.metrics = Metrics(eng)
@@ -66,9 +60,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
         if config.warmup:
             await eng.generate("你好。", SamplingParams(seed=0, max_new_tokens=4, refine_text=False))
         app.state.ready = True
-        logger.info(
-            "ready: model=%s device=%s slots=%d", config.model, eng.core.device, eng.core.scheduler.config.max_num_seqs
-        )
+        logger.info("ready: model=%s device=%s slots=%d", config.model, eng.device, eng.stats().kv_slots)
         try:
             yield
         finally:

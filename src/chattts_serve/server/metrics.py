@@ -39,15 +39,14 @@ class Metrics:
         self.in_flight = Gauge("chattts_requests_in_flight", "Requests being served", registry=r)
         if engine is not None:
             Gauge("chattts_queue_depth", "Sequences waiting for a KV slot", registry=r).set_function(
-                lambda: engine.num_waiting
+                lambda: engine.stats().num_waiting
             )
             Gauge("chattts_running_batch_size", "Sequences decoding", registry=r).set_function(
-                lambda: engine.num_running
+                lambda: engine.stats().num_running
             )
-            slots = engine.core.scheduler.config.max_num_seqs
-            Gauge("chattts_kv_slots_total", "KV-cache slots", registry=r).set(slots)
+            Gauge("chattts_kv_slots_total", "KV-cache slots", registry=r).set(engine.stats().kv_slots)
             Gauge("chattts_kv_slots_used", "KV-cache slots in use", registry=r).set_function(
-                lambda: slots - engine.core.scheduler.slots.num_free
+                lambda: engine.stats().kv_slots_used
             )
 
     def render(self) -> bytes:

@@ -16,13 +16,15 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..audio.encode import StreamingEncoder, encode_whole
-from ..engine.core import MIN_VOICE_SAMPLES
+from ..engine.pipeline import MIN_VOICE_SAMPLES
 from .protocol import MEDIA_TYPES, TTSRequest
 from .service import APIError, AudioResponse, build_params, build_policy, check_length, resolve_voice
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
 _SENTENCE_END = re.compile(r"[。！？!?.\n]")
+_NO_INITIAL_TEXT = "-"
+"""Stands in for the required ``text`` when a WebSocket start message has none; only validated, never spoken."""
 
 
 def _voice_and_params(st, body: TTSRequest):
@@ -60,7 +62,11 @@ async def tts_stream(ws: WebSocket):
         first = json.loads(await ws.receive_text())
         if not isinstance(first, dict) or first.pop("type", None) != "start":
             raise ValueError('the first message must be {"type": "start", ...options}')
-        first.setdefault("text", "-")
+        # The initial text is optional (it may all come in "text" messages), but TTSRequest requires one: a
+        # start without it is validated with a placeholder that is never spoken. A text that is given, "-"
+        # included, is validated and kept as it is.
+        has_initial_text = "text" in first
+        first.setdefault("text", _NO_INITIAL_TEXT)
         first.setdefault("format", "pcm")
         body = TTSRequest(**first)
         params, policy = _voice_and_params(st, body)
@@ -72,7 +78,7 @@ async def tts_stream(ws: WebSocket):
 
     session = uuid.uuid4().hex[:12]
     sentences: asyncio.Queue[str | None] = asyncio.Queue()
-    initial = first["text"] if first["text"] != "-" else ""
+    initial = first["text"] if has_initial_text else ""
 
     async def reader():
         buffer = initial
@@ -171,7 +177,7 @@ async def _with_first_part_voice(st, params, final, audio: list[np.ndarray]):
         wav = np.concatenate(audio) if audio else np.zeros(0, np.float32)
         if len(wav) < MIN_VOICE_SAMPLES:
             return params
-        sample = await asyncio.to_thread(st.engine.engine.speaker_from_audio, wav)
+        sample = await st.engine.speaker_from_audio(wav)
     return replace(params, speaker_sample=sample, speaker_sample_text=final.segments[0].text)
 
 

@@ -53,5 +53,8 @@ async def _sse(resp: AudioResponse, fmt: str):
         total += len(data)
         event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
         yield f"data: {json.dumps(event)}\n\n"
-    done = {"type": "speech.audio.done", "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}}
-    yield f"data: {json.dumps(done)}\n\n"
+    final = resp.final
+    tokens_in = final.num_input_tokens if final is not None else 0
+    tokens_out = final.num_steps if final is not None else 0  # audio tokens (4 codes = 512 samples each)
+    usage = {"input_tokens": tokens_in, "output_tokens": tokens_out, "total_tokens": tokens_in + tokens_out}
+    yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n"

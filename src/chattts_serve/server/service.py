@@ -15,11 +15,12 @@ from dataclasses import dataclass, replace
 from fastapi import HTTPException
 
 from ..audio.encode import StreamingEncoder
-from ..audio.stream import StreamPolicy
-from ..engine.async_engine import AsyncEngine, AudioChunk, EngineDeadError, EngineError
+from ..audio.policy import StreamPolicy
+from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
 from ..model.config import SAMPLE_RATE
-from ..sampling_params import RefineParams, SamplingParams
+from ..sampling_params import SamplingParams
 from .metrics import Metrics
 from .protocol import ChatTTSOptions, StreamOptions
 from .voices import VoiceStore
@@ -89,7 +90,7 @@ def resolve_voice(store: VoiceStore, engine, name_or_speaker: str | None, defaul
         return Voice(rec.speaker, rec.sample_codes, rec.sample_text or "")
     if name_or_speaker in BUILTIN_VOICES:
         try:
-            return Voice(speaker=engine.engine.sample_speaker(BUILTIN_VOICES[name_or_speaker]))
+            return Voice(speaker=engine.sample_speaker(BUILTIN_VOICES[name_or_speaker]))
         except ValueError:
             return Voice()  # a checkpoint without speaker statistics: no speaker embedding
     if len(name_or_speaker) >= 16 and all(
@@ -115,36 +116,17 @@ def _given(**values):
     return {k: v for k, v in values.items() if v is not None}
 
 
+# The request fields that are sampling options (the same names as SamplingParams.from_options).
+_SAMPLING_OPTIONS = tuple(name for name in ChatTTSOptions.model_fields if name != "prompt")
+
+
 def build_params(opts: ChatTTSOptions, voice: Voice, prompt: str | None = None) -> SamplingParams:
-    base = SamplingParams()
-    kw = _given(
-        seed=opts.seed,
-        temperature=opts.temperature,
-        top_p=opts.top_p,
-        top_k=opts.top_k,
-        repetition_penalty=opts.repetition_penalty,
-        min_new_tokens=opts.min_new_tokens,
-        max_new_tokens=opts.max_new_tokens,
-        prompt=opts.prompt if opts.prompt is not None else prompt,
-        refine_text=opts.refine_text,
-        do_text_normalization=opts.do_text_normalization,
-        do_homophone_replacement=opts.do_homophone_replacement,
-        lang=opts.lang,
-        split_text=opts.split_text,
-        first_sentence_voice=opts.first_sentence_voice,
-    )
-    refine = _given(
-        prompt=opts.refine_prompt,
-        temperature=opts.refine_temperature,
-        top_p=opts.refine_top_p,
-        top_k=opts.refine_top_k,
-        max_new_tokens=opts.refine_max_new_tokens,
-    )
+    """A request's options on top of the defaults; ``prompt``: the prompt the request implies (the
+    OpenAI ``speed``) unless it sets its own."""
     try:
-        return replace(
-            base,
-            **kw,
-            refine=replace(RefineParams(), **refine),
+        return SamplingParams.from_options(
+            **{name: getattr(opts, name) for name in _SAMPLING_OPTIONS},
+            prompt=opts.prompt if opts.prompt is not None else prompt,
             speaker=voice.speaker,
             speaker_sample=voice.sample,
             speaker_sample_text=voice.sample_text,
@@ -189,9 +171,11 @@ class AudioResponse:
         self.engine, self.metrics, self.limits = engine, metrics, limits
         self.endpoint, self.max_queue_wait_s = endpoint, max_queue_wait_s
         self.t0 = time.monotonic()
-        self._stream: AsyncIterator[AudioChunk] | None = None
-        self._first: AudioChunk | None = None
+        self._stream: AsyncIterator[RequestOutput] | None = None
+        self._first: RequestOutput | None = None
         self._status = "error"
+        self.final: RequestOutput | None = None
+        """The last output once the request has finished (usage: text tokens, audio tokens)."""
         self._audio_samples = 0
         self._metrics_done = False
 
@@ -227,7 +211,7 @@ class AudioResponse:
             return APIError(500, str(exc), "server_error", code="synthesis_failed")
         return exc
 
-    async def chunks(self) -> AsyncIterator[AudioChunk]:
+    async def chunks(self) -> AsyncIterator[RequestOutput]:
         """The chunks (the first one already fetched). Closing this early aborts the request."""
         try:
             chunk = self._first
@@ -238,6 +222,7 @@ class AudioResponse:
                 yield chunk
                 if chunk.finished:
                     self._status = chunk.finish_reason or "stop"
+                    self.final = chunk
                     break
                 chunk = await anext(self._stream)
         except (asyncio.CancelledError, GeneratorExit):  # the client went away, or stopped reading

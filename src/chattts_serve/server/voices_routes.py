@@ -6,7 +6,6 @@ an audio ``file`` (any format ffmpeg reads) and its transcript ``text`` (a zero-
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 
@@ -69,7 +68,7 @@ async def create_voice(request: Request) -> Voice:
         if upload is None or isinstance(upload, str):
             raise APIError(400, "multipart voice upload needs an audio 'file'", param="file")
         wav = _decode_audio(await upload.read())
-        codes = await asyncio.to_thread(st.engine.engine.speaker_from_audio, wav)
+        codes = await st.engine.speaker_from_audio(wav)
         return _add(st, name, sample_codes=codes, sample_text=str(text))
     try:
         body = VoiceCreate(**json.loads(await request.body()))
@@ -80,13 +79,13 @@ async def create_voice(request: Request) -> Voice:
         raise APIError(400, "give exactly one of 'speaker' or 'seed'")
     if body.speaker is not None:
         try:
-            decode_speaker(body.speaker, expected_dim=st.engine.engine.hidden_size)
+            decode_speaker(body.speaker, expected_dim=st.engine.hidden_size)
         except ValueError as exc:
             raise APIError(400, str(exc), param="speaker") from None
         speaker = body.speaker
     else:
         try:
-            speaker = st.engine.engine.sample_speaker(body.seed)
+            speaker = st.engine.sample_speaker(body.seed)
         except ValueError as exc:
             raise APIError(400, str(exc), param="seed") from None
     return _add(st, body.name, speaker=speaker, description=body.description)

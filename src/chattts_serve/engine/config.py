@@ -1,0 +1,152 @@
+"""The engine's configuration tree: one ``EngineConfig`` that ``Engine``, ``AsyncEngine``, the CLI and
+``ServerConfig`` all hold, so a limit has one name, one default and one check.
+
+    EngineConfig
+    ├── precision     str               fp32 | bf16 | fp16 | int8 | int8-dynamic | int8-static
+    ├── scheduler     SchedulerConfig   KV slots, slot length, queue bound, prefill budget
+    ├── runner        RunnerConfig      decode step: rows | static, CUDA graphs, torch.compile
+    └── stream        StreamPolicy      default chunking of streamed audio (per request overridable)
+
+No torch here (the CLI builds its argument parser from these defaults before torch is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from ..audio.policy import StreamPolicy
+from ..model.config import PRECISIONS
+from .scheduler import SchedulerConfig
+
+DECODE_MODES = ("auto", "rows", "static")
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """How the model runner executes a decode step."""
+
+    decode: str = "auto"
+    """"rows": per-row attention over each sequence's exact keys (batch-invariant; CPU default);
+    "static": ``GPT.decode_static`` (graph-capturable; CUDA default); "auto" picks by device."""
+    cuda_graphs: bool = True
+    """Capture the static step in CUDA graphs (CUDA only; ignored elsewhere)."""
+    compile: bool = False
+    """``torch.compile`` the static step (inductor; fuses the elementwise ops between matmuls)."""
+
+    def __post_init__(self) -> None:
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}; got {self.decode!r}")
+
+    def resolve(self, device_type: str) -> str:
+        """The decode step for a device type ("cpu", "cuda", ...)."""
+        if self.decode != "auto":
+            return self.decode
+        return "static" if device_type == "cuda" else "rows"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    precision: str = "fp32"
+    """GPT precision (see ``model.quant``); every mode loads the official fp32 files."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    stream: StreamPolicy = field(default_factory=StreamPolicy)
+    """Chunking of streamed audio when a request does not choose its own."""
+    auto_slots: bool = False
+    """Size the KV slots (``scheduler.max_num_seqs``) from free memory at load time instead."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
+
+    @classmethod
+    def with_slots(cls, max_num_seqs: int, **kw) -> EngineConfig:
+        """Shorthand: ``max_num_seqs`` KV slots, every other scheduling limit at its default."""
+        return cls(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Flat options: the names the CLI flags, ServerConfig and CHATTTS_SERVE_* variables use for the tree.
+
+FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
+    "precision": ("precision",),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_model_len": ("scheduler", "max_model_len"),
+    "max_waiting": ("scheduler", "max_waiting"),
+    "max_prefill_tokens": ("scheduler", "max_prefill_tokens"),
+    "decode": ("runner", "decode"),
+    "cuda_graphs": ("runner", "cuda_graphs"),
+    "compile": ("runner", "compile"),
+}
+_HELP = {
+    "precision": "GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
+    "int8-static (CPU, int8 activations too); see the README's quality table",
+    "max_num_seqs": "KV-cache slots: sequences decoding at once",
+    "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence)",
+    "max_waiting": "sequences that may wait for a slot; beyond it submissions are refused",
+    "max_prefill_tokens": "prompt tokens prefilled per step",
+    "decode": "decode step: rows (batch-invariant; CPU default) or static (fixed shapes, CUDA graphs; CUDA default)",
+    "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only)",
+    "compile": "torch.compile the static decode step",
+}
+
+
+def flat_defaults(config: EngineConfig | None = None) -> dict[str, Any]:
+    """Each flat option's value in ``config`` (default: ``EngineConfig()``)."""
+    config = config or EngineConfig()
+    out = {}
+    for name, path in FLAT_OPTIONS.items():
+        value: Any = config
+        for part in path:
+            value = getattr(value, part)
+        out[name] = value
+    return out
+
+
+def from_flat(base: EngineConfig | None = None, **options: Any) -> EngineConfig:
+    """``base`` (default: ``EngineConfig()``) with the given flat options set; None values are skipped."""
+    config = base or EngineConfig()
+    unknown = set(options) - set(FLAT_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for name, value in options.items():
+        if value is None:
+            continue
+        path = FLAT_OPTIONS[name]
+        if len(path) == 1:
+            top[path[0]] = value
+        else:
+            nested.setdefault(path[0], {})[path[1]] = value
+    for part, changes in nested.items():
+        top[part] = replace(getattr(config, part), **changes)
+    return replace(config, **top)
+
+
+def add_engine_arguments(
+    p: argparse.ArgumentParser, *, none_defaults: bool = False, skip: tuple[str, ...] = ()
+) -> None:
+    """One ``--flag`` per flat option, with the dataclass default (``none_defaults``: None, for callers
+    that layer environment variables underneath)."""
+    for name, default in flat_defaults().items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        shown = f"(default: {default!r})"
+        kw: dict[str, Any] = {"dest": name, "default": None if none_defaults else default}
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=f"{_HELP[name]} {shown}", **kw)
+        else:
+            choices = {"precision": PRECISIONS, "decode": DECODE_MODES}.get(name)
+            p.add_argument(flag, type=type(default), choices=choices, help=f"{_HELP[name]} {shown}", **kw)
+
+
+def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
+    return from_flat(base, **{name: getattr(args, name) for name in FLAT_OPTIONS if hasattr(args, name)})
+
+
+assert set(FLAT_OPTIONS) == set(_HELP)
+assert {p[0] for p in FLAT_OPTIONS.values()} <= {f.name for f in fields(EngineConfig)}

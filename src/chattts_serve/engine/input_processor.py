@@ -1,0 +1,73 @@
+"""Input processing: one text and its ``SamplingParams`` -> a ``PreparedRequest``, before the request
+reaches the engine loop. Validate, split into sentences, normalise, decode the speaker and the voice
+sample. Host-only and thread-safe (``AsyncEngine`` runs it in a worker thread), so the loop never
+waits on text work and bad input is refused before it costs a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..model.config import AUDIO_EOS
+from ..model.speaker import decode_prompt_codes, decode_speaker
+from ..model.tokenizer import Tokenizer
+from ..sampling_params import SamplingParams
+from ..text.normalize import Normalizer, split_text
+
+MAX_TEXT_CHARS = 20_000
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    segments: list[str]
+    """The sentences to speak, normalised (one when ``split_text`` is off)."""
+    params: SamplingParams
+    speaker: np.ndarray | None
+    """float16 [hidden] speaker embedding."""
+    sample_codes: torch.Tensor | None
+    """[T_s, 4] voice-sample codes given by the request."""
+    voice_step: bool = False
+    """Speak the first segment alone first and use its audio as every segment's voice sample."""
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, hidden_size: int, num_vq: int) -> None:
+        self.tokenizer = tokenizer
+        self.normalizer = Normalizer()
+        self.hidden_size = hidden_size
+        self.num_vq = num_vq
+
+    def prepare(self, text: str, params: SamplingParams) -> PreparedRequest:
+        """Raises ValueError with the reason for any bad input."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("text is empty")
+        if len(text) > MAX_TEXT_CHARS:
+            raise ValueError(f"text has {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+        for what, value in (("text", text), ("prompt", params.prompt), ("refine.prompt", params.refine.prompt)):
+            unknown = self.tokenizer.unknown_tags(value)
+            if unknown:
+                known = ", ".join(sorted(self.tokenizer.control_tokens))
+                raise ValueError(f"{what} has unknown control token(s) {', '.join(unknown)}; known: {known}")
+        pieces = split_text(text) if params.split_text else [text]
+        segments = []
+        for piece in pieces:
+            norm = self.normalizer(piece, params.do_text_normalization, params.do_homophone_replacement, params.lang)
+            if norm.strip():
+                segments.append(norm)
+        if not segments:
+            raise ValueError(f"nothing to speak after normalisation: {text!r}")
+        speaker = decode_speaker(params.speaker, expected_dim=self.hidden_size) if params.speaker is not None else None
+        sample = None
+        if params.speaker_sample is not None:
+            sample = decode_prompt_codes(params.speaker_sample).t().contiguous()  # [T_s, 4]
+            if sample.numel() == 0 or sample.shape[1] != self.num_vq or int(sample.max()) >= AUDIO_EOS:
+                raise ValueError("speaker_sample does not hold valid [4, T] audio codes")
+        voice_step = params.split_text and params.first_sentence_voice and sample is None and len(segments) > 1
+        return PreparedRequest(segments, params, speaker, sample, voice_step)

@@ -1,0 +1,317 @@
+"""The per-request pipeline: what happens to a request between its admission and its last output.
+
+A request (one text) is split into sentences (segments). Each segment gets an optional refine sequence
+(GPT text head) and then an audio-code sequence (GPT audio heads). With several segments and no voice
+sample, the first segment's text is first spoken alone by a *voice* sequence; its audio, encoded by the
+DVAE, becomes the voice sample of every segment (the reference's way of keeping one voice across
+sentences). Each code sequence feeds an ``AudioStream`` whose windows the core decodes; a request's
+audio leaves in segment order.
+
+The pipeline holds state and makes sequences; it runs no model. ``EngineCore`` queues the sequences it
+returns, runs the model, and hands results back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..audio.policy import StreamPolicy
+from ..audio.stream import AudioStream, Window
+from ..model.config import AUDIO_EOS
+from ..model.speaker import encode_prompt_codes, normalized_speaker_embedding
+from ..model.tokenizer import Tokenizer, code_prompt, refine_prompt
+from .input_processor import PreparedRequest
+from .outputs import RequestOutput, SegmentResult, StepOutput
+from .request import FinishReason, Sequence, SequenceStatus
+from .runner import SeqInputs, StepSampling
+
+logger = logging.getLogger(__name__)
+
+MIN_VOICE_SAMPLES = 2048
+"""Least first-sentence audio (4 steps) the voice step encodes into a sample; less: no sample."""
+
+
+@dataclass(eq=False)
+class _Segment:
+    index: int
+    """Position in the request; -1 for the voice step's segment (spoken, never emitted)."""
+    text: str
+    refined_text: str | None = None
+    stream: AudioStream | None = None
+    pcm: list[np.ndarray] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    code_queued: bool = False
+
+    @property
+    def spoken_text(self) -> str:
+        return self.refined_text if self.refined_text is not None else self.text
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prepared: PreparedRequest
+    policy: StreamPolicy
+    priority: int
+    arrival: float
+    speaker: torch.Tensor | None
+    """Normalised speaker embedding on the device."""
+    segments: list[_Segment]
+    sample_codes: torch.Tensor | None
+    """Voice-sample codes [T_s, 4] of every code pass: the request's own, or the voice step's."""
+    sample_text: str
+    voice: _Segment | None = None
+    """The voice step's segment while it is pending or running."""
+    voice_sample: str | None = None
+    emit_index: int = 0
+    status: FinishReason | None = None
+    """Set when the request ends early ("aborted", "error")."""
+    error: str | None = None
+    num_steps: int = 0
+
+    @property
+    def params(self):
+        return self.prepared.params
+
+    def live_segments(self) -> list[_Segment]:
+        return [*self.segments, *([self.voice] if self.voice is not None else [])]
+
+
+class RequestPipeline:
+    def __init__(self, tokenizer: Tokenizer, hidden_size: int, num_vq: int, max_model_len: int, device) -> None:
+        self.tokenizer = tokenizer
+        self.hidden_size, self.num_vq = hidden_size, num_vq
+        self.max_model_len = max_model_len
+        self.device = device
+        self.requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, tuple[_Request, _Segment]] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(
+        self, request_id: str, prepared: PreparedRequest, policy: StreamPolicy, priority: int, arrival: float
+    ) -> list[Sequence]:
+        """Register a request; returns its first sequences (to queue, with refusal allowed)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        speaker = None
+        if prepared.speaker is not None:
+            speaker = normalized_speaker_embedding(torch.from_numpy(prepared.speaker)).to(self.device)
+        req = _Request(
+            request_id,
+            prepared,
+            policy,
+            priority,
+            arrival,
+            speaker,
+            [_Segment(i, t) for i, t in enumerate(prepared.segments)],
+            prepared.sample_codes,
+            prepared.params.speaker_sample_text,
+        )
+        if prepared.voice_step:
+            req.voice = _Segment(-1, prepared.segments[0])
+        if req.params.refine_text:  # every segment's refine pass; code passes follow as texts are ready
+            first = req.segments
+        else:
+            first = [req.voice] if req.voice is not None else req.segments
+        seqs = [self._new_sequence(req, seg) for seg in first]
+        self.requests[request_id] = req
+        for seq, seg in zip(seqs, first, strict=True):
+            self._by_seq[seq.seq_id] = (req, seg)
+            seg.code_queued = seq.kind == "code"
+        return seqs
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request entirely (its sequences were refused or have left the scheduler)."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            for seq_id in [k for k, (r, _) in self._by_seq.items() if r is req]:
+                del self._by_seq[seq_id]
+
+    def end(self, request_id: str, status: FinishReason, error: str | None = None) -> bool:
+        """End a request early ("aborted" or "error"); its final output follows. False if not running."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is not None:
+            return False
+        req.status, req.error = status, error
+        return True
+
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ sequences
+
+    def _new_sequence(self, req: _Request, seg: _Segment) -> Sequence:
+        p = req.params
+        if p.refine_text and seg.refined_text is None and seg is not req.voice:
+            r = p.refine
+            ids = self.tokenizer.encode(refine_prompt(seg.text, r.prompt))
+            sampling = StepSampling((float(r.temperature),), r.top_p, r.top_k, r.repetition_penalty, p.refine_seed)
+            kind, eos, prompt_len = "text", self.tokenizer.eos_id, len(ids)
+            inputs = SeqInputs(ids, sampling)
+            min_new, max_new = r.min_new_tokens, r.max_new_tokens
+        else:
+            has_speaker = req.speaker is not None
+            ids = self.tokenizer.encode(code_prompt(seg.spoken_text, p.prompt, has_speaker, req.sample_text))
+            sample = req.sample_codes
+            prompt_len = len(ids) + (0 if sample is None else len(sample))
+            sampling = StepSampling(p.temperatures, p.top_p, p.top_k, p.repetition_penalty, p.seed)
+            kind, eos = "code", AUDIO_EOS
+            inputs = SeqInputs(ids, sampling, req.speaker, self.tokenizer.spk_emb_id, sample)
+            min_new, max_new = p.min_new_tokens, p.max_new_tokens
+        if prompt_len + max_new > self.max_model_len:
+            # max_new_tokens is a cap: shorten it to what the slot holds (at least one step).
+            max_new = self.max_model_len - prompt_len
+            if max_new < max(1, min_new):
+                what = "the first sentence's voice step" if seg is req.voice else f"segment {seg.index}"
+                raise ValueError(
+                    f"{what} is too long: its prompt has {prompt_len} tokens and the engine's "
+                    f"max_model_len is {self.max_model_len}"
+                )
+        return Sequence(
+            request_id=req.request_id,
+            kind=kind,
+            prompt_len=prompt_len,
+            min_new_tokens=min_new,
+            max_new_tokens=max_new,
+            eos_id=eos,
+            seeded=sampling.seed is not None,
+            retry_empty=p.ensure_non_empty,
+            priority=req.priority,
+            arrival=req.arrival,
+            payload=inputs,
+        )
+
+    def _code_passes(self, req: _Request) -> list[Sequence]:
+        """Every code pass whose text is ready: the voice step first (when the request has one), then,
+        once its sample exists, each segment's own. Ends the request when one cannot be made."""
+        todo = [req.voice] if req.voice is not None else req.segments
+        out = []
+        for seg in todo:
+            text_ready = not req.params.refine_text or req.segments[max(seg.index, 0)].refined_text is not None
+            if seg.code_queued or not text_ready:
+                continue
+            try:
+                seq = self._new_sequence(req, seg)
+            except ValueError as exc:
+                self.end(req.request_id, "error", str(exc))
+                return []
+            seg.code_queued = True
+            self._by_seq[seq.seq_id] = (req, seg)
+            out.append(seq)
+        return out
+
+    # ------------------------------------------------------------------ one step's results
+
+    def update(self, outputs: list[StepOutput]) -> list[Sequence]:
+        """Apply the step's tokens; returns the sequences that follow (the code pass after a refine)."""
+        follow: list[Sequence] = []
+        for out in outputs:
+            entry = self._by_seq.get(out.seq.seq_id)
+            if entry is None or entry[0].status is not None:  # its request has ended
+                continue
+            (req, seg), seq = entry, out.seq
+            if seq.kind == "code":
+                if seg.stream is None or out.restarted:
+                    # The voice step's audio is decoded once, whole, as the reference decodes it.
+                    policy = StreamPolicy.one_shot() if seg is req.voice else req.policy
+                    seg.stream = AudioStream(policy, self.hidden_size, seq.max_new_tokens, self.device)
+                if out.token is not None:
+                    seg.stream.push(out.token, out.hidden)
+                    req.num_steps += seg is not req.voice
+                if out.finished:
+                    seg.stream.finish()
+                    seg.finish_reason = seq.status.finish_reason
+                    del self._by_seq[seq.seq_id]
+            elif out.finished:  # refine pass done: the segment's text is final
+                del self._by_seq[seq.seq_id]
+                if seq.status == SequenceStatus.FINISHED_ABORTED:
+                    continue
+                ids = [t[0] for t in seq.tokens if t[0] < self.tokenizer.break_0_id]
+                seg.refined_text = self.tokenizer.decode(ids)
+                if seg.index == 0 and req.voice is not None:
+                    req.voice.text = seg.refined_text  # the reference's voice step speaks the refined text
+                follow += self._code_passes(req)
+        return follow
+
+    def windows(self) -> list[tuple[str, _Segment, Window]]:
+        """Every audio window ready to decode: (request id, segment, window)."""
+        ready = []
+        for req in self.requests.values():
+            if req.status is None:
+                for seg in req.live_segments():
+                    if seg.stream is not None and (w := seg.stream.next_window()) is not None:
+                        ready.append((req.request_id, seg, w))
+        return ready
+
+    @staticmethod
+    def accept(windows: list[tuple[str, _Segment, Window]], pcm: list[torch.Tensor]) -> None:
+        for (_, seg, w), samples in zip(windows, pcm, strict=True):
+            seg.pcm.append(w.stream.accept(w, samples))
+
+    def voice_steps_done(self) -> list[tuple[str, np.ndarray]]:
+        """(request id, waveform) of every voice step whose audio is complete."""
+        done = []
+        for req in self.requests.values():
+            v = req.voice
+            if req.status is None and v is not None and v.stream is not None and v.stream.done:
+                done.append((req.request_id, np.concatenate(v.pcm) if v.pcm else np.zeros(0, np.float32)))
+        return done
+
+    def set_voice_sample(self, request_id: str, codes: torch.Tensor | None) -> list[Sequence]:
+        """The voice step's DVAE codes [4, T_s] (None: too little audio, keep the speaker embedding
+        only); returns the code passes that can start now."""
+        req = self.requests[request_id]
+        if codes is not None and codes.shape[1] > 0:
+            req.sample_codes = codes.t().contiguous().long()
+            req.sample_text = req.voice.text
+            req.voice_sample = encode_prompt_codes(codes)
+        else:
+            logger.info("request %s: the first sentence gave too little audio for a voice sample", request_id)
+        req.voice = None
+        return self._code_passes(req)
+
+    def outputs(self) -> list[RequestOutput]:
+        """This step's new audio of every request, in segment order; final outputs for finished ones."""
+        outputs = []
+        for req in list(self.requests.values()):
+            if req.status is not None:  # aborted or failed: final output, no more audio
+                outputs.append(
+                    RequestOutput(req.request_id, np.zeros(0, np.float32), True, req.status, req.error, req.num_steps)
+                )
+                self.drop(req.request_id)
+                continue
+            new = []
+            while req.emit_index < len(req.segments):
+                seg = req.segments[req.emit_index]
+                new += seg.pcm
+                seg.pcm = []
+                if seg.stream is not None and seg.stream.done:
+                    req.emit_index += 1
+                else:
+                    break
+            done = req.emit_index == len(req.segments)
+            if not (new or done):
+                continue
+            out = RequestOutput(req.request_id, np.concatenate(new) if new else np.zeros(0, np.float32))
+            out.num_steps = req.num_steps
+            if done:
+                reasons = [s.finish_reason for s in req.segments]
+                out.finished, out.finish_reason = True, "length" if "length" in reasons else "stop"
+                out.voice_sample = req.voice_sample
+                out.num_input_tokens = sum(len(self.tokenizer.encode(s.spoken_text)) for s in req.segments)
+                out.segments = [
+                    SegmentResult(
+                        s.spoken_text,
+                        np.asarray(s.stream.codes, dtype=np.int64).reshape(-1, self.num_vq),
+                        s.finish_reason,
+                    )
+                    for s in req.segments
+                ]
+                self.drop(req.request_id)
+            outputs.append(out)
+        return outputs

@@ -1,0 +1,77 @@
+"""Make a loaded fp32 model ready to run: the one place that changes the model after ``checkpoint.load``.
+
+In order: fuse the q/k/v and gate/up projections (everywhere but the reference-exact path), calibrate
+activation ranges (``int8-static`` only, on the fused fp32 model), swap in the precision's modules,
+then choose the CPU matmul layout for batching (oneDNN-packed weights, or row padding). The engine's
+runner only runs the result; ``ModelLayout`` tells it what was done.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import LoadedModel
+from .gpt import fuse_projections_
+from .linear import pack_linears_, packing_available
+from .quant import PrecisionSpec, apply_precision_, check_supported
+
+logger = logging.getLogger(__name__)
+
+Calibrate = Callable[[LoadedModel], dict[str, float]]
+"""Runs the (fused, fp32) model on sample text and returns the largest |input| of each GPT linear."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    """How the prepared model's matmuls behave, for the runner."""
+
+    precision: PrecisionSpec
+    packed: bool = False
+    """GPT projections are oneDNN-packed (batch-invariant at any row count)."""
+    pad_rows_to: int = 1
+    """Run fp32 matmuls on a multiple of this many rows (batch invariance where packing is missing)."""
+
+
+def prepare_model(
+    model: LoadedModel,
+    spec: PrecisionSpec,
+    num_slots: int,
+    *,
+    compile: bool = False,
+    calibrate: Calibrate | None = None,
+) -> ModelLayout:
+    """Prepare ``model`` in place for ``num_slots`` sequences decoding together in precision ``spec``.
+
+    With one slot in fp32 nothing changes (bit-exact with chattts). With more, a request's result
+    must not depend on its neighbours: the projections are packed for oneDNN (whose per-row result is
+    the same at any row count), or fp32 matmuls run on a multiple of 4 rows where packing is missing.
+    ``compile``: the decode step will be compiled (inductor cannot lower packed weights; it packs its own).
+    """
+    device = model.embed.emb_text.weight.device
+    check_supported(spec, device)
+    if spec.name != "fp32" or num_slots > 1:
+        fuse_projections_(model.gpt)
+    absmax = None
+    if spec.int8 == "static":
+        if calibrate is None:
+            raise ValueError("int8-static needs a calibration function")
+        absmax = calibrate(model)
+    apply_precision_(model.gpt, spec, device, absmax)
+    packed, pad_rows_to = False, 1
+    dtype = model.gpt.norm.weight.dtype
+    if num_slots > 1 and device.type == "cpu":
+        # int8 modes have swapped the projections already: only float linears pack, then the heads.
+        if packing_available(device, dtype) and not compile:
+            pack_linears_(model.gpt)
+            packed = True
+        elif dtype == torch.float32:
+            pad_rows_to = 4
+        if packing_available(device, torch.float32):
+            model.embed.pack_heads()
+    layout = ModelLayout(spec, packed, pad_rows_to)
+    logger.info("model prepared: %s", layout)
+    return layout

@@ -1,0 +1,90 @@
+"""Server configuration: ``ServerConfig`` = the server's own settings + the ``EngineConfig`` it runs.
+
+``chattts-serve serve`` has one flag per server field and per flat engine option (``engine.config
+.FLAT_OPTIONS``: precision, max_num_seqs, decode, ...); each can also be set from the environment as
+CHATTTS_SERVE_<NAME> (e.g. CHATTTS_SERVE_PORT=9000, CHATTTS_SERVE_API_KEYS=a,b,
+CHATTTS_SERVE_PRECISION=int8-static). Precedence: flags, then environment, then the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..engine.config import FLAT_OPTIONS, EngineConfig, flat_defaults, from_flat
+from ..model.config import DEFAULT_MODEL
+
+ENV_PREFIX = "CHATTTS_SERVE_"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model: str = DEFAULT_MODEL
+    """Checkpoint directory or Hugging Face repo id."""
+    device: str = "auto"
+    """auto (CUDA if available, else CPU), cpu, cuda, cuda:1, ..."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    """When set, every endpoint except /health needs ``Authorization: Bearer <key>``."""
+    max_concurrent_streams: int = 64
+    """Requests in flight (running + waiting); beyond it requests get 429."""
+    max_queue_wait_s: float = 30.0
+    """A request that has not produced audio after this long while queued is refused with 503."""
+    max_input_chars: int = 4096
+    max_body_bytes: int = 1 << 20
+    voices_db: str = "voices.sqlite3"
+    """SQLite file of saved voices (survives restarts)."""
+    default_voice: str | None = None
+    """Voice used when a request names none that exists; None: no speaker embedding."""
+    warmup: bool = True
+    log_level: str = "info"
+    threads: int = 0
+    """torch CPU threads; 0 = torch's default."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Precision, KV slots, queue bound, decode step, default chunking (see ``engine.config``)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        for name in ("max_concurrent_streams", "max_input_chars", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue_wait_s <= 0:
+            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
+
+    @classmethod
+    def server_fields(cls) -> list:
+        """The server's own fields (each is a flag and an environment variable)."""
+        return [f for f in fields(cls) if f.name != "engine"]
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> ServerConfig:
+        """Defaults, then CHATTTS_SERVE_* environment variables, then explicit overrides (server fields
+        and flat engine options; None values are skipped)."""
+        environ = os.environ if environ is None else environ
+        defaults = {f.name: f.default for f in cls.server_fields()} | flat_defaults()
+        unknown = set(overrides) - set(defaults)
+        if unknown:
+            raise ValueError(f"unknown server option(s): {', '.join(sorted(unknown))}")
+        values = {}
+        for name, default in defaults.items():
+            raw = environ.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = _parse(raw, default)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        engine = from_flat(None, **{k: v for k, v in values.items() if k in FLAT_OPTIONS})
+        return cls(**{k: v for k, v in values.items() if k not in FLAT_OPTIONS}, engine=engine)
+
+
+def _parse(raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    if isinstance(default, tuple):
+        return tuple(k.strip() for k in raw.split(",") if k.strip())
+    return raw
