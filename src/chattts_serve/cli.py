@@ -197,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .engine.config import FLAT_OPTIONS
-    from .server.app import create_app
+    from .server.app import create_app, install_log_redaction
     from .server.config import ServerConfig
 
     names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
@@ -206,13 +206,31 @@ def _serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a no-op handler lets a clean
     # shutdown end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        timeout_graceful_shutdown=10,
+    app = create_app(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=10,
+            # Our middleware logs every request without its query string (which may carry a key).
+            access_log=False,
+            # Connections beyond this get 503 at once (slowloris and floods stay bounded).
+            limit_concurrency=config.max_connections,
+            timeout_keep_alive=5,
+            ws_max_size=config.ws_max_message_bytes,
+        )
     )
+    install_log_redaction()
+    exit_handler = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:
+        app.state.ready = False  # /ready answers 503 from the first signal on: balancers stop routing here
+        exit_handler(sig, frame)
+
+    server.handle_exit = handle_exit
+    server.run()
     return 0
 
 

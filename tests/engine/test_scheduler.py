@@ -41,6 +41,7 @@ def seq(
     retry_empty: bool = True,
     priority: int = 0,
     arrival: float = 0.0,
+    rank: int = 0,
 ) -> Sequence:
     return Sequence(
         request_id=rid,
@@ -53,6 +54,7 @@ def seq(
         retry_empty=retry_empty,
         priority=priority,
         arrival=arrival,
+        rank=rank,
     )
 
 
@@ -110,6 +112,23 @@ def ids(seqs) -> list[int]:
 
 
 # ---------------------------------------------------------------- admission and slots
+
+
+def test_a_long_request_does_not_starve_later_ones():
+    """Request A (6 sentences) arrives first, B (1 sentence) just after; with one slot, B's sentence
+    runs right after A's first, not after all of A's."""
+    sched, d = make(max_num_seqs=1)
+    a = [seq("A", max_new=2, arrival=0.0, rank=i) for i in range(6)]
+    b = seq("B", max_new=2, arrival=1.0)
+    for s in (*a, b):
+        sched.add(s)
+    order = []
+    for _ in range(100):
+        out, _ = d.step()
+        order += [s.request_id + str(s.rank) for s in out.prefill]
+        if not sched.has_unfinished():
+            break
+    assert order == ["A0", "B0", "A1", "A2", "A3", "A4", "A5"]
 
 
 def test_admits_up_to_max_num_seqs():

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..audio.policy import StreamPolicy
-from ..model.config import DEFAULT_MODEL
+from ..model.config import DEFAULT_MODEL, SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from .config import EngineConfig
 from .engine import Engine
@@ -58,11 +58,14 @@ class _Collector:
     audio: list[np.ndarray] = field(default_factory=list)
     final: RequestOutput | None = None
     error: BaseException | None = None
+    pending_samples: int = 0
+    """Audio put but not yet taken: what a consumer that stopped reading makes us hold."""
 
     def put(self, out: RequestOutput) -> None:
         with self.lock:
             if len(out.audio):
                 self.audio.append(out.audio)
+                self.pending_samples += len(out.audio)
             if out.finished:
                 self.final = out
         self._wake()
@@ -83,15 +86,22 @@ class _Collector:
         with self.lock:
             self.event.clear()
             audio = np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
-            self.audio = []
+            self.audio, self.pending_samples = [], 0
             return audio, self.final, self.error
 
 
+class SlowConsumerError(EngineError):
+    """The consumer left more audio unread than ``max_buffered_audio_s``: the request was aborted."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_buffered_audio_s: float = 120.0) -> None:
+        """``max_buffered_audio_s``: audio a request may hold for a consumer that stopped reading;
+        beyond it the request is aborted (a stalled client pins neither memory nor a KV slot)."""
         self.engine = engine
         self.core = engine.core
         self.stream_policy = engine.config.stream
+        self.max_buffered_samples = int(max_buffered_audio_s * SAMPLE_RATE)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._collectors: dict[str, _Collector] = {}
         self._wakeup = threading.Event()
@@ -107,8 +117,10 @@ class AsyncEngine:
         path_or_repo: str | Path = DEFAULT_MODEL,
         device: str | torch.device = "cpu",
         config: EngineConfig | None = None,
+        *,
+        max_buffered_audio_s: float = 120.0,
     ) -> AsyncEngine:
-        return cls(Engine.from_pretrained(path_or_repo, device, config))
+        return cls(Engine.from_pretrained(path_or_repo, device, config), max_buffered_audio_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -234,24 +246,40 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_inbox()
                 if self.core.has_unfinished():
-                    for out in self.core.step():
-                        c = self._collectors.get(out.request_id)
-                        if c is not None:
-                            c.put(out)
+                    self._deliver(self._step())
                 else:
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
             # Shutting down: finish the aborts, tell every remaining consumer.
             self._drain_inbox()
             while self.core.has_unfinished():
-                for out in self.core.step():
-                    if (c := self._collectors.get(out.request_id)) is not None:
-                        c.put(out)
+                self._deliver(self._step())
         except BaseException as exc:  # the loop must never die silently
             logger.exception("engine loop crashed")
             self.dead_error = exc
             for c in list(self._collectors.values()):
                 c.fail(EngineDeadError(f"engine loop crashed: {exc}"))
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step. An unexpected error (the core guards the model and the audio itself) fails
+        every request in flight and resets the core, and the loop serves on; only an error while
+        resetting ends the loop (then ``dead_error`` is set and ``/health`` fails)."""
+        try:
+            return self.core.step()
+        except Exception:
+            logger.exception("engine step failed; failing the requests in flight and resetting the engine")
+            return self.core.reset("engine step failed")
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            c = self._collectors.get(out.request_id)
+            if c is None:
+                continue
+            c.put(out)
+            if not out.finished and c.pending_samples > self.max_buffered_samples:
+                self.core.abort(out.request_id)
+                seconds = self.max_buffered_samples / SAMPLE_RATE
+                c.fail(SlowConsumerError(f"the client read no audio while {seconds:g} s waited; request aborted"))
 
     def _drain_inbox(self) -> None:
         while True:

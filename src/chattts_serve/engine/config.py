@@ -56,10 +56,16 @@ class EngineConfig:
     """Chunking of streamed audio when a request does not choose its own."""
     auto_slots: bool = False
     """Size the KV slots (``scheduler.max_num_seqs``) from free memory at load time instead."""
+    max_audio_seconds: float = 600.0
+    """Audio one request may generate in all (its sentences, and the first-sentence voice step): a
+    request whose ``min_new_tokens`` alone would pass it is refused; otherwise each sentence's
+    ``max_new_tokens`` is capped at its share, so no request can hold the engine for longer."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
+        if not self.max_audio_seconds > 0:
+            raise ValueError(f"max_audio_seconds must be > 0, got {self.max_audio_seconds!r}")
 
     @classmethod
     def with_slots(cls, max_num_seqs: int, **kw) -> EngineConfig:
@@ -79,6 +85,7 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "decode": ("runner", "decode"),
     "cuda_graphs": ("runner", "cuda_graphs"),
     "compile": ("runner", "compile"),
+    "max_audio_seconds": ("max_audio_seconds",),
 }
 _HELP = {
     "precision": "GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
@@ -90,6 +97,7 @@ _HELP = {
     "decode": "decode step: rows (batch-invariant; CPU default) or static (fixed shapes, CUDA graphs; CUDA default)",
     "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only)",
     "compile": "torch.compile the static decode step",
+    "max_audio_seconds": "audio one request may generate in all (its sentences x max_new_tokens are capped to fit)",
 }
 
 

@@ -40,7 +40,7 @@ class EngineCore:
         self.scheduler = Scheduler(sc)
         self.runner = ModelRunner(model, layout, sc.max_num_seqs, sc.max_model_len, tokenizer.eos_id, config.runner)
         self.device = self.runner.device
-        self.inputs = InputProcessor(tokenizer, gpt.hidden_size, gpt.num_vq)
+        self.inputs = InputProcessor(tokenizer, gpt.hidden_size, gpt.num_vq, config.max_audio_seconds)
         self.pipeline = RequestPipeline(tokenizer, gpt.hidden_size, gpt.num_vq, sc.max_model_len, self.device)
 
     # ------------------------------------------------------------------ requests
@@ -94,7 +94,10 @@ class EngineCore:
         self._queue(self.pipeline.update(updates))
         self._decode_audio()
         self._make_voice_samples()
-        return self.pipeline.outputs()
+        outputs = self.pipeline.outputs()
+        for request_id in self.pipeline.take_failed():  # ended by an internal error: free their slots
+            self.scheduler.abort(request_id)
+        return outputs
 
     def _execute(self, sched: SchedulerOutput) -> list[StepOutput]:
         if sched.is_empty:
@@ -142,6 +145,17 @@ class EngineCore:
             except Exception as exc:
                 logger.exception("voice step failed")
                 self._fail(request_id, f"voice step failed: {exc}")
+
+    def reset(self, message: str) -> list[RequestOutput]:
+        """After an unexpected error inside a step (state may be half-updated): end every request with
+        an error and start the scheduler and the runner's sampling state afresh. The model, its weights
+        and the KV cache are kept (a slot's cache is overwritten by the next prefill)."""
+        for request_id in list(self.pipeline.requests):
+            self.pipeline.end(request_id, "error", message)
+        outputs = self.pipeline.outputs()
+        self.scheduler = Scheduler(self.config.scheduler)
+        self.runner.states.clear()
+        return outputs
 
     def _fail(self, request_id: str, message: str) -> None:
         if self.pipeline.end(request_id, "error", message):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.config import AUDIO_EOS
+from ..model.config import AUDIO_EOS, TOKENS_PER_SECOND
 from ..model.speaker import decode_prompt_codes, decode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
@@ -31,14 +31,17 @@ class PreparedRequest:
     """[T_s, 4] voice-sample codes given by the request."""
     voice_step: bool = False
     """Speak the first segment alone first and use its audio as every segment's voice sample."""
+    max_new_tokens: int = 0
+    """Each audio pass's cap: ``params.max_new_tokens``, or less to keep the request in its budget."""
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, hidden_size: int, num_vq: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, hidden_size: int, num_vq: int, max_audio_seconds: float) -> None:
         self.tokenizer = tokenizer
         self.normalizer = Normalizer()
         self.hidden_size = hidden_size
         self.num_vq = num_vq
+        self.max_audio_seconds = max_audio_seconds
 
     def prepare(self, text: str, params: SamplingParams) -> PreparedRequest:
         """Raises ValueError with the reason for any bad input."""
@@ -70,4 +73,19 @@ class InputProcessor:
             if sample.numel() == 0 or sample.shape[1] != self.num_vq or int(sample.max()) >= AUDIO_EOS:
                 raise ValueError("speaker_sample does not hold valid [4, T] audio codes")
         voice_step = params.split_text and params.first_sentence_voice and sample is None and len(segments) > 1
-        return PreparedRequest(segments, params, speaker, sample, voice_step)
+        return PreparedRequest(
+            segments, params, speaker, sample, voice_step, self._max_new_tokens(params, segments, voice_step)
+        )
+
+    def _max_new_tokens(self, params: SamplingParams, segments: list[str], voice_step: bool) -> int:
+        """The audio budget: refuse a request whose minimum length passes it; otherwise cap each audio
+        pass at its share (one short request cannot ask for hours of audio from a few lines of text)."""
+        passes = len(segments) + voice_step
+        budget = int(self.max_audio_seconds * TOKENS_PER_SECOND)
+        if params.min_new_tokens * passes > budget:
+            asked = params.min_new_tokens * passes / TOKENS_PER_SECOND
+            raise ValueError(
+                f"the request asks for at least {asked:.0f} s of audio ({passes} audio passes x min_new_tokens "
+                f"{params.min_new_tokens}); the limit is {self.max_audio_seconds:g} s"
+            )
+        return min(params.max_new_tokens, budget // passes)

@@ -89,6 +89,7 @@ class RequestPipeline:
         self.device = device
         self.requests: dict[str, _Request] = {}
         self._by_seq: dict[int, tuple[_Request, _Segment]] = {}
+        self._failed: list[str] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -162,7 +163,7 @@ class RequestPipeline:
             sampling = StepSampling(p.temperatures, p.top_p, p.top_k, p.repetition_penalty, p.seed)
             kind, eos = "code", AUDIO_EOS
             inputs = SeqInputs(ids, sampling, req.speaker, self.tokenizer.spk_emb_id, sample)
-            min_new, max_new = p.min_new_tokens, p.max_new_tokens
+            min_new, max_new = p.min_new_tokens, req.prepared.max_new_tokens
         if prompt_len + max_new > self.max_model_len:
             # max_new_tokens is a cap: shorten it to what the slot holds (at least one step).
             max_new = self.max_model_len - prompt_len
@@ -182,6 +183,7 @@ class RequestPipeline:
             seeded=sampling.seed is not None,
             retry_empty=p.ensure_non_empty,
             priority=req.priority,
+            rank=max(seg.index, 0),
             arrival=req.arrival,
             payload=inputs,
         )
@@ -208,35 +210,57 @@ class RequestPipeline:
     # ------------------------------------------------------------------ one step's results
 
     def update(self, outputs: list[StepOutput]) -> list[Sequence]:
-        """Apply the step's tokens; returns the sequences that follow (the code pass after a refine)."""
+        """Apply the step's tokens; returns the sequences that follow (the code pass after a refine).
+        An error while applying one request's token ends that request only (see ``take_failed``)."""
         follow: list[Sequence] = []
         for out in outputs:
             entry = self._by_seq.get(out.seq.seq_id)
             if entry is None or entry[0].status is not None:  # its request has ended
                 continue
-            (req, seg), seq = entry, out.seq
-            if seq.kind == "code":
-                if seg.stream is None or out.restarted:
-                    # The voice step's audio is decoded once, whole, as the reference decodes it.
-                    policy = StreamPolicy.one_shot() if seg is req.voice else req.policy
-                    seg.stream = AudioStream(policy, self.hidden_size, seq.max_new_tokens, self.device)
-                if out.token is not None:
-                    seg.stream.push(out.token, out.hidden)
-                    req.num_steps += seg is not req.voice
-                if out.finished:
-                    seg.stream.finish()
-                    seg.finish_reason = seq.status.finish_reason
-                    del self._by_seq[seq.seq_id]
-            elif out.finished:  # refine pass done: the segment's text is final
-                del self._by_seq[seq.seq_id]
-                if seq.status == SequenceStatus.FINISHED_ABORTED:
-                    continue
-                ids = [t[0] for t in seq.tokens if t[0] < self.tokenizer.break_0_id]
-                seg.refined_text = self.tokenizer.decode(ids)
-                if seg.index == 0 and req.voice is not None:
-                    req.voice.text = seg.refined_text  # the reference's voice step speaks the refined text
-                follow += self._code_passes(req)
+            req, seg = entry
+            try:
+                follow += self._apply(req, seg, out)
+            except Exception:
+                logger.exception("request %s: applying a step failed", req.request_id)
+                self._failed_inside(req.request_id)
         return follow
+
+    def _apply(self, req: _Request, seg: _Segment, out: StepOutput) -> list[Sequence]:
+        seq = out.seq
+        if seq.kind == "code":
+            if seg.stream is None or out.restarted:
+                # The voice step's audio is decoded once, whole, as the reference decodes it.
+                policy = StreamPolicy.one_shot() if seg is req.voice else req.policy
+                seg.stream = AudioStream(policy, self.hidden_size, seq.max_new_tokens, self.device)
+            if out.token is not None:
+                seg.stream.push(out.token, out.hidden)
+                req.num_steps += seg is not req.voice
+            if out.finished:
+                seg.stream.finish()
+                seg.finish_reason = seq.status.finish_reason
+                del self._by_seq[seq.seq_id]
+            return []
+        if not out.finished:
+            return []
+        # The refine pass is done: the segment's text is final.
+        del self._by_seq[seq.seq_id]
+        if seq.status == SequenceStatus.FINISHED_ABORTED:
+            return []
+        ids = [t[0] for t in seq.tokens if t[0] < self.tokenizer.break_0_id]
+        seg.refined_text = self.tokenizer.decode(ids)
+        if seg.index == 0 and req.voice is not None:
+            req.voice.text = seg.refined_text  # the reference's voice step speaks the refined text
+        return self._code_passes(req)
+
+    def _failed_inside(self, request_id: str) -> None:
+        if self.end(request_id, "error", "internal error (see the server log)"):
+            self._failed.append(request_id)
+
+    def take_failed(self) -> list[str]:
+        """Requests this pipeline ended with an internal error since the last call (their sequences
+        must leave the scheduler)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def windows(self) -> list[tuple[str, _Segment, Window]]:
         """Every audio window ready to decode: (request id, segment, window)."""
@@ -279,39 +303,51 @@ class RequestPipeline:
         """This step's new audio of every request, in segment order; final outputs for finished ones."""
         outputs = []
         for req in list(self.requests.values()):
-            if req.status is not None:  # aborted or failed: final output, no more audio
-                outputs.append(
-                    RequestOutput(req.request_id, np.zeros(0, np.float32), True, req.status, req.error, req.num_steps)
-                )
-                self.drop(req.request_id)
-                continue
-            new = []
-            while req.emit_index < len(req.segments):
-                seg = req.segments[req.emit_index]
-                new += seg.pcm
-                seg.pcm = []
-                if seg.stream is not None and seg.stream.done:
-                    req.emit_index += 1
+            if req.status is None:
+                try:
+                    out = self._output(req)
+                except Exception:
+                    logger.exception("request %s: collecting its output failed", req.request_id)
+                    self._failed_inside(req.request_id)
                 else:
-                    break
-            done = req.emit_index == len(req.segments)
-            if not (new or done):
-                continue
-            out = RequestOutput(req.request_id, np.concatenate(new) if new else np.zeros(0, np.float32))
-            out.num_steps = req.num_steps
-            if done:
-                reasons = [s.finish_reason for s in req.segments]
-                out.finished, out.finish_reason = True, "length" if "length" in reasons else "stop"
-                out.voice_sample = req.voice_sample
-                out.num_input_tokens = sum(len(self.tokenizer.encode(s.spoken_text)) for s in req.segments)
-                out.segments = [
-                    SegmentResult(
-                        s.spoken_text,
-                        np.asarray(s.stream.codes, dtype=np.int64).reshape(-1, self.num_vq),
-                        s.finish_reason,
-                    )
-                    for s in req.segments
-                ]
-                self.drop(req.request_id)
-            outputs.append(out)
+                    if out is not None:
+                        outputs.append(out)
+                    continue
+            # Aborted or failed: a final output, no more audio.
+            outputs.append(
+                RequestOutput(req.request_id, np.zeros(0, np.float32), True, req.status, req.error, req.num_steps)
+            )
+            self.drop(req.request_id)
         return outputs
+
+    def _output(self, req: _Request) -> RequestOutput | None:
+        """The request's new audio (None when it has none this step); the final output when done."""
+        new = []
+        while req.emit_index < len(req.segments):
+            seg = req.segments[req.emit_index]
+            new += seg.pcm
+            seg.pcm = []
+            if seg.stream is not None and seg.stream.done:
+                req.emit_index += 1
+            else:
+                break
+        done = req.emit_index == len(req.segments)
+        if not (new or done):
+            return None
+        out = RequestOutput(req.request_id, np.concatenate(new) if new else np.zeros(0, np.float32))
+        out.num_steps = req.num_steps
+        if done:
+            reasons = [s.finish_reason for s in req.segments]
+            out.finished, out.finish_reason = True, "length" if "length" in reasons else "stop"
+            out.voice_sample = req.voice_sample
+            out.num_input_tokens = sum(len(self.tokenizer.encode(s.spoken_text)) for s in req.segments)
+            out.segments = [
+                SegmentResult(
+                    s.spoken_text,
+                    np.asarray(s.stream.codes, dtype=np.int64).reshape(-1, self.num_vq),
+                    s.finish_reason,
+                )
+                for s in req.segments
+            ]
+            self.drop(req.request_id)
+        return out

@@ -53,7 +53,10 @@ class Sequence:
     retry_empty: bool
     """Start again (new random draws) when the first step is EOS (the reference's ensure_non_empty)."""
     priority: int = 0
-    """Higher runs first; then arrival order."""
+    """Higher runs first; then ``rank``, then arrival order."""
+    rank: int = 0
+    """The sentence's position in its request: a request's k-th sentence queues behind every other
+    request's earlier sentences, so a request of many sentences cannot starve the ones after it."""
     arrival: float = 0.0
     payload: Any = None
     """What the runner needs to prefill (ids, speaker, sampling settings); opaque to the scheduler."""

@@ -2,7 +2,8 @@
 
 Every step: sequences that finished or were aborted leave and free their slots; waiting sequences are
 admitted while a slot is free and the step's prefill-token budget allows (highest priority first, then
-arrival order); everything admitted before this step decodes one token. A slot is reserved for a
+earlier sentences of their request first, then arrival order: a long request's later sentences cannot
+starve other requests); everything admitted before this step decodes one token. A slot is reserved for a
 sequence's whole life (prompt + max_new_tokens must fit in it), so a running sequence can never run
 out of cache: capacity problems surface as a clear refusal at submission, never as an out-of-memory
 error mid-generation.
@@ -119,7 +120,7 @@ class Scheduler:
         out.decode = list(self.running)
 
         budget = self.config.max_prefill_tokens
-        self.waiting.sort(key=lambda s: (-s.priority, s.arrival, s.seq_id))
+        self.waiting.sort(key=lambda s: (-s.priority, s.rank, s.arrival, s.seq_id))
         while self.waiting and self.slots.num_free:
             seq = self.waiting[0]
             if out.prefill and seq.prompt_len > budget:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -13,6 +14,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncEngine
@@ -20,7 +22,7 @@ from ..sampling_params import SamplingParams
 from . import native, openai_routes, voices_routes
 from .config import ServerConfig
 from .metrics import Metrics
-from .service import APIError, Limits
+from .service import APIError, Limits, key_matches
 from .voices import VoiceStore
 
 logger = logging.getLogger("chattts_serve.server")
@@ -51,11 +53,15 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
 
                 torch.set_num_threads(config.threads)
             eng = await asyncio.to_thread(
-                AsyncEngine.from_pretrained, config.model, _device(config.device), config.engine
+                AsyncEngine.from_pretrained,
+                config.model,
+                _device(config.device),
+                config.engine,
+                max_buffered_audio_s=config.max_buffered_audio_s,
             )
         app.state.engine = eng
         app.state.metrics = Metrics(eng)
-        app.state.voices = VoiceStore(config.voices_db)
+        app.state.voices = VoiceStore(config.voices_path)
         app.state.limits = Limits(config.max_concurrent_streams)
         if config.warmup:
             await eng.generate("你好。", SamplingParams(seed=0, max_new_tokens=4, refine_text=False))
@@ -70,36 +76,9 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
 
     app = FastAPI(title="chattts-serve", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(RequestContext, config=config)
     app.state.config = config
     app.state.ready = False
-
-    @app.middleware("http")
-    async def request_context(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
-        request.state.request_id = rid
-        t0 = time.monotonic()
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > config.max_body_bytes):
-            response = _error(413, f"request body larger than {config.max_body_bytes} bytes", code="too_large")
-        elif config.api_keys and request.url.path not in PUBLIC_PATHS and not _authorized(request, config):
-            response = _error(
-                401,
-                "missing or invalid API key (Authorization: Bearer <key>)",
-                "authentication_error",
-                code="invalid_api_key",
-            )
-        else:
-            response = await call_next(request)
-        response.headers["X-Request-ID"] = rid
-        logger.info(
-            "request_id=%s method=%s path=%s status=%d ms=%.1f",
-            rid,
-            request.method,
-            request.url.path,
-            response.status_code,
-            1000 * (time.monotonic() - t0),
-        )
-        return response
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -122,7 +101,12 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
         )
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        # Liveness: fails only when the engine loop has died (an orchestrator should restart us);
+        # loading the model at start-up is not a failure (that is /ready's business).
+        eng = getattr(request.app.state, "engine", None)
+        if eng is not None and eng.dead_error is not None:
+            return _error(503, "the engine loop has stopped; restart the server", "server_error", code="engine_dead")
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -147,11 +131,96 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
 
 
 def _authorized(request: Request, config: ServerConfig) -> bool:
+    """HTTP: the Authorization header only (a key in the query string ends up in logs and histories;
+    only the WebSocket, which browsers cannot give headers, accepts ``?api_key=``)."""
     auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip() in config.api_keys
-    key = request.query_params.get("api_key")  # WebSocket clients (browsers) cannot set headers
-    return key is not None and key in config.api_keys
+    return auth.lower().startswith("bearer ") and key_matches(auth[7:].strip(), config.api_keys)
+
+
+_SECRET_QUERY = re.compile(r"((?:api_key|key|token)=)[^&\s\"']+", re.IGNORECASE)
+
+
+class RedactSecrets(logging.Filter):
+    """Masks ``api_key=...`` (and key=, token=) in log records: uvicorn logs each WebSocket handshake
+    with its full path, query string included."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = _SECRET_QUERY.sub(r"\1***", record.msg)
+        if record.args:
+            args = record.args if isinstance(record.args, tuple) else (record.args,)
+            record.args = tuple(_SECRET_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in args)
+        return True
+
+
+def install_log_redaction() -> None:
+    """Call after uvicorn configured its loggers (``uvicorn.Config``)."""
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "chattts_serve"):
+        logging.getLogger(name).addFilter(RedactSecrets())
+
+
+_REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: no spaces, no line breaks
+
+
+def _client_request_id(value: str | None) -> str | None:
+    """A client's X-Request-ID if it is short and plain (it goes into logs and a response header)."""
+    return value if value is not None and _REQUEST_ID.fullmatch(value) else None
+
+
+class RequestContext:
+    """ASGI middleware: request ids, the host check, the body-size header check, API keys, one log line
+    per request. Pure ASGI (not ``BaseHTTPMiddleware``, which re-streams the body through a queue and
+    would end a failed stream with a clean terminating chunk, as if it had succeeded)."""
+
+    def __init__(self, app, config: ServerConfig) -> None:
+        self.app, self.config = app, config
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        # The engine gets an id of our own (two clients may send the same X-Request-ID); the client's
+        # id, if it is a sane one, is kept for the logs and echoed back.
+        rid = uuid.uuid4().hex[:16]
+        client_rid = _client_request_id(request.headers.get("x-request-id"))
+        scope.setdefault("state", {})["request_id"] = rid
+        status, t0 = [0], time.monotonic()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                MutableHeaders(scope=message)["X-Request-ID"] = client_rid or rid
+            await send(message)
+
+        refusal = self._refusal(request)
+        try:
+            await (refusal or self.app)(scope, receive, send_with_id)
+        finally:
+            logger.info(
+                "request_id=%s client_request_id=%s method=%s path=%s status=%d ms=%.1f",
+                rid,
+                client_rid,
+                request.method,
+                request.url.path,  # never the query string: it may carry credentials
+                status[0],
+                1000 * (time.monotonic() - t0),
+            )
+
+    def _refusal(self, request: Request):
+        config = self.config
+        if config.allowed_hosts and request.headers.get("host", "").rsplit(":", 1)[0] not in config.allowed_hosts:
+            return _error(400, "host not allowed", code="bad_host")
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > config.max_body_bytes):
+            return _error(413, f"request body larger than {config.max_body_bytes} bytes", code="too_large")
+        if config.api_keys and request.url.path not in PUBLIC_PATHS and not _authorized(request, config):
+            return _error(
+                401,
+                "missing or invalid API key (Authorization: Bearer <key>)",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+        return None
 
 
 class BodyLimit:

@@ -30,14 +30,40 @@ class ServerConfig:
     """When set, every endpoint except /health needs ``Authorization: Bearer <key>``."""
     max_concurrent_streams: int = 64
     """Requests in flight (running + waiting); beyond it requests get 429."""
+    max_connections: int = 512
+    """Open connections (HTTP and WebSocket); beyond it uvicorn answers 503 at once."""
     max_queue_wait_s: float = 30.0
     """A request that has not produced audio after this long while queued is refused with 503."""
     max_input_chars: int = 4096
     max_body_bytes: int = 1 << 20
-    voices_db: str = "voices.sqlite3"
-    """SQLite file of saved voices (survives restarts)."""
+    """Largest request body (JSON, or a multipart voice upload)."""
+    max_buffered_audio_s: float = 120.0
+    """Audio a request may have waiting for a client that stopped reading; beyond it the request is
+    aborted (a stalled reader does not pin memory and a KV slot)."""
+    send_timeout_s: float = 60.0
+    """A client that accepts no bytes for this long is disconnected and its request aborted."""
+    voices_db: str | None = None
+    """SQLite file of saved voices (survives restarts); None: voices.sqlite3 in the user's data
+    directory (platformdirs)."""
+    max_voices: int = 1000
+    max_voice_text_chars: int = 500
+    """Longest transcript of an uploaded voice sample."""
+    max_upload_seconds: float = 30.0
+    """Longest voice sample kept from an upload (decoding stops there)."""
     default_voice: str | None = None
     """Voice used when a request names none that exists; None: no speaker embedding."""
+    ws_max_message_bytes: int = 64 << 10
+    """Largest WebSocket message."""
+    ws_max_text_chars: int = 100_000
+    """Text one WebSocket session may send in all."""
+    ws_max_pending_sentences: int = 16
+    """Sentences a WebSocket session may have waiting to be spoken; beyond it the session is closed."""
+    ws_idle_timeout_s: float = 300.0
+    """A WebSocket session that sends nothing for this long (while nothing is being spoken) is closed."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins allowed to open WebSockets (and to POST with a browser); empty: same origin only."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host headers accepted (DNS-rebinding defence); empty: any."""
     warmup: bool = True
     log_level: str = "info"
     threads: int = 0
@@ -48,11 +74,38 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        for name in ("max_concurrent_streams", "max_input_chars", "max_body_bytes"):
+        for name in (
+            "max_concurrent_streams",
+            "max_connections",
+            "max_input_chars",
+            "max_body_bytes",
+            "max_voices",
+            "max_voice_text_chars",
+            "ws_max_message_bytes",
+            "ws_max_text_chars",
+            "ws_max_pending_sentences",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queue_wait_s <= 0:
-            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
+        for name in (
+            "max_queue_wait_s",
+            "max_buffered_audio_s",
+            "send_timeout_s",
+            "max_upload_seconds",
+            "ws_idle_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def voices_path(self) -> str:
+        """Where the voices database lives (``voices_db``, or the user's data directory)."""
+        if self.voices_db is not None:
+            return self.voices_db
+        import platformdirs
+
+        directory = platformdirs.user_data_path("chattts-serve", appauthor=False, ensure_exists=True)
+        return str(directory / "voices.sqlite3")
 
     @classmethod
     def server_fields(cls) -> list:

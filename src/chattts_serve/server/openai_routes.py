@@ -7,10 +7,18 @@ import json
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
-from .service import APIError, AudioResponse, build_params, check_length, resolve_voice, speed_prompt
+from .service import (
+    APIError,
+    AudioResponse,
+    StreamFailed,
+    TimedStreamingResponse,
+    build_params,
+    check_length,
+    resolve_voice,
+    speed_prompt,
+)
 
 router = APIRouter()
 MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -37,22 +45,24 @@ async def speech(body: SpeechRequest, request: Request):
     voice = resolve_voice(st.voices, st.engine, body.voice, cfg.default_voice, "voice")
     params = build_params(body, voice, prompt=speed_prompt(body.speed))
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.max_queue_wait_s)
-    await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id)
-    headers = {"X-Request-ID": request.state.request_id}
+    await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id, request)
+    timeout = cfg.send_timeout_s
     if body.stream_format == "sse":
-        return StreamingResponse(_sse(resp, body.response_format), media_type="text/event-stream", headers=headers)
-    return StreamingResponse(
-        resp.encoded(body.response_format), media_type=MEDIA_TYPES[body.response_format], headers=headers
-    )
+        return TimedStreamingResponse(_sse(resp, body.response_format), timeout, media_type="text/event-stream")
+    fmt = body.response_format
+    return TimedStreamingResponse(resp.encoded(fmt), timeout, media_type=MEDIA_TYPES[fmt])
 
 
 async def _sse(resp: AudioResponse, fmt: str):
     """OpenAI's speech SSE: ``speech.audio.delta`` events with base64 audio, then ``speech.audio.done``."""
-    total = 0
-    async for data in resp.encoded(fmt):
-        total += len(data)
-        event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
-        yield f"data: {json.dumps(event)}\n\n"
+    try:
+        async for data in resp.encoded(fmt):
+            event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
+            yield f"data: {json.dumps(event)}\n\n"
+    except StreamFailed as exc:  # an error event, never a "done" after a failure
+        error = {"type": "error", "error": {"message": str(exc.detail), "type": exc.type, "code": exc.code}}
+        yield f"data: {json.dumps(error)}\n\n"
+        return
     final = resp.final
     tokens_in = final.num_input_tokens if final is not None else 0
     tokens_out = final.num_steps if final is not None else 0  # audio tokens (4 codes = 512 samples each)

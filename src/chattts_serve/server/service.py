@@ -6,13 +6,16 @@ Routes only speak HTTP; the engine (``AsyncEngine``) and the voice store live in
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import logging
 import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Request
+from fastapi.responses import StreamingResponse
 
 from ..audio.encode import StreamingEncoder
 from ..audio.policy import StreamPolicy
@@ -42,6 +45,60 @@ class APIError(HTTPException):
     ) -> None:
         super().__init__(status_code=status, detail=message, headers=headers)
         self.type, self.param, self.code = type_, param, code
+
+
+class StreamFailed(APIError):
+    """A request failed after it started (engine error, engine stopped). Raised by
+    ``AudioResponse.chunks``: before the first byte it is a 500 JSON answer; after it, each transport
+    ends the response as an error (aborted body, SSE or WebSocket error event), never as success.
+    The message names the request, not the internal exception (that goes to the log)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            500,
+            f"synthesis failed (request {request_id}); the server log has the cause",
+            "server_error",
+            code="synthesis_failed",
+        )
+
+
+def key_matches(key: str, keys: tuple[str, ...]) -> bool:
+    """Whether ``key`` is one of ``keys``, in constant time (no early exit that times the match)."""
+    found = False
+    for k in keys:
+        found |= hmac.compare_digest(key.encode(), k.encode())
+    return found
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+class TimedStreamingResponse(StreamingResponse):
+    """A streamed body whose every send must complete within ``send_timeout_s``: a client that stops
+    reading is cut off (its request is aborted as the body generator closes) instead of holding a
+    concurrency slot and the engine's buffered audio forever."""
+
+    def __init__(self, content, send_timeout_s: float, **kw) -> None:
+        super().__init__(content, **kw)
+        self.send_timeout_s = send_timeout_s
+
+    async def stream_response(self, send) -> None:
+        async def timed_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout_s)
+            except TimeoutError:
+                logger.warning("client read nothing for %g s; closing the response", self.send_timeout_s)
+                raise ClientTooSlow() from None
+
+        try:
+            await super().stream_response(timed_send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class ClientTooSlow(OSError):
+    """A send timed out (an OSError, which Starlette turns into a client disconnect)."""
 
 
 def check_length(text: str, limit: int, param: str) -> None:
@@ -174,12 +231,17 @@ class AudioResponse:
         self._stream: AsyncIterator[RequestOutput] | None = None
         self._first: RequestOutput | None = None
         self._status = "error"
+        self.request_id = ""
         self.final: RequestOutput | None = None
         """The last output once the request has finished (usage: text tokens, audio tokens)."""
         self._audio_samples = 0
         self._metrics_done = False
 
-    async def start(self, text: str, params: SamplingParams, policy: StreamPolicy, request_id: str) -> None:
+    async def start(
+        self, text: str, params: SamplingParams, policy: StreamPolicy, request_id: str, request: Request | None = None
+    ) -> None:
+        """Submit and wait for the first chunk (at most ``max_queue_wait_s``; a client that disconnects
+        meanwhile aborts the request at once)."""
         try:
             self.limits.acquire()
         except APIError:
@@ -188,15 +250,39 @@ class AudioResponse:
             self.metrics.requests.labels(self.endpoint, "rejected").inc()
             raise
         self.metrics.in_flight.inc()
+        self.request_id = request_id
         try:
             self._stream = self.engine.stream(text, params, request_id=request_id, policy=policy)
-            self._first = await asyncio.wait_for(anext(self._stream), self.max_queue_wait_s)
+            self._first = await self._first_chunk(request)
         except BaseException as exc:
             await self._close()
-            self._finish_metrics("error" if not isinstance(exc, (QueueFullError, TimeoutError)) else "rejected")
+            if isinstance(exc, (QueueFullError, TimeoutError)):
+                self._finish_metrics("rejected")
+            else:
+                self._finish_metrics("aborted" if isinstance(exc, ClientGone) else "error")
             raise self._translate(exc) from None
 
+    async def _first_chunk(self, request: Request | None) -> RequestOutput:
+        first = asyncio.ensure_future(anext(self._stream))
+        deadline = asyncio.get_running_loop().time() + self.max_queue_wait_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=0.25)
+                if done:
+                    return first.result()
+                if request is not None and await request.is_disconnected():
+                    raise ClientGone()
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError()
+        finally:
+            if not first.done():
+                first.cancel()  # the generator's cleanup aborts the engine request
+                with contextlib.suppress(BaseException):  # let it finish before the stream is closed
+                    await first
+
     def _translate(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, ClientGone):  # nobody reads this answer; it only ends the request cleanly
+            return APIError(499, "client closed the request", code="client_closed")
         if isinstance(exc, ValueError):
             return APIError(400, str(exc))
         if isinstance(exc, QueueFullError):
@@ -206,9 +292,13 @@ class AudioResponse:
             self.metrics.rejected.labels("queue_wait").inc()
             return busy(f"no capacity within {self.max_queue_wait_s:g} s; retry later", status=503)
         if isinstance(exc, EngineDeadError):
-            return APIError(503, str(exc), "server_error", code="engine_unavailable")
+            logger.error("request %s: engine unavailable: %s", self.request_id, exc)
+            return APIError(
+                503, "the engine has stopped; retry on another replica", "server_error", code="engine_unavailable"
+            )
         if isinstance(exc, EngineError):
-            return APIError(500, str(exc), "server_error", code="synthesis_failed")
+            logger.error("request %s failed: %s", self.request_id, exc)
+            return StreamFailed(self.request_id)
         return exc
 
     async def chunks(self) -> AsyncIterator[RequestOutput]:
@@ -229,20 +319,22 @@ class AudioResponse:
             self._status = "aborted"
             raise
         except (EngineError, EngineDeadError) as exc:
-            logger.warning("request failed mid-stream: %s", exc)
+            logger.error("request %s failed mid-stream: %s", self.request_id, exc)
             self._status = "error"
+            raise StreamFailed(self.request_id) from None
         finally:
             await self._close()
             self._finish_metrics(self._status)
 
     async def encoded(self, fmt: str) -> AsyncIterator[bytes]:
+        """The response body in ``fmt``, encoded in a worker thread (never on the event loop)."""
         encoder = StreamingEncoder(fmt)
         done = False
         try:
             async for chunk in self.chunks():
-                data = encoder.write(chunk.audio)
+                data = await asyncio.to_thread(encoder.write, chunk.audio)
                 if chunk.finished:
-                    data += encoder.finish()
+                    data += await asyncio.to_thread(encoder.finish)
                     done = True
                 if data:
                     yield data
