@@ -196,3 +196,32 @@ def test_custom_stream_policy(aengine):
     chunks = run(collect(aengine, TEXT, p(5, 100), policy=StreamPolicy(first_chunk=4, max_chunk=8, lookahead=4)))
     sizes = [len(c.audio) // 512 for c in chunks[:-1]]
     assert sizes[:2] == [4, 8] and all(s == 8 for s in sizes[1:])
+
+
+def test_a_consumer_that_stops_reading_is_cut_off(tiny_ckpt):
+    """Audio piles up for a consumer that stopped reading; past max_buffered_audio_s the request is
+    aborted (its slot and memory come back) and the consumer, if it ever reads again, gets an error."""
+    from chattts_serve.engine.async_engine import SlowConsumerError
+
+    engine = AsyncEngine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(1), max_buffered_audio_s=0.5)
+
+    async def scenario():
+        stream = engine.stream(TEXT, p(1, 400))  # ~8.5 s of audio, far past the 0.5 s allowed
+        first = await anext(stream)
+        assert first.index == 0
+        for _ in range(1200):  # stop reading until the engine has let go of the request
+            if not engine.core.has_unfinished():
+                break
+            await asyncio.sleep(0.05)
+        assert not engine.core.has_unfinished()
+        with pytest.raises(SlowConsumerError):
+            async for _ in stream:
+                pass
+
+    try:
+        run(scenario())
+        assert engine.stats().kv_slots_used == 0
+        chunks = run(collect(engine, TEXT, p(2, 20)))  # the engine serves on
+        assert chunks[-1].finished and chunks[-1].finish_reason in ("stop", "length")
+    finally:
+        engine.shutdown()

@@ -1,0 +1,126 @@
+"""Clients that hold capacity without using it, and requests that ask too much: a reader that stalls,
+a client that leaves while queued, a request that asks for hours of audio, duplicate X-Request-IDs,
+a foreign Host header. Each is bounded by a setting; capacity comes back."""
+
+from __future__ import annotations
+
+import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from .conftest import HTTP_TIMEOUT, check_openai_error, expected_samples, metric, start_server, wait_until
+
+TEXT = "今天天气真不错。"
+
+
+def body(tokens: int, **extra) -> dict:
+    return {
+        "text": TEXT,
+        "format": "pcm",
+        "seed": 1,
+        "refine_text": False,
+        "min_new_tokens": tokens,
+        "max_new_tokens": tokens,
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_ckpt, tmp_path_factory):
+    """One KV slot; a short send timeout; an audio budget of 300 s; one allowed host name."""
+    tmp = tmp_path_factory.mktemp("slow")
+    flags = ["--max-num-seqs", "1", "--send-timeout-s", "2", "--max-audio-seconds", "300"]
+    flags += ["--max-buffered-audio-s", "1000", "--allowed-hosts", "127.0.0.1,localhost"]
+    with start_server(tiny_ckpt, tmp, *flags, "--no-warmup", "--log-level", "info") as s:
+        yield s
+
+
+def _raw_request(base: str, path: str, payload: dict) -> socket.socket:
+    """An HTTP/1.1 request on a socket with a tiny receive buffer, whose reader then stops reading."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(HTTP_TIMEOUT)
+    sock.connect((host, int(port)))
+    data = json.dumps(payload).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    assert sock.recv(1024).startswith(b"HTTP/1.1 200")  # the response has started ... and then nobody reads
+    return sock
+
+
+def test_a_reader_that_stalls_is_cut_off_and_its_slot_freed(srv):
+    aborted = metric(srv.base, "chattts_aborted_requests_total")
+    # Three sentences of 2000 steps: 6 MB of WAV, more than the socket buffers on both sides hold.
+    text = "今天天气真不错。我们去公园吧。明天见。"
+    options = {"seed": 1, "refine_text": False, "min_new_tokens": 2000, "max_new_tokens": 2000}
+    speech = {"model": "tts-1", "voice": "alloy", "input": text, "response_format": "wav", **options}
+    sock = _raw_request(srv.base, "/v1/audio/speech", {**speech, "first_sentence_voice": False})
+    try:
+        assert wait_until(lambda: metric(srv.base, "chattts_aborted_requests_total") == aborted + 1, timeout=60)
+        assert wait_until(lambda: metric(srv.base, "chattts_kv_slots_used") == 0, timeout=30)
+        assert metric(srv.base, "chattts_requests_in_flight") == 0
+    finally:
+        sock.close()
+    assert "client read nothing for 2 s" in srv.log()  # cut by the send timeout
+    r = httpx.post(srv.base + "/v1/tts", json={**body(20), "stream": False}, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200 and len(r.content) == 2 * expected_samples(20)
+
+
+def test_a_client_that_leaves_while_queued_aborts_its_request(srv):
+    base = srv.base
+    aborted = metric(base, "chattts_aborted_requests_total")
+    with httpx.Client(timeout=HTTP_TIMEOUT) as c:
+        with c.stream("POST", base + "/v1/tts", json=body(2000)) as holder:  # holds the only slot
+            chunks = holder.iter_raw()
+            assert next(chunks)
+            speech = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm", **body(20)}
+            del speech["text"], speech["format"]
+            host, port = base.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=HTTP_TIMEOUT) as sock:
+                data = json.dumps(speech).encode()
+                sock.sendall(
+                    f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(data)}\r\n\r\n".encode()
+                    + data
+                )
+                assert wait_until(lambda: metric(base, "chattts_queue_depth") == 1, timeout=30)
+            # The client is gone while its request waits for the slot: the request leaves the queue.
+            assert wait_until(lambda: metric(base, "chattts_queue_depth") == 0, timeout=30)
+            assert wait_until(lambda: metric(base, "chattts_aborted_requests_total") >= aborted + 1, timeout=30)
+    assert wait_until(lambda: metric(base, "chattts_kv_slots_used") == 0, timeout=60)
+
+
+def test_a_request_over_the_audio_budget_is_refused(srv):
+    many = "\n".join(f"第{i}行。" for i in range(100))  # 100 sentences x 2000 tokens = ~71 min asked
+    r = httpx.post(srv.base + "/v1/tts", json={**body(2000), "text": many, "stream": False}, timeout=HTTP_TIMEOUT)
+    err = check_openai_error(r, 400)
+    assert "the limit is 300 s" in err["message"]
+
+
+def test_requests_with_the_same_client_id_both_run(srv):
+    def one(_):
+        return httpx.post(
+            srv.base + "/v1/tts",
+            json={**body(12), "stream": False},
+            headers={"X-Request-ID": "same"},
+            timeout=HTTP_TIMEOUT,
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(one, range(2)))
+    assert [r.status_code for r in responses] == [200, 200]
+    assert all(r.headers["x-request-id"] == "same" for r in responses)
+    weird = httpx.get(srv.base + "/health", headers={"X-Request-ID": "x" * 500}, timeout=HTTP_TIMEOUT)
+    assert weird.headers["x-request-id"] != "x" * 500  # not echoed: too long for logs and headers
+
+
+def test_a_foreign_host_header_is_refused(srv):
+    r = httpx.get(srv.base + "/v1/models", headers={"Host": "evil.example"}, timeout=HTTP_TIMEOUT)
+    check_openai_error(r, 400)
+    assert httpx.get(srv.base + "/v1/models", timeout=HTTP_TIMEOUT).status_code == 200
