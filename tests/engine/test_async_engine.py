@@ -206,7 +206,7 @@ def test_a_consumer_that_stops_reading_is_cut_off(tiny_ckpt):
     engine = AsyncEngine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(1), max_buffered_audio_s=0.5)
 
     async def scenario():
-        stream = engine.stream(TEXT, p(1, 400))  # ~8.5 s of audio, far past the 0.5 s allowed
+        stream = engine.stream(TEXT, p(1, 400, min_new_tokens=400))  # 8.5 s of audio, far past the 0.5 s allowed
         first = await anext(stream)
         assert first.index == 0
         for _ in range(1200):  # stop reading until the engine has let go of the request

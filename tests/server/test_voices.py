@@ -1,18 +1,38 @@
-"""Saved voices: CRUD over HTTP, use in synthesis, multipart sample upload, persistence across restarts."""
+"""Saved voices: CRUD over HTTP, use in synthesis, multipart sample upload, persistence across restarts;
+then the limits (upload length and formats, names, count, transcript, pages), storage errors and crash
+consistency."""
 
 from __future__ import annotations
 
 import io
+import json
 import signal
+import sqlite3
 import subprocess
 import sys
+import threading
+import time
+import tracemalloc
 import wave
+from contextlib import closing
 
 import httpx
 import numpy as np
 import pytest
 
-from .conftest import HTTP_TIMEOUT, SR, check_openai_error, expected_samples, running_server, start_server
+from chattts_serve.model.speaker import decode_prompt_codes
+from chattts_serve.server.voices import VoiceStore
+from chattts_serve.server.voices_routes import decode_upload
+
+from .conftest import (
+    HTTP_TIMEOUT,
+    SR,
+    check_openai_error,
+    expected_samples,
+    running_server,
+    start_server,
+    wait_until,
+)
 
 TEXT = "今天天气真不错。"
 TOKENS = 40
@@ -82,7 +102,7 @@ def tts_pcm(http, **voice) -> bytes:
 def test_empty_list(http):
     r = http.get("/v1/voices")
     assert r.status_code == 200
-    assert r.json() == {"object": "list", "data": []}
+    assert r.json() == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
 
 
 def test_create_from_speaker_and_seed(http, cli_speaker):
@@ -192,8 +212,103 @@ def test_saved_voice_shadows_builtin_name(http):
     assert speech_pcm(http, "nova") == builtin
 
 
+def test_list_pages(http):
+    """GET /v1/voices pages with ?limit= and ?after=<name>, in OpenAI's list shape."""
+    for i in range(5):
+        assert http.post("/v1/voices", json={"name": f"pg-{i}", "seed": 20 + i}).status_code == 201
+    everything = http.get("/v1/voices", params={"limit": 1000}).json()
+    assert everything["has_more"] is False
+    names = [v["name"] for v in everything["data"]]
+    assert everything["first_id"] == names[0] and everything["last_id"] == names[-1]
+    walked, after = [], None
+    for _ in range(len(names)):  # bounded: each page holds at least one voice
+        body = http.get("/v1/voices", params={"limit": 2, **({"after": after} if after else {})}).json()
+        page = [v["name"] for v in body["data"]]
+        assert body["object"] == "list" and 1 <= len(page) <= 2
+        assert body["last_id"] == page[-1]
+        walked += page
+        if not body["has_more"]:
+            break
+        after = body["last_id"]
+    assert walked == names
+    assert http.get("/v1/voices", params={"after": names[-1]}).json()["data"] == []
+    for bad in ("0", "1001", "-1", "ten"):
+        check_openai_error(http.get("/v1/voices", params={"limit": bad}), 400)
+
+
+BAD_NAMES = [".", "..", ".hidden", "a/b", "a b", "a\n", "\uff41lice", "\u0410lice", "na\u00efve", "名字", "x" * 65, ""]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=[repr(n) for n in BAD_NAMES])
+def test_voice_name_rules(http, name):
+    """Names are plain ASCII: no Unicode look-alikes (fullwidth a, Cyrillic A), no ".", "..", no hidden name."""
+    err = check_openai_error(http.post("/v1/voices", json={"name": name, "seed": 1}), 400)
+    assert err["param"] == "name"
+    files = {"file": ("s.wav", sine_wav(0.5), "audio/wav")}
+    err = check_openai_error(http.post("/v1/voices", data={"name": name, "text": "x"}, files=files), 400)
+    assert err["param"] == "name"
+    assert name not in [v["name"] for v in http.get("/v1/voices", params={"limit": 1000}).json()["data"]]
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_json_voice_needs_json_content_type(http, ctype):
+    """A JSON body without Content-Type: application/json (a cross-site text/plain POST) creates nothing."""
+    headers = {"content-type": ctype} if ctype else {}
+    r = http.post("/v1/voices", content=json.dumps({"name": "csrf", "seed": 1}), headers=headers)
+    assert check_openai_error(r, 415)["code"] == "unsupported_media_type"
+    assert http.get("/v1/voices/csrf").status_code == 404
+
+
+def test_json_content_type_with_charset(http):
+    headers = {"content-type": "application/json; charset=utf-8"}
+    r = http.post("/v1/voices", content=json.dumps({"name": "charset", "seed": 1}), headers=headers)
+    assert r.status_code == 201, r.text
+    assert http.delete("/v1/voices/charset").status_code == 200
+
+
+def test_upload_parts_must_be_of_the_right_kind(http):
+    """'file' must be a file part (not a text field); 'name' and 'text' must be text fields (not files)."""
+    other = {"other": ("o.bin", b"x", "application/octet-stream")}  # keeps the body multipart
+    r = http.post("/v1/voices", data={"name": "kind1", "text": "x", "file": "RIFF" + "x" * 100}, files=other)
+    assert check_openai_error(r, 400)["param"] == "file"
+    files = {"file": ("s.wav", sine_wav(), "audio/wav"), "text": ("t.txt", b"transcript", "text/plain")}
+    r = http.post("/v1/voices", data={"name": "kind2"}, files=files)
+    assert check_openai_error(r, 400)["param"] == "text"
+    files = {"file": ("s.wav", sine_wav(), "audio/wav"), "name": ("n.txt", b"kind3", "text/plain")}
+    r = http.post("/v1/voices", data={"text": "x"}, files=files)
+    assert check_openai_error(r, 400)["param"] == "name"
+    for name in ("kind1", "kind2", "kind3"):
+        assert http.get(f"/v1/voices/{name}").status_code == 404
+
+
+NOT_AUDIO = {
+    "ffconcat-existing-path": b"ffconcat version 1.0\nfile '/etc/passwd'\n",
+    "ffconcat-missing-path": b"ffconcat version 1.0\nfile '/no/such/dir/secret.wav'\n",
+    "ffconcat-relative": b"ffconcat version 1.0\nfile 'voices.sqlite3'\n",
+    "hls": b"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\nfile:///etc/passwd\n#EXT-X-ENDLIST\n",
+    "text": b"hello, this is not audio at all\n" * 40,
+    "png": b"\x89PNG\r\n\x1a\n" + b"\x00" * 400,
+}
+
+
+def test_upload_refuses_non_audio_formats(http):
+    """Only audio demuxers may open an upload: text formats that reference server files (ffconcat, hls)
+    and other files are refused with one generic message (it does not tell whether a path exists, and
+    carries no ffmpeg error text)."""
+    messages = set()
+    for label, data in NOT_AUDIO.items():
+        files = {"file": ("a.wav", data, "audio/wav")}
+        r = http.post("/v1/voices", data={"name": f"bad-{label}", "text": "x"}, files=files)
+        err = check_openai_error(r, 400)
+        assert err["param"] == "file", label
+        assert "passwd" not in r.text and "secret" not in r.text and "sqlite" not in r.text
+        messages.add(err["message"])
+        assert http.get(f"/v1/voices/bad-{label}").status_code == 404
+    assert len(messages) == 1, messages
+
+
 def test_voices_survive_restart(tiny_ckpt, voices_tmp, vserver, http):
-    """Runs last in this module: it stops the module's server and starts a new one on the same file."""
+    """Runs last of the tests on the module's server: it stops it and starts a new one on the same file."""
     before = {v["name"]: v for v in http.get("/v1/voices").json()["data"]}
     assert {"spk3", "seed7", "sample1"} <= set(before)
     spk3_audio = speech_pcm(http, "spk3")
@@ -207,3 +322,250 @@ def test_voices_survive_restart(tiny_ckpt, voices_tmp, vserver, http):
             assert after == before
             assert speech_pcm(h2, "spk3") == spk3_audio
             assert speech_pcm(h2, "sample1") == sample_audio
+
+
+# ------------------------------------------------------------------------------------ upload length
+
+LIMIT_S = 2.0
+CODES_PER_S = SR / 512  # the DVAE gives one code frame per 512 samples: 46.875 per second
+
+
+def silent_flac(seconds: float, rate: int = 8000) -> bytes:
+    """FLAC of digital silence: each block is stored as one constant, so an hour is ~0.65 MB."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="flac") as out:
+        stream = out.add_stream("flac", rate=rate, layout="mono")
+        block = np.zeros((1, 16384), np.int16)
+        for start in range(0, int(seconds * rate), block.shape[1]):
+            frame = av.AudioFrame.from_ndarray(block, format="s16", layout="mono")
+            frame.sample_rate, frame.pts = rate, start
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def test_decode_stops_at_the_limit():
+    """Decoding stops once max_seconds are there: ten minutes of FLAC silence never expand into memory
+    (tracemalloc sees numpy's buffers; ten minutes at 24 kHz would be 57 MB of float32)."""
+    data = silent_flac(600)
+    tracemalloc.start()
+    try:
+        wav = decode_upload(data, LIMIT_S)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert wav.dtype == np.float32 and len(wav) == int(LIMIT_S * SR)
+    assert peak < 8 << 20, f"decoding kept {peak / 1e6:.0f} MB"
+    assert len(decode_upload(sine_wav(1.0), LIMIT_S)) == SR  # a shorter file is kept whole
+
+
+@pytest.fixture(scope="module")
+def lserver(tiny_ckpt, tmp_path_factory):
+    """A server with small voice limits: 2 s uploads, 3 voices, 20-character transcripts."""
+    tmp = tmp_path_factory.mktemp("voice-limits")
+    limits = ("--max-upload-seconds", str(LIMIT_S), "--max-voices", "3", "--max-voice-text-chars", "20")
+    with start_server(tiny_ckpt, tmp, "--no-warmup", *limits) as srv:
+        yield srv, tmp / "voices.sqlite3"
+
+
+def stored_code_frames(db, name: str) -> int:
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as conn:
+        (codes,) = conn.execute("SELECT sample_codes FROM voices WHERE name = ?", (name,)).fetchone()
+    return decode_prompt_codes(codes).shape[1]
+
+
+class HealthPoller(threading.Thread):
+    """Polls /health; counts the 200s to requests sent and answered while ``window`` is set."""
+
+    def __init__(self, base: str) -> None:
+        super().__init__(daemon=True)
+        self.base = base
+        self.window, self.stop = threading.Event(), threading.Event()
+        self.answered = self.answered_in_window = 0
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.base, timeout=HTTP_TIMEOUT) as c:
+            while not self.stop.is_set():
+                opened = self.window.is_set()
+                try:
+                    status = c.get("/health").status_code
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+                    continue
+                self.answered += status == 200
+                self.answered_in_window += status == 200 and opened and self.window.is_set()
+
+
+def test_long_upload_is_cut_to_the_limit_and_server_stays_live(lserver):
+    """An hour of FLAC silence (under max_body_bytes) is accepted, only its first max_upload_seconds are
+    kept, and /health answers while the upload is processed."""
+    srv, db = lserver
+    data = silent_flac(3600)
+    assert len(data) < 1 << 20
+    poller = HealthPoller(srv.base)
+    poller.start()
+    try:
+        assert wait_until(lambda: poller.answered > 0, timeout=30)
+        with httpx.Client(base_url=srv.base, timeout=HTTP_TIMEOUT) as http:
+            for _ in range(5):  # bounded: an upload faster than one /health round trip is tried again
+                poller.window.set()
+                r = http.post("/v1/voices", data={"name": "hour", "text": "x"}, files={"file": ("h.flac", data)})
+                poller.window.clear()
+                assert r.status_code == 201, r.text
+                assert abs(stored_code_frames(db, "hour") - LIMIT_S * CODES_PER_S) <= 1
+                assert http.delete("/v1/voices/hour").status_code == 200
+                if poller.answered_in_window:
+                    break
+    finally:
+        poller.stop.set()
+        poller.join(timeout=HTTP_TIMEOUT)
+    assert poller.answered_in_window > 0 and not poller.errors, poller.errors
+
+
+def test_transcript_length_cap(lserver):
+    srv, _ = lserver
+    with httpx.Client(base_url=srv.base, timeout=HTTP_TIMEOUT) as http:
+        files = {"file": ("s.wav", sine_wav(0.5), "audio/wav")}
+        r = http.post("/v1/voices", data={"name": "long-text", "text": "好" * 21}, files=files)
+        err = check_openai_error(r, 400)
+        assert err["param"] == "text" and err["code"] == "input_too_long"
+        assert http.get("/v1/voices/long-text").status_code == 404
+        r = http.post("/v1/voices", data={"name": "ok-text", "text": "好" * 20}, files=files)
+        assert r.status_code == 201, r.text
+        assert http.delete("/v1/voices/ok-text").status_code == 200
+
+
+def test_voice_count_cap(lserver):
+    """max_voices: beyond it 409 voice_limit_reached (JSON and uploads); deleting one makes room."""
+    srv, _ = lserver
+    with httpx.Client(base_url=srv.base, timeout=HTTP_TIMEOUT) as http:
+        held = len(http.get("/v1/voices").json()["data"])
+        for i in range(3 - held):
+            assert http.post("/v1/voices", json={"name": f"cap-{i}", "seed": i}).status_code == 201
+        err = check_openai_error(http.post("/v1/voices", json={"name": "one-too-many", "seed": 9}), 409)
+        assert err["code"] == "voice_limit_reached" and "3" in err["message"]
+        files = {"file": ("s.wav", sine_wav(0.5), "audio/wav")}
+        r = http.post("/v1/voices", data={"name": "one-too-many", "text": "x"}, files=files)
+        assert check_openai_error(r, 409)["code"] == "voice_limit_reached"
+        assert len(http.get("/v1/voices").json()["data"]) == 3
+        assert http.delete("/v1/voices/cap-0").status_code == 200
+        assert http.post("/v1/voices", json={"name": "one-more", "seed": 9}).status_code == 201
+
+
+# ------------------------------------------------------------------------------------ storage errors
+
+
+@pytest.fixture(scope="module")
+def inproc(tiny_ckpt, tmp_path_factory):
+    """The app in this process (fastapi TestClient), so a test can reach into its voice store."""
+    from fastapi.testclient import TestClient
+
+    from chattts_serve.server.app import create_app
+    from chattts_serve.server.config import ServerConfig
+
+    db = tmp_path_factory.mktemp("voices-inproc") / "voices.sqlite3"
+    app = create_app(ServerConfig(model=str(tiny_ckpt), device="cpu", voices_db=str(db), warmup=False))
+    with TestClient(app) as client:
+        yield app, client, db
+
+
+def test_locked_database_is_503_with_retry_after(inproc):
+    app, client, db = inproc
+    app.state.voices.close()
+    app.state.voices = VoiceStore(db, busy_timeout_s=0.2)  # the test need not sit out the default wait
+    with closing(sqlite3.connect(db, timeout=10, isolation_level=None)) as other:
+        other.execute("BEGIN EXCLUSIVE")  # another process holds the write lock
+        try:
+            r = client.post("/v1/voices", json={"name": "locked", "seed": 1})
+            assert check_openai_error(r, 503)["code"] == "storage_busy"
+            assert r.headers["retry-after"] == "1"
+            assert client.get("/v1/voices").status_code == 200  # readers do not wait for a writer (WAL)
+        finally:
+            other.execute("ROLLBACK")
+    assert client.post("/v1/voices", json={"name": "locked", "seed": 1}).status_code == 201
+
+
+def test_full_disk_is_507(inproc):
+    app, client, _ = inproc
+    # SQLite's own size cap on the store's write connection makes the database genuinely full
+    # (SQLITE_FULL, "database or disk is full"), as a full disk would.
+    writer = app.state.voices._writer
+    (pages,) = writer.execute("PRAGMA page_count").fetchone()
+    writer.execute(f"PRAGMA max_page_count = {pages}")
+    try:
+        for i in range(500):  # bounded: a page holds a few dozen voices
+            r = client.post("/v1/voices", json={"name": f"full-{i}", "seed": i})
+            if r.status_code != 201:
+                break
+        assert check_openai_error(r, 507)["code"] == "storage_full"
+        assert client.get("/v1/voices").status_code == 200
+    finally:
+        writer.execute("PRAGMA max_page_count = 1073741823")
+    assert client.post("/v1/voices", json={"name": "after-full", "seed": 1}).status_code == 201
+
+
+def test_other_storage_errors_are_json_500(inproc):
+    app, client, db = inproc
+    app.state.voices.close()  # every call now fails inside sqlite3
+    try:
+        for r in (
+            client.post("/v1/voices", json={"name": "closed", "seed": 1}),
+            client.get("/v1/voices"),
+            client.get("/v1/voices/locked"),
+            client.delete("/v1/voices/locked"),
+        ):
+            assert check_openai_error(r, 500)["code"] == "storage_error"
+    finally:
+        app.state.voices = VoiceStore(db)
+    assert client.get("/v1/voices/locked").status_code == 200
+
+
+# ------------------------------------------------------------------------------------ crash consistency
+
+
+def test_kill_9_keeps_every_acknowledged_voice(tiny_ckpt, tmp_path_factory):
+    """Voices are created in a loop while the server is SIGKILLed: afterwards the database passes its
+    integrity check and holds every voice that was answered 201."""
+    tmp = tmp_path_factory.mktemp("voices-crash")
+    created: list[str] = []
+    unexpected: list[str] = []
+
+    def create_in_a_loop(base: str) -> None:
+        deadline = time.monotonic() + 120  # a bound, not a check: the kill normally ends the loop
+        with httpx.Client(base_url=base, timeout=10) as c:
+            for i in range(100_000):
+                if time.monotonic() > deadline:
+                    return
+                name = f"crash-{i}"
+                try:
+                    if i % 5 == 4:  # some voice samples among the speaker voices
+                        files = {"file": ("s.wav", sine_wav(0.5), "audio/wav")}
+                        r = c.post("/v1/voices", data={"name": name, "text": "x"}, files=files)
+                    else:
+                        r = c.post("/v1/voices", json={"name": name, "seed": i})
+                except httpx.HTTPError:
+                    return  # the server is gone
+                if r.status_code == 201:
+                    created.append(name)
+                else:
+                    unexpected.append(f"{r.status_code} {r.text}")
+
+    with start_server(tiny_ckpt, tmp, "--no-warmup") as srv:
+        loop = threading.Thread(target=create_in_a_loop, args=(srv.base,), daemon=True)
+        loop.start()
+        assert wait_until(lambda: len(created) >= 25, timeout=120), srv.log()
+        srv.proc.send_signal(signal.SIGKILL)
+        assert srv.proc.wait(timeout=30) == -signal.SIGKILL
+        loop.join(timeout=60)
+        assert not loop.is_alive()
+    assert not unexpected, unexpected
+    with closing(sqlite3.connect(tmp / "voices.sqlite3", timeout=10)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        stored = {name for (name,) in conn.execute("SELECT name FROM voices")}
+    assert set(created) <= stored

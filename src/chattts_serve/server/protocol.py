@@ -92,7 +92,10 @@ class TTSRequest(ChatTTSOptions):
 
 
 class VoiceCreate(_Strict):
-    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[\w.\-]+$")
+    # Names are plain ASCII (no Unicode look-alike of another voice's name) and never ".", ".." or a
+    # hidden-file name, so they are safe in URLs, logs and file names. pydantic matches with Rust's
+    # regex, where "$" is the very end (a trailing newline does not match).
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
     speaker: str | None = Field(None, max_length=4096)
     seed: int | None = Field(None, ge=0, lt=2**63)
     description: str | None = Field(None, max_length=512)

@@ -2,6 +2,10 @@
 
 A voice is either a speaker embedding (a speaker string, given or sampled from a seed) or a voice
 sample: the DVAE codes of an uploaded recording plus its transcript, used as a zero-shot prompt.
+
+Durability: the database runs in WAL mode with ``synchronous=FULL`` and every write is its own
+transaction, committed before ``add``/``delete`` return; so a voice the server has answered 201 for
+survives a crash (``kill -9``, power loss) and the file never needs repair.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +29,9 @@ CREATE TABLE IF NOT EXISTS voices (
     created_at REAL NOT NULL
 )
 """
+
+BUSY_TIMEOUT_S = 5.0
+"""How long a write waits for another writer (another process on the same file) before giving up."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,30 +49,104 @@ class VoiceExistsError(ValueError):
     pass
 
 
+class VoiceLimitError(ValueError):
+    """The store already holds its maximum number of voices."""
+
+
+class VoiceStoreError(RuntimeError):
+    """The database failed. ``kind``: "busy" (locked by another writer; worth a retry), "full" (the disk
+    or database is full) or "error" (anything else). The message is generic; the cause is chained."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _classify(exc: sqlite3.Error) -> VoiceStoreError:
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    text = str(exc).lower()
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text or "busy" in text:
+        return VoiceStoreError("busy", "the voices database is busy")
+    if name.startswith("SQLITE_FULL") or "is full" in text:
+        return VoiceStoreError("full", "the voices database is full (no space left)")
+    return VoiceStoreError("error", "the voices database failed")
+
+
 class VoiceStore:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         self.path = str(path)
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        # One connection shared by the server's threads, serialised by a lock (writes are rare).
-        self._conn = sqlite3.connect(self.path, check_same_thread=False)
-        self._lock = threading.Lock()
-        with self._lock, self._conn:
-            self._conn.execute(_SCHEMA)
+        # Two connections, each shared by the server's threads and serialised by its own lock: reads
+        # (synthesis requests resolve voice names on the event loop) must never queue behind a write
+        # that waits for another process's lock. In WAL mode a reader does not wait for a writer.
+        # ":memory:" is one database per connection, so there both roles share one connection.
+        self._writer = self._connect(busy_timeout_s)
+        self._reader = self._writer if self.path == ":memory:" else self._connect(busy_timeout_s)
+        self._write_lock = threading.Lock()
+        self._read_lock = self._write_lock if self._reader is self._writer else threading.Lock()
+        with self._write_lock, self._translated():
+            self._writer.execute(_SCHEMA)
+
+    def _connect(self, busy_timeout_s: float) -> sqlite3.Connection:
+        # isolation_level=None: no implicit transactions; each write opens its own (BEGIN IMMEDIATE).
+        conn = sqlite3.connect(self.path, timeout=busy_timeout_s, check_same_thread=False, isolation_level=None)
+        with self._translated():
+            conn.execute("PRAGMA journal_mode=WAL")  # a no-op for :memory: (and falls back where unsupported)
+            conn.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the client hears 201
+        return conn
+
+    @contextmanager
+    def _translated(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.IntegrityError:
+            raise
+        except sqlite3.Error as exc:
+            raise _classify(exc) from exc
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        with self._write_lock:
+            self._writer.close()
+        if self._reader is not self._writer:
+            with self._read_lock:
+                self._reader.close()
 
-    def list(self) -> list[VoiceRecord]:
-        with self._lock:
-            rows = self._conn.execute("SELECT * FROM voices ORDER BY name").fetchall()
+    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._read_lock, self._translated():
+            return self._reader.execute(sql, args).fetchall()
+
+    def list(self, limit: int | None = None, after: str | None = None) -> list[VoiceRecord]:
+        """Voices by name; ``after``: only names sorting after it (a page cursor); ``limit``: at most that many."""
+        rows = self._read(
+            "SELECT * FROM voices WHERE name > ? ORDER BY name LIMIT ?",
+            ("" if after is None else after, -1 if limit is None else limit),
+        )
         return [VoiceRecord(*r) for r in rows]
 
+    def count(self) -> int:
+        return self._read("SELECT COUNT(*) FROM voices")[0][0]
+
     def get(self, name: str) -> VoiceRecord | None:
-        with self._lock:
-            row = self._conn.execute("SELECT * FROM voices WHERE name = ?", (name,)).fetchone()
-        return VoiceRecord(*row) if row else None
+        rows = self._read("SELECT * FROM voices WHERE name = ?", (name,))
+        return VoiceRecord(*rows[0]) if rows else None
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, committed (and on disk) when the block ends, rolled back on error.
+        IMMEDIATE takes the write lock first, so a check inside (the voice count) stays true until commit."""
+        with self._write_lock, self._translated():
+            conn = self._writer
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                # Some errors (SQLITE_FULL) end the transaction themselves; a failed COMMIT leaves it open.
+                if conn.in_transaction:
+                    with suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                raise
 
     def add(
         self,
@@ -73,15 +156,22 @@ class VoiceStore:
         sample_codes: str | None = None,
         sample_text: str | None = None,
         description: str | None = None,
+        max_voices: int | None = None,
     ) -> VoiceRecord:
+        """Insert a voice. Raises VoiceExistsError, VoiceLimitError (``max_voices`` already stored) or
+        VoiceStoreError."""
         if (speaker is None) == (sample_codes is None):
             raise ValueError("a voice has either a speaker string or a voice sample")
         rec = VoiceRecord(
             name, "speaker" if speaker else "sample", speaker, sample_codes, sample_text, description, time.time()
         )
         try:
-            with self._lock, self._conn:
-                self._conn.execute(
+            with self._write() as conn:
+                if max_voices is not None:
+                    (count,) = conn.execute("SELECT COUNT(*) FROM voices").fetchone()
+                    if count >= max_voices:
+                        raise VoiceLimitError(f"the server holds its maximum of {max_voices} voices; delete one first")
+                conn.execute(
                     "INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (
                         rec.name,
@@ -98,6 +188,6 @@ class VoiceStore:
         return rec
 
     def delete(self, name: str) -> bool:
-        with self._lock, self._conn:
-            cur = self._conn.execute("DELETE FROM voices WHERE name = ?", (name,))
+        with self._write() as conn:
+            cur = conn.execute("DELETE FROM voices WHERE name = ?", (name,))
         return cur.rowcount > 0

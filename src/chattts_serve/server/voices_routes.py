@@ -1,26 +1,44 @@
 """Saved voices: ``GET/POST /v1/voices``, ``GET/DELETE /v1/voices/{name}``.
 
-POST takes JSON (``{"name", "speaker"}`` or ``{"name", "seed"}``) or a multipart form with ``name``,
-an audio ``file`` (any format ffmpeg reads) and its transcript ``text`` (a zero-shot voice sample).
+POST takes JSON (``Content-Type: application/json``; ``{"name", "speaker"}`` or ``{"name", "seed"}``)
+or a multipart form with ``name``, an audio ``file`` (wav, flac, mp3, ogg, m4a/mp4, aac, webm/mka) and
+its transcript ``text`` (a zero-shot voice sample). GET lists voices by name, a page at a time
+(``?limit=``, ``?after=<name>``), in OpenAI's list shape.
+
+Storage errors are JSON errors like any other: a database locked by another writer is a 503 with
+Retry-After, a full disk a 507. The store runs in worker threads, so a write that waits for a lock
+never holds up the event loop (and with it every audio stream).
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import logging
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
+from starlette.datastructures import UploadFile
 
 from ..model.config import SAMPLE_RATE
 from ..model.speaker import decode_speaker
 from .protocol import Voice, VoiceCreate
-from .service import APIError
-from .voices import VoiceExistsError, VoiceRecord
+from .service import APIError, check_length
+from .voices import VoiceExistsError, VoiceLimitError, VoiceRecord, VoiceStoreError
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
-MAX_UPLOAD_SECONDS = 30
+
+MIN_UPLOAD_SAMPLES = SAMPLE_RATE // 4
+# Demuxers ffmpeg may use for an upload: audio containers only. Anything else (ffconcat/concat, hls,
+# image2, tty, ...) is refused before its demuxer reads a byte: some of them open other files or URLs.
+AUDIO_DEMUXERS = ("wav", "flac", "mp3", "ogg", "mov", "mp4", "m4a", "aac", "matroska", "webm")
+# One message for every unreadable upload: it must not tell whether a path exists on the server, nor
+# echo ffmpeg's error text.
+UNREADABLE_AUDIO = "the file is not audio in an accepted format (wav, flac, mp3, ogg, m4a/mp4, aac, webm)"
+NAME_RULE = "use 1-64 ASCII letters, digits, '-', '_' or '.', not starting with '.'"
 
 
 def _public(rec: VoiceRecord) -> Voice:
@@ -34,14 +52,52 @@ def _public(rec: VoiceRecord) -> Voice:
     )
 
 
+async def _store(method, *args, **kwargs):
+    """A VoiceStore call in a worker thread, its failures as JSON errors."""
+    try:
+        return await asyncio.to_thread(method, *args, **kwargs)
+    except VoiceStoreError as exc:
+        raise _storage_error(exc) from None
+
+
+def _storage_error(exc: VoiceStoreError) -> APIError:
+    logger.error("voices database: %s (%s)", exc, exc.__cause__)
+    if exc.kind == "busy":  # another writer holds the file: transient, so tell clients when to retry
+        return APIError(
+            503,
+            "the voices database is busy; retry shortly",
+            "server_error",
+            code="storage_busy",
+            headers={"Retry-After": "1"},
+        )
+    if exc.kind == "full":  # 507 Insufficient Storage: the server, not the request, is out of space
+        return APIError(507, "the server has no space left to store voices", "server_error", code="storage_full")
+    return APIError(
+        500, "the voices database failed; the server log has the cause", "server_error", code="storage_error"
+    )
+
+
 @router.get("/v1/voices")
-async def list_voices(request: Request):
-    return {"object": "list", "data": [_public(r) for r in request.app.state.voices.list()]}
+async def list_voices(
+    request: Request,
+    limit: int = Query(100, ge=1, le=1000),
+    after: str | None = Query(None, max_length=256),
+):
+    # One row more than the page tells whether another page follows.
+    recs = await _store(request.app.state.voices.list, limit=limit + 1, after=after)
+    page = recs[:limit]
+    return {
+        "object": "list",
+        "data": [_public(r) for r in page],
+        "first_id": page[0].name if page else None,
+        "last_id": page[-1].name if page else None,
+        "has_more": len(recs) > limit,
+    }
 
 
 @router.get("/v1/voices/{name}")
 async def get_voice(name: str, request: Request) -> Voice:
-    rec = request.app.state.voices.get(name)
+    rec = await _store(request.app.state.voices.get, name)
     if rec is None:
         raise APIError(404, f"no voice {name!r}", code="voice_not_found")
     return _public(rec)
@@ -49,72 +105,156 @@ async def get_voice(name: str, request: Request) -> Voice:
 
 @router.delete("/v1/voices/{name}")
 async def delete_voice(name: str, request: Request):
-    if not request.app.state.voices.delete(name):
+    if not await _store(request.app.state.voices.delete, name):
         raise APIError(404, f"no voice {name!r}", code="voice_not_found")
     return {"deleted": name}
 
 
 @router.post("/v1/voices", status_code=201)
 async def create_voice(request: Request) -> Voice:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media == "multipart/form-data":
+        return await _create_from_upload(request)
+    if media == "application/json":
+        return await _create_from_json(request)
+    # Not a JSON body without its media type: a cross-site page can POST text/plain without asking the
+    # browser first (no CORS preflight), but not application/json.
+    raise APIError(
+        415,
+        "send application/json (a speaker or seed) or multipart/form-data (an audio sample)",
+        code="unsupported_media_type",
+    )
+
+
+# --------------------------------------------------------------------------------------------- JSON
+
+
+async def _create_from_json(request: Request) -> Voice:
     st = request.app.state
-    ctype = request.headers.get("content-type", "")
-    if ctype.startswith("multipart/form-data"):
-        form = await request.form()
-        name, text, upload = form.get("name"), form.get("text") or "", form.get("file")
-        try:
-            VoiceCreate(name=name if isinstance(name, str) else "")
-        except ValidationError as exc:
-            raise APIError(400, f"name: {exc.errors()[0]['msg']}", param="name") from None
-        if upload is None or isinstance(upload, str):
-            raise APIError(400, "multipart voice upload needs an audio 'file'", param="file")
-        wav = _decode_audio(await upload.read())
-        codes = await st.engine.speaker_from_audio(wav)
-        return _add(st, name, sample_codes=codes, sample_text=str(text))
     try:
-        body = VoiceCreate(**json.loads(await request.body()))
-    except (ValueError, TypeError) as exc:
-        msg = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else "body must be a JSON object"
-        raise APIError(400, msg) from None
+        body = VoiceCreate.model_validate(json.loads(await request.body()))
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep to parse
+        raise APIError(400, "body must be a JSON object") from None
     if (body.speaker is None) == (body.seed is None):
         raise APIError(400, "give exactly one of 'speaker' or 'seed'")
+    return await _add(st, body.name, speaker=_speaker(st, body), description=body.description)
+
+
+def _speaker(st, body: VoiceCreate) -> str:
     if body.speaker is not None:
         try:
             decode_speaker(body.speaker, expected_dim=st.engine.hidden_size)
         except ValueError as exc:
             raise APIError(400, str(exc), param="speaker") from None
-        speaker = body.speaker
-    else:
-        try:
-            speaker = st.engine.sample_speaker(body.seed)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="seed") from None
-    return _add(st, body.name, speaker=speaker, description=body.description)
-
-
-def _add(st, name: str, **kw) -> Voice:
+        return body.speaker
     try:
-        return _public(st.voices.add(name, **kw))
+        return st.engine.sample_speaker(body.seed)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="seed") from None
+
+
+def _invalid(exc: ValidationError) -> APIError:
+    err = exc.errors()[0]
+    param = ".".join(str(x) for x in err.get("loc", ())) or None
+    msg = NAME_RULE if param == "name" and err.get("type") == "string_pattern_mismatch" else err["msg"]
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+async def _add(st, name: str, **kw) -> Voice:
+    try:
+        return _public(await _store(st.voices.add, name, max_voices=st.config.max_voices, **kw))
     except VoiceExistsError as exc:
         raise APIError(409, str(exc), code="voice_exists") from None
+    except VoiceLimitError as exc:
+        # 409, not 507: the client can resolve it (delete a voice), and a 5xx invites blind retries.
+        raise APIError(409, str(exc), code="voice_limit_reached") from None
 
 
-def _decode_audio(data: bytes) -> np.ndarray:
-    """Any audio file -> 24 kHz mono float32 (PyAV)."""
+# ---------------------------------------------------------------------------------------- multipart
+
+
+async def _create_from_upload(request: Request) -> Voice:
+    st, cfg = request.app.state, request.app.state.config
+    # Two files at most: the audio, and a transcript mistakenly sent as a file (refused below, by name).
+    async with request.form(max_files=2, max_fields=8) as form:
+        name, text, upload = form.get("name"), form.get("text", ""), form.get("file")
+        name = _form_name(name)
+        if not isinstance(text, str):
+            raise APIError(400, "'text' (the sample's transcript) must be a text field, not a file", param="text")
+        check_length(text, cfg.max_voice_text_chars, "text")
+        if not isinstance(upload, UploadFile):
+            raise APIError(400, "a voice sample needs its audio as a file part named 'file'", param="file")
+        await _check_room(st, name)  # before the costly part: decoding and encoding the sample
+        data = await upload.read()
+    wav = await asyncio.to_thread(decode_upload, data, cfg.max_upload_seconds)
+    codes = await st.engine.speaker_from_audio(wav)
+    return await _add(st, name, sample_codes=codes, sample_text=text)
+
+
+def _form_name(name) -> str:
+    if not isinstance(name, str):
+        raise APIError(400, "'name' must be a text field", param="name")
+    try:
+        return VoiceCreate(name=name).name
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+async def _check_room(st, name: str) -> None:
+    """Refuse early what ``_add`` would refuse anyway (which stays the authoritative check)."""
+    if await _store(st.voices.get, name) is not None:
+        raise APIError(409, f"voice {name!r} already exists", code="voice_exists")
+    if await _store(st.voices.count) >= st.config.max_voices:
+        limit = st.config.max_voices
+        raise APIError(
+            409, f"the server holds its maximum of {limit} voices; delete one first", code="voice_limit_reached"
+        )
+
+
+def decode_upload(data: bytes, max_seconds: float) -> np.ndarray:
+    """An uploaded audio file -> 24 kHz mono float32 of at most ``max_seconds`` (blocking: call it in a
+    worker thread). Decoding stops once that much audio is there: a small compressed file can claim
+    hours (a 1 MiB FLAC of silence is hours of float32, gigabytes) and must not be expanded first."""
     import av
 
+    limit = int(max_seconds * SAMPLE_RATE)
     try:
-        with av.open(io.BytesIO(data)) as container:
-            stream = next(s for s in container.streams if s.type == "audio")
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-            parts = []
-            for frame in container.decode(stream):
-                for out in resampler.resample(frame):
-                    parts.append(out.to_ndarray().reshape(-1))
-            for out in resampler.resample(None):
-                parts.append(out.to_ndarray().reshape(-1))
-    except Exception as exc:  # noqa: BLE001 - anything ffmpeg cannot read is the client's problem
-        raise APIError(400, f"cannot decode the uploaded audio ({type(exc).__name__})", param="file") from None
+        # format_whitelist: ffmpeg refuses any other probed demuxer before it reads the header.
+        with av.open(io.BytesIO(data), container_options={"format_whitelist": ",".join(AUDIO_DEMUXERS)}) as container:
+            if not set(container.format.name.split(",")) & set(AUDIO_DEMUXERS):  # belt and braces
+                raise ValueError(f"demuxer {container.format.name} is not allowed")
+            wav = _decode_frames(container, container.streams.audio[0], limit)
+    except Exception:  # noqa: BLE001 - whatever ffmpeg cannot read is the client's problem
+        logger.debug("voice upload refused: cannot decode", exc_info=True)
+        raise APIError(400, UNREADABLE_AUDIO, param="file", code="invalid_audio") from None
+    if len(wav) < MIN_UPLOAD_SAMPLES:
+        raise APIError(400, "the uploaded audio is shorter than 0.25 s", param="file", code="invalid_audio")
+    return wav
+
+
+def _decode_frames(container, stream, limit: int) -> np.ndarray:
+    """Decode and resample frame by frame, stopping as soon as ``limit`` samples are there."""
+    import av
+
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+    parts: list[np.ndarray] = []
+    have = 0
+    for frame in container.decode(stream):
+        have += _collect(parts, resampler.resample(frame))
+        if have >= limit:
+            break
+    else:
+        _collect(parts, resampler.resample(None))  # the resampler's buffered tail
     wav = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    if len(wav) < SAMPLE_RATE // 4:
-        raise APIError(400, "the uploaded audio is shorter than 0.25 s", param="file")
-    return wav[: MAX_UPLOAD_SECONDS * SAMPLE_RATE]
+    return wav[:limit]
+
+
+def _collect(parts: list[np.ndarray], frames) -> int:
+    got = 0
+    for out in frames:
+        samples = out.to_ndarray().reshape(-1)
+        parts.append(samples)
+        got += len(samples)
+    return got
