@@ -208,3 +208,21 @@ def test_a_dead_engine_loop_fails_health(tiny_ckpt, tmp_path):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_voice_store_failure_during_synthesis_is_a_json_error(served, monkeypatch):
+    from chattts_serve.server.voices import VoiceStore, VoiceStoreError
+
+    base, _ = served
+
+    def busy(self, name):
+        raise VoiceStoreError("busy", "the voices database is busy")
+
+    monkeypatch.setattr(VoiceStore, "get", busy)
+    r = httpx.post(
+        base + "/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": TEXT}, timeout=HTTP_TIMEOUT
+    )
+    err = check_openai_error(r, 503)
+    assert err["code"] == "storage_busy" and r.headers["retry-after"] == "1"
+    monkeypatch.undo()
+    _healthy_after(base)

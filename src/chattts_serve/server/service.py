@@ -26,7 +26,7 @@ from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from .metrics import Metrics
 from .protocol import ChatTTSOptions, StreamOptions
-from .voices import VoiceStore
+from .voices import VoiceStore, VoiceStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,24 @@ class ClientTooSlow(OSError):
     """A send timed out (an OSError, which Starlette turns into a client disconnect)."""
 
 
+def storage_error(exc: VoiceStoreError) -> APIError:
+    """A voice store failure as an API error (the cause goes to the log, not to the client)."""
+    logger.error("voices database: %s (%s)", exc, exc.__cause__)
+    if exc.kind == "busy":  # another writer holds the file: transient, so tell clients when to retry
+        return APIError(
+            503,
+            "the voices database is busy; retry shortly",
+            "server_error",
+            code="storage_busy",
+            headers={"Retry-After": "1"},
+        )
+    if exc.kind == "full":  # 507 Insufficient Storage: the server, not the request, is out of space
+        return APIError(507, "the server has no space left to store voices", "server_error", code="storage_full")
+    return APIError(
+        500, "the voices database failed; the server log has the cause", "server_error", code="storage_error"
+    )
+
+
 def check_length(text: str, limit: int, param: str) -> None:
     if len(text) > limit:
         raise APIError(
@@ -142,7 +160,10 @@ def resolve_voice(store: VoiceStore, engine, name_or_speaker: str | None, defaul
         if default is None:
             return Voice()
         name_or_speaker = default
-    rec = store.get(name_or_speaker)
+    try:
+        rec = store.get(name_or_speaker)
+    except VoiceStoreError as exc:
+        raise storage_error(exc) from None
     if rec is not None:
         return Voice(rec.speaker, rec.sample_codes, rec.sample_text or "")
     if name_or_speaker in BUILTIN_VOICES:

@@ -25,7 +25,7 @@ from starlette.datastructures import UploadFile
 from ..model.config import SAMPLE_RATE
 from ..model.speaker import decode_speaker
 from .protocol import Voice, VoiceCreate
-from .service import APIError, check_length
+from .service import APIError, check_length, storage_error
 from .voices import VoiceExistsError, VoiceLimitError, VoiceRecord, VoiceStoreError
 
 logger = logging.getLogger(__name__)
@@ -57,24 +57,7 @@ async def _store(method, *args, **kwargs):
     try:
         return await asyncio.to_thread(method, *args, **kwargs)
     except VoiceStoreError as exc:
-        raise _storage_error(exc) from None
-
-
-def _storage_error(exc: VoiceStoreError) -> APIError:
-    logger.error("voices database: %s (%s)", exc, exc.__cause__)
-    if exc.kind == "busy":  # another writer holds the file: transient, so tell clients when to retry
-        return APIError(
-            503,
-            "the voices database is busy; retry shortly",
-            "server_error",
-            code="storage_busy",
-            headers={"Retry-After": "1"},
-        )
-    if exc.kind == "full":  # 507 Insufficient Storage: the server, not the request, is out of space
-        return APIError(507, "the server has no space left to store voices", "server_error", code="storage_full")
-    return APIError(
-        500, "the voices database failed; the server log has the cause", "server_error", code="storage_error"
-    )
+        raise storage_error(exc) from None
 
 
 @router.get("/v1/voices")
