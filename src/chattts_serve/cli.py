@@ -219,7 +219,9 @@ def _serve(args: argparse.Namespace) -> int:
             # Connections beyond this get 503 at once (slowloris and floods stay bounded).
             limit_concurrency=config.max_connections,
             timeout_keep_alive=5,
-            ws_max_size=config.ws_max_message_bytes,
+            # Twice the app's own limit: a message just over it still gets the app's error event; far
+            # over it, uvicorn refuses it (1009) before buffering it whole.
+            ws_max_size=2 * config.ws_max_message_bytes,
         )
     )
     install_log_redaction()

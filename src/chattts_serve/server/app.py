@@ -19,10 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
-from . import native, openai_routes, voices_routes
+from . import native, openai_routes, voices_routes, websocket
 from .config import ServerConfig
 from .metrics import Metrics
-from .service import APIError, Limits, key_matches
+from .service import APIError, ClientGone, Limits, key_matches
 from .voices import VoiceStore
 
 logger = logging.getLogger("chattts_serve.server")
@@ -80,6 +80,10 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
     app.state.config = config
     app.state.ready = False
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)  # nobody reads it: the request was aborted when the client left
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return _error(exc.status_code, str(exc.detail), exc.type, exc.param, exc.code, exc.headers)
@@ -126,6 +130,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
 
     app.include_router(openai_routes.router)
     app.include_router(native.router)
+    app.include_router(websocket.router)
     app.include_router(voices_routes.router)
     return app
 

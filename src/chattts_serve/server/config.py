@@ -57,7 +57,8 @@ class ServerConfig:
     ws_max_text_chars: int = 100_000
     """Text one WebSocket session may send in all."""
     ws_max_pending_sentences: int = 16
-    """Sentences a WebSocket session may have waiting to be spoken; beyond it the session is closed."""
+    """Sentences a WebSocket session may have waiting to be spoken; beyond it the server stops reading
+    the socket until they are spoken (backpressure)."""
     ws_idle_timeout_s: float = 300.0
     """A WebSocket session that sends nothing for this long (while nothing is being spoken) is closed."""
     allowed_origins: tuple[str, ...] = ()
