@@ -14,6 +14,8 @@ slot is free at the next step.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import queue
 import threading
@@ -88,6 +90,23 @@ class _Collector:
             audio = np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
             self.audio, self.pending_samples = [], 0
             return audio, self.final, self.error
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_free_memory() -> None:
+    """glibc keeps freed memory of the many differently sized step tensors in its arenas (RSS grows
+    with the requests served; measured in BENCHMARKS.md): give it back when the engine goes idle."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 class SlowConsumerError(EngineError):
@@ -242,12 +261,17 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the loop thread
 
     def _run(self) -> None:
+        busy = False
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
                 if self.core.has_unfinished():
+                    busy = True
                     self._deliver(self._step())
                 else:
+                    if busy:  # just went idle: hand freed heap pages back to the OS
+                        busy = False
+                        release_free_memory()
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
             # Shutting down: finish the aborts, tell every remaining consumer.
