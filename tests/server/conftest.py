@@ -127,6 +127,19 @@ def server(tiny_ckpt, tmp_path_factory):
 # --------------------------------------------------------------------------------------------- helpers
 
 
+def tts_body(tokens: int, text: str = "今天天气真不错。", **extra) -> dict:
+    """A native /v1/tts body of a fixed length (min = max = ``tokens``), seeded, refine off."""
+    return {
+        "text": text,
+        "format": "pcm",
+        "seed": 1,
+        "refine_text": False,
+        "min_new_tokens": tokens,
+        "max_new_tokens": tokens,
+        **extra,
+    }
+
+
 def expected_samples(tokens: int, segments: int = 1) -> int:
     """Samples of ``tokens`` audio tokens per text segment (512 per token, minus half a token)."""
     return segments * (512 * tokens - 256)

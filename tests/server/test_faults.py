@@ -10,6 +10,7 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -35,21 +36,28 @@ BODY = {
 }
 
 
-@pytest.fixture(scope="module")
-def served(tiny_ckpt, tmp_path_factory):
-    engine = AsyncEngine(Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(2)))
-    tmp = tmp_path_factory.mktemp("faults")
+@contextmanager
+def in_process_server(engine: AsyncEngine, tmp: Path, log_level: str = "warning") -> Iterator[str]:
+    """``create_app`` around ``engine`` under uvicorn in a thread on 127.0.0.1; yields the base URL."""
     config = ServerConfig(voices_db=str(tmp / "voices.sqlite3"), warmup=False, port=free_port())
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(config, engine), host="127.0.0.1", port=config.port, log_level="warning")
-    )
+    app = create_app(config, engine)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level=log_level))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{config.port}"
-    assert wait_until(lambda: _ready(base), timeout=60)
-    yield base, engine
-    server.should_exit = True
-    thread.join(30)
+    try:
+        assert wait_until(lambda: _ready(base), timeout=60)
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_ckpt, tmp_path_factory):
+    engine = AsyncEngine(Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(2)))
+    with in_process_server(engine, tmp_path_factory.mktemp("faults")) as base:
+        yield base, engine
 
 
 def _ready(base: str) -> bool:
@@ -175,7 +183,9 @@ def test_other_requests_are_untouched(served):
 
     t = threading.Thread(target=long_one)
     t.start()
-    assert wait_until(lambda: metric(base, "chattts_kv_slots_used") == 1, timeout=30)
+    # The long request's audio stream exists before the fault is installed (it must not hit it).
+    requests = engine.core.pipeline.requests
+    assert wait_until(lambda: any(r.segments[0].stream is not None for r in list(requests.values())), timeout=30)
     import chattts_serve.engine.pipeline as pipeline
 
     with fault(pipeline, "AudioStream", after=0):
@@ -190,24 +200,13 @@ def test_a_dead_engine_loop_fails_health(tiny_ckpt, tmp_path):
     """If even the reset after a failed step fails, the loop ends: /health says so (an orchestrator
     restarts the process) and requests get 503, not a hang."""
     engine = AsyncEngine(Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(1)))
-    config = ServerConfig(voices_db=str(tmp_path / "v.sqlite3"), warmup=False, port=free_port())
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(config, engine), host="127.0.0.1", port=config.port, log_level="critical")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{config.port}"
-    try:
-        assert wait_until(lambda: _ready(base), timeout=60)
+    with in_process_server(engine, tmp_path, log_level="critical") as base:
         with fault(engine.core.pipeline, "update", times=10**6), fault(engine.core, "reset", times=10**6):
             r = httpx.post(base + "/v1/tts", json={**BODY, "stream": False}, timeout=HTTP_TIMEOUT)
         assert r.status_code in (500, 503)
         assert wait_until(lambda: httpx.get(base + "/health", timeout=10).status_code == 503, timeout=30)
         check_openai_error(httpx.post(base + "/v1/tts", json={**BODY, "stream": False}, timeout=HTTP_TIMEOUT), 503)
         assert httpx.get(base + "/ready", timeout=10).status_code == 503
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def test_voice_store_failure_during_synthesis_is_a_json_error(served, monkeypatch):

@@ -20,22 +20,11 @@ from .conftest import (
     metric,
     metrics_text,
     start_server,
+    tts_body,
     wait_until,
 )
 
 TEXT = "今天天气真不错。"
-
-
-def tts_body(tokens: int, **extra) -> dict:
-    return {
-        "text": TEXT,
-        "format": "pcm",
-        "seed": 1,
-        "refine_text": False,
-        "min_new_tokens": tokens,
-        "max_new_tokens": tokens,
-        **extra,
-    }
 
 
 # Small first chunks so a request that holds the slot answers quickly even on a loaded machine.

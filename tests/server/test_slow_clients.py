@@ -11,21 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .conftest import HTTP_TIMEOUT, check_openai_error, expected_samples, metric, start_server, wait_until
+from .conftest import HTTP_TIMEOUT, check_openai_error, expected_samples, metric, start_server, tts_body, wait_until
 
 TEXT = "今天天气真不错。"
-
-
-def body(tokens: int, **extra) -> dict:
-    return {
-        "text": TEXT,
-        "format": "pcm",
-        "seed": 1,
-        "refine_text": False,
-        "min_new_tokens": tokens,
-        "max_new_tokens": tokens,
-        **extra,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +56,7 @@ def test_a_reader_that_stalls_is_cut_off_and_its_slot_freed(srv):
     finally:
         sock.close()
     assert "client read nothing for 2 s" in srv.log()  # cut by the send timeout
-    r = httpx.post(srv.base + "/v1/tts", json={**body(20), "stream": False}, timeout=HTTP_TIMEOUT)
+    r = httpx.post(srv.base + "/v1/tts", json={**tts_body(20), "stream": False}, timeout=HTTP_TIMEOUT)
     assert r.status_code == 200 and len(r.content) == 2 * expected_samples(20)
 
 
@@ -76,10 +64,10 @@ def test_a_client_that_leaves_while_queued_aborts_its_request(srv):
     base = srv.base
     aborted = metric(base, "chattts_aborted_requests_total")
     with httpx.Client(timeout=HTTP_TIMEOUT) as c:
-        with c.stream("POST", base + "/v1/tts", json=body(2000)) as holder:  # holds the only slot
+        with c.stream("POST", base + "/v1/tts", json=tts_body(2000)) as holder:  # holds the only slot
             chunks = holder.iter_raw()
             assert next(chunks)
-            speech = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm", **body(20)}
+            speech = {"model": "tts-1", "voice": "alloy", "input": TEXT, "response_format": "pcm", **tts_body(20)}
             del speech["text"], speech["format"]
             host, port = base.removeprefix("http://").split(":")
             with socket.create_connection((host, int(port)), timeout=HTTP_TIMEOUT) as sock:
@@ -98,7 +86,7 @@ def test_a_client_that_leaves_while_queued_aborts_its_request(srv):
 
 def test_a_request_over_the_audio_budget_is_refused(srv):
     many = "\n".join(f"第{i}行。" for i in range(100))  # 100 sentences x 2000 tokens = ~71 min asked
-    r = httpx.post(srv.base + "/v1/tts", json={**body(2000), "text": many, "stream": False}, timeout=HTTP_TIMEOUT)
+    r = httpx.post(srv.base + "/v1/tts", json={**tts_body(2000), "text": many, "stream": False}, timeout=HTTP_TIMEOUT)
     err = check_openai_error(r, 400)
     assert "the limit is 300 s" in err["message"]
 
@@ -107,7 +95,7 @@ def test_requests_with_the_same_client_id_both_run(srv):
     def one(_):
         return httpx.post(
             srv.base + "/v1/tts",
-            json={**body(12), "stream": False},
+            json={**tts_body(12), "stream": False},
             headers={"X-Request-ID": "same"},
             timeout=HTTP_TIMEOUT,
         )
