@@ -44,7 +44,7 @@ FLAGS = (
     str(MAX_INPUT_CHARS),
     "--ws-max-pending-sentences",
     "4",
-    # Far above the few milliseconds between steps: a session never idles out here (test_native tests that).
+    # Far above the few milliseconds between steps: a session never idles out here (test_websocket tests that).
     "--ws-idle-timeout-s",
     "10",
 )
