@@ -411,3 +411,28 @@ def test_failure_in_one_step_spares_requests_added_after(engine, monkeypatch):
     run.drain()
     y = run.final("y")
     assert y.finish_reason == "length" and y.segments[0].codes.shape == (20, 4)
+
+
+def test_a_request_ended_by_its_pipeline_leaves_the_scheduler(engine):
+    """Sentence 1's refined text makes its audio pass too long for the slot: the request ends with an
+    error, and its other sentences' passes leave the scheduler with it (they do not run on for nobody)."""
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=48))
+    core = EngineCore(engine.model, engine.tokenizer, config, engine.layout)
+    run = Run(core)
+    params = base(
+        refine_text=True,
+        refine=RefineParams(min_new_tokens=30, max_new_tokens=30),
+        min_new_tokens=20,
+        max_new_tokens=20,
+        first_sentence_voice=False,
+    )
+    run.add("long", "今天天气很好。我们去公园吧。明天见。", params)
+    for _ in range(500):
+        run.step()
+        if run.finished("long"):
+            break
+    final = run.final("long")
+    assert final.finish_reason == "error" and "too long" in final.error
+    run.step()  # the step that releases what was running
+    assert not core.scheduler.has_unfinished()
+    assert_idle(core)

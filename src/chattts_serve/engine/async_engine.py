@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -195,19 +195,13 @@ class AsyncEngine:
                     if done and final.finish_reason == "error":
                         finished = True
                         raise EngineError(final.error or "request failed")
-                    chunk = RequestOutput(
-                        rid,
-                        audio,
-                        done,
-                        final.finish_reason if done else None,
-                        num_steps=final.num_steps if done else 0,
-                        segments=final.segments if done else None,
-                        num_input_tokens=final.num_input_tokens if done else 0,
-                        voice_sample=final.voice_sample if done else None,
-                        index=index,
-                        start_sample=position,
-                        elapsed_s=time.monotonic() - t0,
-                    )
+                    # The last delta is the engine's final output (its sentences, usage, voice sample)
+                    # carrying all the audio not yet taken; the others carry only audio.
+                    position_fields = {"index": index, "start_sample": position, "elapsed_s": time.monotonic() - t0}
+                    if done:
+                        chunk = replace(final, audio=audio, **position_fields)
+                    else:
+                        chunk = RequestOutput(rid, audio, **position_fields)
                     index, position = index + 1, position + len(audio)
                     finished = done
                     yield chunk

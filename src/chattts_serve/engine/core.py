@@ -17,12 +17,13 @@ from ..audio.decode import decode_windows
 from ..audio.policy import StreamPolicy
 from ..model.checkpoint import LoadedModel
 from ..model.prepare import ModelLayout
+from ..model.speaker import MIN_VOICE_SAMPLES
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from .config import EngineConfig
 from .input_processor import InputProcessor, PreparedRequest
 from .outputs import RequestOutput, SchedulerOutput, StepOutput
-from .pipeline import MIN_VOICE_SAMPLES, RequestPipeline
+from .pipeline import RequestPipeline
 from .request import Sequence
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -81,10 +82,6 @@ class EngineCore:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.pipeline.requests
 
-    @property
-    def num_requests(self) -> int:
-        return len(self.pipeline.requests)
-
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
@@ -95,7 +92,7 @@ class EngineCore:
         self._decode_audio()
         self._make_voice_samples()
         outputs = self.pipeline.outputs()
-        for request_id in self.pipeline.take_failed():  # ended by an internal error: free their slots
+        for request_id in self.pipeline.take_failed():  # ended by the pipeline: its other sequences leave
             self.scheduler.abort(request_id)
         return outputs
 
@@ -137,14 +134,17 @@ class EngineCore:
         """DVAE-encode each finished voice step's audio into its request's voice sample."""
         for request_id, wav in self.pipeline.voice_steps_done():
             try:
-                codes = None
-                if len(wav) >= MIN_VOICE_SAMPLES:
-                    with torch.inference_mode():
-                        codes = self.model.dvae.encode(torch.from_numpy(wav).to(self.device)).cpu()
+                # Too little audio to take a voice from: the request keeps its speaker embedding only.
+                codes = self.voice_codes(torch.from_numpy(wav)) if len(wav) >= MIN_VOICE_SAMPLES else None
                 self._queue(self.pipeline.set_voice_sample(request_id, codes))
             except Exception as exc:
                 logger.exception("voice step failed")
                 self._fail(request_id, f"voice step failed: {exc}")
+
+    def voice_codes(self, wav: torch.Tensor) -> torch.Tensor:
+        """A 1-D 24 kHz waveform -> DVAE codes [4, T_s] on the CPU (a voice sample)."""
+        with torch.inference_mode():
+            return self.model.dvae.encode(wav.to(self.device)).cpu()
 
     def reset(self, message: str) -> list[RequestOutput]:
         """After an unexpected error inside a step (state may be half-updated): end every request with

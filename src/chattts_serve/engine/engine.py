@@ -27,7 +27,7 @@ from ..model.checkpoint import LoadedModel
 from ..model.config import DEFAULT_MODEL
 from ..model.prepare import ModelLayout, prepare_model
 from ..model.quant import check_supported, parse_precision
-from ..model.speaker import SpeakerStats, encode_prompt_codes, encode_speaker
+from ..model.speaker import MIN_VOICE_SAMPLES, SpeakerStats, encode_prompt_codes, encode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from .calibrate import calibrate
@@ -127,11 +127,9 @@ class Engine:
     def speaker_from_audio(self, wav: np.ndarray | torch.Tensor) -> str:
         """A 24 kHz mono waveform -> prompt-codes string (the reference's ``sample_audio_speaker``)."""
         wav_t = torch.as_tensor(np.asarray(wav, dtype=np.float32))
-        if wav_t.dim() != 1 or wav_t.numel() < 2048:
-            raise ValueError("expected a 1-D 24 kHz waveform of at least 2048 samples")
-        with torch.inference_mode():
-            codes = self.model.dvae.encode(wav_t.to(self.device))
-        return encode_prompt_codes(codes.cpu())
+        if wav_t.dim() != 1 or wav_t.numel() < MIN_VOICE_SAMPLES:
+            raise ValueError(f"expected a 1-D 24 kHz waveform of at least {MIN_VOICE_SAMPLES} samples")
+        return encode_prompt_codes(self.core.voice_codes(wav_t))
 
     # ---------------------------------------------------------------------------------------------
     # Synthesis

@@ -31,9 +31,6 @@ from .runner import SeqInputs, StepSampling
 
 logger = logging.getLogger(__name__)
 
-MIN_VOICE_SAMPLES = 2048
-"""Least first-sentence audio (4 steps) the voice step encodes into a sample; less: no sample."""
-
 
 @dataclass(eq=False)
 class _Segment:
@@ -200,7 +197,7 @@ class RequestPipeline:
             try:
                 seq = self._new_sequence(req, seg)
             except ValueError as exc:
-                self.end(req.request_id, "error", str(exc))
+                self._fail(req.request_id, str(exc))
                 return []
             seg.code_queued = True
             self._by_seq[seq.seq_id] = (req, seg)
@@ -222,7 +219,7 @@ class RequestPipeline:
                 follow += self._apply(req, seg, out)
             except Exception:
                 logger.exception("request %s: applying a step failed", req.request_id)
-                self._failed_inside(req.request_id)
+                self._fail(req.request_id)
         return follow
 
     def _apply(self, req: _Request, seg: _Segment, out: StepOutput) -> list[Sequence]:
@@ -252,13 +249,13 @@ class RequestPipeline:
             req.voice.text = seg.refined_text  # the reference's voice step speaks the refined text
         return self._code_passes(req)
 
-    def _failed_inside(self, request_id: str) -> None:
-        if self.end(request_id, "error", "internal error (see the server log)"):
+    def _fail(self, request_id: str, message: str = "internal error (see the server log)") -> None:
+        if self.end(request_id, "error", message):
             self._failed.append(request_id)
 
     def take_failed(self) -> list[str]:
-        """Requests this pipeline ended with an internal error since the last call (their sequences
-        must leave the scheduler)."""
+        """Requests this pipeline ended with an error since the last call (their other sequences must
+        leave the scheduler)."""
         failed, self._failed = self._failed, []
         return failed
 
@@ -308,7 +305,7 @@ class RequestPipeline:
                     out = self._output(req)
                 except Exception:
                     logger.exception("request %s: collecting its output failed", req.request_id)
-                    self._failed_inside(req.request_id)
+                    self._fail(req.request_id)
                 else:
                     if out is not None:
                         outputs.append(out)

@@ -122,6 +122,10 @@ def decode_speaker(s: str, expected_dim: int | None = None) -> np.ndarray:
     return arr
 
 
+MIN_VOICE_SAMPLES = 2048
+"""The shortest 24 kHz waveform a voice sample is taken from (4 steps of audio)."""
+
+
 def encode_prompt_codes(codes: torch.Tensor | np.ndarray) -> str:
     """Prompt-code string for a ``[num_vq, T]`` integer array, as ``Speaker.encode_prompt``."""
     if isinstance(codes, torch.Tensor):

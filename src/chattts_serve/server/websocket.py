@@ -59,8 +59,8 @@ from pydantic import ValidationError
 
 from ..audio.encode import StreamingEncoder
 from ..engine.async_engine import EngineDeadError, EngineError
-from ..engine.pipeline import MIN_VOICE_SAMPLES
 from ..model.config import SAMPLE_RATE
+from ..model.speaker import MIN_VOICE_SAMPLES
 from .native import _voice_and_params
 from .protocol import TTSRequest
 from .service import (
