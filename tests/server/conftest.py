@@ -140,6 +140,17 @@ def tts_body(tokens: int, text: str = "今天天气真不错。", **extra) -> di
     }
 
 
+@pytest.fixture(scope="module")
+def http(server):
+    """An HTTP client on the shared server."""
+    with httpx.Client(base_url=server, timeout=HTTP_TIMEOUT) as c:
+        yield c
+
+
+def ws_url(base: str, query: str = "") -> str:
+    return base.replace("http://", "ws://") + "/v1/tts/stream" + query
+
+
 def expected_samples(tokens: int, segments: int = 1) -> int:
     """Samples of ``tokens`` audio tokens per text segment (512 per token, minus half a token)."""
     return segments * (512 * tokens - 256)

@@ -6,11 +6,9 @@ from __future__ import annotations
 import struct
 import time
 
-import httpx
 import pytest
 
 from .conftest import (
-    HTTP_TIMEOUT,
     SR,
     check_openai_error,
     check_streamed_wav,
@@ -22,16 +20,6 @@ TEXT = "今天天气真不错。"
 TOKENS = 40
 EXPECTED = expected_samples(TOKENS)
 FIXED = {"seed": 1, "refine_text": False, "min_new_tokens": TOKENS, "max_new_tokens": TOKENS}
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=HTTP_TIMEOUT) as c:
-        yield c
-
-
-def ws_url(base: str, query: str = "") -> str:
-    return base.replace("http://", "ws://") + "/v1/tts/stream" + query
 
 
 def test_tts_streams_wav_by_default(http):

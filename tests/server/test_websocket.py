@@ -10,7 +10,6 @@ import time
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
-import httpx
 import pytest
 import uvicorn
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -26,22 +25,13 @@ from .conftest import (
     expected_samples,
     free_port,
     wait_until,
+    ws_url,
 )
 
 TEXT = "今天天气真不错。"
 TOKENS = 40
 EXPECTED = expected_samples(TOKENS)
 FIXED = {"seed": 1, "refine_text": False, "min_new_tokens": TOKENS, "max_new_tokens": TOKENS}
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=HTTP_TIMEOUT) as c:
-        yield c
-
-
-def ws_url(base: str, query: str = "") -> str:
-    return base.replace("http://", "ws://") + "/v1/tts/stream" + query
 
 
 def _ws_collect(ws) -> tuple[list[dict], bytes]:
