@@ -202,7 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
     config = ServerConfig.from_env(**{name: getattr(args, name) for name in names})
-    logging.getLogger().setLevel(config.log_level.upper())
+    _server_logging(config)
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a no-op handler lets a clean
     # shutdown end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -213,6 +213,8 @@ def _serve(args: argparse.Namespace) -> int:
             host=config.host,
             port=config.port,
             log_level=config.log_level,
+            # JSON: uvicorn's loggers get no handlers of their own and reach the root's JSON one.
+            log_config=None if config.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
             timeout_graceful_shutdown=10,
             # Our middleware logs every request without its query string (which may carry a key).
             access_log=False,
@@ -232,8 +234,51 @@ def _serve(args: argparse.Namespace) -> int:
         exit_handler(sig, frame)
 
     server.handle_exit = handle_exit
+    _banner_on_start(server, app, config)
     server.run()
     return 0
+
+
+def _server_logging(config) -> None:
+    """The root handler (``main``'s) gets the level, the format (text or JSON lines) and the secret
+    redaction: a filter on a handler sees every record that propagates to it, from any logger."""
+    from .server.app import RedactSecrets
+    from .server.logs import JsonFormatter
+
+    root = logging.getLogger()
+    root.setLevel(config.log_level.upper())
+    for handler in root.handlers:
+        handler.addFilter(RedactSecrets())
+        if config.log_format == "json":
+            handler.setFormatter(JsonFormatter())
+
+
+def _banner_on_start(server, app, config) -> None:
+    """Print where the server listens and what it runs, on stdout, once the model is loaded and warmed up
+    and the socket is bound (after uvicorn's startup; the port is the bound one, so ``--port 0`` works)."""
+    from .server.logs import Banner, listen_url
+
+    startup = server.startup
+
+    async def startup_then_banner(sockets=None) -> None:
+        await startup(sockets=sockets)
+        if not server.started:
+            return
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        url = listen_url(config.host or host, port)
+        engine = app.state.engine
+        banner = Banner(
+            url=url,
+            playground=url + "/",
+            model=config.model,
+            device=str(engine.device),
+            precision=config.engine.precision,
+            slots=engine.stats().kv_slots,
+            auth=bool(config.api_keys),
+        )
+        print(banner.json() if config.log_format == "json" else banner.text(), flush=True)
+
+    server.startup = startup_then_banner
 
 
 def _synthesize(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..engine.config import FLAT_OPTIONS, EngineConfig, flat_defaults, from_flat
 from ..model.config import DEFAULT_MODEL
+from .logs import LOG_FORMATS
 
 ENV_PREFIX = "CHATTTS_SERVE_"
 
@@ -67,12 +68,16 @@ class ServerConfig:
     """Host headers accepted (DNS-rebinding defence); empty: any."""
     warmup: bool = True
     log_level: str = "info"
+    log_format: str = "text"
+    """text (for people) or json (one JSON object per line, for log collectors)."""
     threads: int = 0
     """torch CPU threads; 0 = torch's default."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Precision, KV slots, queue bound, decode step, default chunking (see ``engine.config``)."""
 
     def __post_init__(self) -> None:
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         for name in (
