@@ -13,13 +13,13 @@ from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
-from . import native, openai_routes, voices_routes, websocket
+from . import native, openai_routes, openapi, voices_routes, websocket
 from .config import ServerConfig
 from .logs import REQUEST_ID
 from .metrics import Metrics
@@ -91,7 +91,10 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # Starlette names only the first matching route's methods
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request.app, request.scope))}
+        return _error(exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -105,7 +108,7 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
             400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None, code="invalid_request"
         )
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi.errors())
     async def health(request: Request):
         # Liveness: fails only when the engine loop has died (an orchestrator should restart us);
         # loading the model at start-up is not a failure (that is /ready's business).
@@ -114,16 +117,16 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
             return _error(503, "the engine loop has stopped; restart the server", "server_error", code="engine_dead")
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses=openapi.errors())
     async def ready(request: Request):
         eng = getattr(request.app.state, "engine", None)
         if not request.app.state.ready or eng is None or eng.dead_error is not None:
             return _error(503, "not ready", "server_error", code="not_ready")
         return {"status": "ready"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.errors())
     async def metrics(request: Request):
-        return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():
@@ -133,7 +136,21 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
     app.include_router(native.router)
     app.include_router(websocket.router)
     app.include_router(voices_routes.router)
+    openapi.install(app)
     return app
+
+
+def _allowed_methods(app: FastAPI, scope) -> list[str]:
+    """Every method some route serves at this path (for a 405's Allow header)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**scope, "method": "GET"})
+        route_methods = getattr(route, "methods", None)
+        if match != Match.NONE and route_methods:
+            methods |= route_methods
+    return sorted(methods)
 
 
 def _authorized(request: Request, config: ServerConfig) -> bool:

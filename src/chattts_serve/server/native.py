@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..audio.encode import encode_whole
+from .openapi import audio_responses, errors
 from .protocol import MEDIA_TYPES, TTSRequest
 from .service import (
     AudioResponse,
@@ -34,7 +35,7 @@ def _voice_and_params(st, body: TTSRequest):
     return build_params(body, voice), build_policy(st.engine.stream_policy, body.chunking)
 
 
-@router.post("/v1/tts")
+@router.post("/v1/tts", response_class=Response, responses={**audio_responses(sse=False), **errors(429)})
 async def tts(body: TTSRequest, request: Request):
     st = request.app.state
     params, policy = _voice_and_params(st, body)

@@ -7,7 +7,9 @@ import json
 import time
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
+from .openapi import audio_responses, errors
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
 from .service import (
     APIError,
@@ -30,7 +32,7 @@ async def models() -> ModelList:
     return ModelList(data=[ModelCard(id=m, created=_CREATED) for m in MODEL_IDS])
 
 
-@router.post("/v1/audio/speech")
+@router.post("/v1/audio/speech", response_class=Response, responses={**audio_responses(sse=True), **errors(429)})
 async def speech(body: SpeechRequest, request: Request):
     st = request.app.state
     cfg = st.config

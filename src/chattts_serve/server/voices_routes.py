@@ -24,6 +24,7 @@ from starlette.datastructures import UploadFile
 
 from ..model.config import SAMPLE_RATE
 from ..model.speaker import decode_speaker
+from .openapi import VOICE_UPLOAD_BODY, errors
 from .protocol import Voice, VoiceCreate
 from .service import APIError, check_length, storage_error
 from .voices import VoiceExistsError, VoiceLimitError, VoiceRecord, VoiceStoreError
@@ -60,7 +61,7 @@ async def _store(method, *args, **kwargs):
         raise storage_error(exc) from None
 
 
-@router.get("/v1/voices")
+@router.get("/v1/voices", responses=errors())
 async def list_voices(
     request: Request,
     limit: int = Query(100, ge=1, le=1000),
@@ -78,7 +79,7 @@ async def list_voices(
     }
 
 
-@router.get("/v1/voices/{name}")
+@router.get("/v1/voices/{name}", responses=errors(404))
 async def get_voice(name: str, request: Request) -> Voice:
     rec = await _store(request.app.state.voices.get, name)
     if rec is None:
@@ -86,14 +87,14 @@ async def get_voice(name: str, request: Request) -> Voice:
     return _public(rec)
 
 
-@router.delete("/v1/voices/{name}")
+@router.delete("/v1/voices/{name}", responses=errors(404))
 async def delete_voice(name: str, request: Request):
     if not await _store(request.app.state.voices.delete, name):
         raise APIError(404, f"no voice {name!r}", code="voice_not_found")
     return {"deleted": name}
 
 
-@router.post("/v1/voices", status_code=201)
+@router.post("/v1/voices", status_code=201, responses=errors(409, 415, 507), openapi_extra=VOICE_UPLOAD_BODY)
 async def create_voice(request: Request) -> Voice:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media == "multipart/form-data":
