@@ -8,6 +8,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from importlib import resources
 
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
 
 from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
@@ -44,7 +46,12 @@ def _device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastAPI:
+def create_app(
+    config: ServerConfig, engine: AsyncEngine | None = None, *, middleware: Sequence[Middleware] = ()
+) -> FastAPI:
+    """The app. ``engine``: serve this one (else the lifespan loads ``config.model``). ``middleware``: ASGI
+    middleware run inside the request context (after request ids, the Host and API key checks), the first
+    outermost; Ray Serve replicas put their per-tenant limits there."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         eng = engine
@@ -76,6 +83,8 @@ def create_app(config: ServerConfig, engine: AsyncEngine | None = None) -> FastA
             app.state.voices.close()
 
     app = FastAPI(title="chattts-serve", version="0.1.0", lifespan=lifespan)
+    for extra in reversed(middleware):
+        app.add_middleware(extra.cls, *extra.args, **extra.kwargs)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(RequestContext, config=config)
     app.state.config = config
