@@ -199,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .engine.config import FLAT_OPTIONS
     from .server.app import create_app, install_log_redaction
     from .server.config import ServerConfig
+    from .server.timeouts import protocol_with_header_timeout
 
     names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
     config = ServerConfig.from_env(**{name: getattr(args, name) for name in names})
@@ -221,6 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
             # Connections beyond this get 503 at once (slowloris and floods stay bounded).
             limit_concurrency=config.max_connections,
             timeout_keep_alive=5,
+            http=protocol_with_header_timeout(config.header_timeout_s),  # uvicorn has no header deadline
             # Twice the app's own limit: a message just over it still gets the app's error event; far
             # over it, uvicorn refuses it (1009) before buffering it whole.
             ws_max_size=2 * config.ws_max_message_bytes,

@@ -112,3 +112,81 @@ def test_a_foreign_host_header_is_refused(srv):
     r = httpx.get(srv.base + "/v1/models", headers={"Host": "evil.example"}, timeout=HTTP_TIMEOUT)
     check_openai_error(r, 400)
     assert httpx.get(srv.base + "/v1/models", timeout=HTTP_TIMEOUT).status_code == 200
+
+
+# ----------------------------------------------------------------------------------- slow requests
+
+
+@pytest.fixture(scope="module")
+def deadlines(tiny_ckpt, tmp_path_factory):
+    """Short header and body deadlines; room for four connections only."""
+    tmp = tmp_path_factory.mktemp("deadlines")
+    flags = ["--header-timeout-s", "1", "--body-timeout-s", "2", "--max-connections", "4"]
+    with start_server(tiny_ckpt, tmp, *flags, "--no-warmup") as s:
+        yield s
+
+
+class RawConnection:
+    """A client socket whose reads poll, keeping what the server sent."""
+
+    def __init__(self, base: str) -> None:
+        host, port = base.removeprefix("http://").split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=HTTP_TIMEOUT)
+        self.sock.settimeout(0.2)
+        self.received = b""
+
+    def closed_by_server(self) -> bool:
+        try:
+            while chunk := self.sock.recv(4096):
+                self.received += chunk
+            return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+
+
+def test_slowloris_headers_are_cut_and_capacity_comes_back(deadlines):
+    """Four connections (the server's whole allowance) trickle header bytes: the header deadline closes
+    them without an answer, and the server serves again. Without a deadline they stay open for good."""
+    conns = [RawConnection(deadlines.base) for _ in range(4)]
+    try:
+        for c in conns:
+            c.sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        # A byte now and then keeps uvicorn's own keep-alive timer off: only the header deadline helps.
+        for c in conns:
+            c.sock.sendall(b"a")
+        assert wait_until(lambda: all(c.closed_by_server() for c in conns), timeout=60)
+        assert not any(c.received for c in conns)  # closed without an answer
+    finally:
+        for c in conns:
+            c.sock.close()
+    assert wait_until(lambda: httpx.get(deadlines.base + "/health", timeout=10).status_code == 200, timeout=30)
+
+
+def test_headers_sent_in_time_are_served(deadlines):
+    """The deadline covers the headers only: a request whose headers came in time is not cut, and a
+    kept-alive connection gets a fresh deadline for its next request."""
+    with httpx.Client(base_url=deadlines.base, timeout=HTTP_TIMEOUT) as client:
+        first = client.post("/v1/tts", json={**tts_body(200), "stream": False})  # longer than the deadline
+        second = client.get("/health")
+    assert first.status_code == 200 and len(first.content) == 2 * expected_samples(200)
+    assert second.status_code == 200
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_that_stalls_gets_408(deadlines, chunked):
+    conn = RawConnection(deadlines.base)
+    head = "POST /v1/tts HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    try:
+        if chunked:
+            conn.sock.sendall((head + 'Transfer-Encoding: chunked\r\n\r\n5\r\n{"tex\r\n').encode())
+        else:
+            conn.sock.sendall((head + 'Content-Length: 100\r\n\r\n{"text": ').encode())
+        assert wait_until(conn.closed_by_server, timeout=60)
+        status_line, _, rest = conn.received.partition(b"\r\n")
+        assert status_line == b"HTTP/1.1 408 Request Timeout"
+        assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_timeout"
+    finally:
+        conn.sock.close()
+    assert httpx.post(deadlines.base + "/v1/tts", json={**tts_body(8), "stream": False}, timeout=60).status_code == 200

@@ -26,6 +26,7 @@ from .config import ServerConfig
 from .logs import REQUEST_ID
 from .metrics import Metrics
 from .service import APIError, ClientGone, Limits, key_matches
+from .timeouts import BodyReader
 from .voices import VoiceStore
 
 logger = logging.getLogger("chattts_serve.server")
@@ -85,7 +86,7 @@ def create_app(
     app = FastAPI(title="chattts-serve", version="0.1.0", lifespan=lifespan)
     for extra in reversed(middleware):
         app.add_middleware(extra.cls, *extra.args, **extra.kwargs)
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyReader, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(RequestContext, config=config)
     app.state.config = config
     app.state.ready = False
@@ -256,34 +257,3 @@ class RequestContext:
             )
         return None
 
-
-class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is answered 413, whether it announces its size
-    (Content-Length) or arrives chunked. Bodies are small JSON, so a chunked one is buffered and replayed."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or any(k == b"content-length" for k, _ in scope["headers"]):
-            return await self.app(scope, receive, send)
-        body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, receive, send)  # disconnect: let the app see it
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
-                response = _error(413, f"request body larger than {self.max_bytes} bytes", code="too_large")
-                return await response(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)

@@ -43,6 +43,11 @@ class ServerConfig:
     aborted (a stalled reader does not pin memory and a KV slot)."""
     send_timeout_s: float = 60.0
     """A client that accepts no bytes for this long is disconnected and its request aborted."""
+    header_timeout_s: float = 10.0
+    """A connection must send its request headers within this long (of opening, or of its previous
+    response); else it is closed (slowloris)."""
+    body_timeout_s: float = 30.0
+    """A request body must arrive whole within this long; else 408 and the connection is closed."""
     voices_db: str | None = None
     """SQLite file of saved voices (survives restarts); None: voices.sqlite3 in the user's data
     directory (platformdirs)."""
@@ -97,6 +102,8 @@ class ServerConfig:
             "max_queue_wait_s",
             "max_buffered_audio_s",
             "send_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
             "max_upload_seconds",
             "ws_idle_timeout_s",
         ):
