@@ -1,15 +1,22 @@
 """The playground page: served at ``/``, and (with Playwright + Debian's Chromium) driven in a real
-headless browser: type, pick a format, Speak, and check the <audio> element's duration."""
+headless browser: speak in several formats (live waveform, time to first audio, real-time factor,
+download), saved voices (create from a seed or a recording, delete), the advanced options, API keys."""
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import shutil
+import wave
 
 import httpx
+import numpy as np
 import pytest
 
-from .conftest import HTTP_TIMEOUT, SR
+from chattts_serve.audio.wav import write_wav
+
+from .conftest import HTTP_TIMEOUT, SR, decode_audio, start_server
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -23,6 +30,7 @@ CHROMIUM_ARGS = [
 ]
 TEXT = "今天天气真不错。"
 SEED = 1
+FINISHED = "['done', 'error', 'stopped'].includes(document.body.dataset.state)"
 
 DURATION_JS = """() => new Promise((resolve) => {
   const a = document.getElementById('player');
@@ -33,17 +41,41 @@ DURATION_JS = """() => new Promise((resolve) => {
   setTimeout(() => resolve(a.duration), 20000);
 })"""
 
+# Pixels of the waveform's colour (#2f6db5) on the canvas: what was drawn, not what was meant to be.
+INK_JS = """() => {
+  const c = document.getElementById('wave'), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+  let n = 0;
+  for (let i = 0; i < d.length; i += 4) if (d[i] === 0x2f && d[i + 1] === 0x6d && d[i + 2] === 0xb5) n++;
+  return n;
+}"""
+
 
 def test_page_is_served(server):
     r = httpx.get(server + "/", timeout=HTTP_TIMEOUT)
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/html")
     html = r.text
-    for element in ('id="text"', 'id="format"', 'id="seed"', 'id="speak"', 'id="player"', "/v1/tts"):
+    for element in (
+        'id="text"',
+        'id="format"',
+        'id="seed"',
+        'id="speak"',
+        'id="player"',
+        'id="wave"',
+        'id="ttfa"',
+        'id="rtf"',
+        'id="download"',
+        'id="voices"',
+        '<details id="advanced"',
+        "/v1/tts",
+        "/v1/voices",
+    ):
         assert element in html
+    # Offline: nothing is loaded from another site (no CDN), every request goes to the page's own origin.
+    assert not re.search(r"""(src|href|fetch\()\s*=?\s*["'](https?:)?//""", html), "external resource"
 
 
-def _browser():
+def _chromium():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -56,21 +88,51 @@ def _browser():
 
 
 @pytest.fixture(scope="module")
-def page(server):
-    sync_playwright = _browser()
+def browser():
+    sync_playwright = _chromium()
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
         try:
-            context = browser.new_context()
-            pg = context.new_page()
-            pg.set_default_timeout(60_000)
-            yield pg
+            yield b
         finally:
-            browser.close()
+            b.close()
+
+
+class Page:
+    """A fresh browser context on one server's playground, with the page errors it saw."""
+
+    def __init__(self, browser, base: str) -> None:
+        self.context = browser.new_context(accept_downloads=True)
+        self.pg = self.context.new_page()
+        self.pg.set_default_timeout(60_000)
+        self.errors: list[str] = []
+        self.pg.on("pageerror", lambda exc: self.errors.append(str(exc)))
+        self.pg.goto(base + "/", wait_until="load")
+
+    def speak(self) -> tuple[dict, dict]:
+        """Click Speak and wait for the request to finish: (request JSON body, request headers)."""
+        pg = self.pg
+        with pg.expect_request(lambda r: r.url.endswith("/v1/tts") and r.method == "POST") as info:
+            pg.click("#speak")
+        pg.wait_for_function(FINISHED, timeout=120_000)
+        request = info.value
+        return request.post_data_json, request.all_headers()
+
+    def state(self) -> str:
+        return self.pg.evaluate("document.body.dataset.state")
+
+
+@pytest.fixture
+def page(browser, server):
+    p = Page(browser, server)
+    try:
+        yield p
+    finally:
+        p.context.close()
 
 
 @pytest.fixture(scope="module")
-def expected_seconds(server) -> float:
+def expected_pcm(server) -> bytes:
     """The same request the page makes (text, seed, stream, default parameters), made with httpx."""
     r = httpx.post(
         server + "/v1/tts", json={"text": TEXT, "format": "pcm", "stream": True, "seed": SEED}, timeout=HTTP_TIMEOUT
@@ -78,25 +140,177 @@ def expected_seconds(server) -> float:
     assert r.status_code == 200
     samples = len(r.content) // 2
     assert samples > 0 and (samples + 256) % 512 == 0
-    return samples / SR
+    return r.content
 
 
-@pytest.mark.parametrize("fmt", ["pcm", "wav"])
-def test_speak_in_browser(server, page, expected_seconds, fmt):
-    errors = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(server + "/", wait_until="load")
-    page.fill("#text", TEXT)
-    page.fill("#seed", str(SEED))
-    page.select_option("#format", fmt)
-    assert page.evaluate("document.body.dataset.done") is None
-    page.click("#speak")
-    page.wait_for_function("document.body.dataset.done === '1'", timeout=60_000)
-    status = page.inner_text("#status")
+def _number(text: str) -> float:
+    m = re.fullmatch(r"([0-9.]+)( ms| s)?", text.strip())
+    assert m, text
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("fmt", ["pcm", "wav", "mp3"])
+def test_speak_in_browser(page, expected_pcm, fmt):
+    pg = page.pg
+    samples = len(expected_pcm) // 2
+    seconds = samples / SR
+    pg.fill("#text", TEXT)
+    pg.fill("#seed", str(SEED))
+    pg.select_option("#format", fmt)
+    body, _ = page.speak()
+    assert body == {"text": TEXT, "format": fmt, "stream": True, "seed": SEED}  # no advanced option unless set
+    status = pg.inner_text("#status")
+    assert page.state() == "done", status
     assert status.startswith("done:"), status
-    duration = page.evaluate(DURATION_JS)
-    assert duration == pytest.approx(expected_seconds, abs=0.05), (fmt, duration, expected_seconds, status)
-    samples = round(expected_seconds * SR)
-    body_bytes = 2 * samples + (44 if fmt == "wav" else 0)
-    assert f"done: {body_bytes} bytes" in status
-    assert not errors, errors
+    if fmt != "mp3":
+        body_bytes = 2 * samples + (44 if fmt == "wav" else 0)
+        assert f"done: {body_bytes} bytes" in status
+
+    duration = pg.evaluate(DURATION_JS)
+    assert duration == pytest.approx(seconds, abs=0.05 if fmt != "mp3" else 0.15), (fmt, duration, seconds, status)
+
+    # The waveform: drawn from the PCM while it streamed (pcm, wav), from the decoded file (mp3).
+    wave_data = pg.eval_on_selector("#wave", "c => ({...c.dataset})")
+    assert pg.evaluate(INK_JS) > 100, wave_data
+    if fmt == "mp3":
+        assert int(wave_data["liveDraws"]) == 0 and int(wave_data["samples"]) >= samples
+    else:
+        assert int(wave_data["samples"]) == samples
+        assert int(wave_data["liveDraws"]) >= 2, wave_data  # drawn again as audio arrived ...
+        assert int(wave_data["firstLiveBytes"]) < body_bytes, wave_data  # ... starting before the end
+
+    # Time to first audio and real-time factor: shown, and in the history row of this request.
+    ttfa, audio_s, rtf = (_number(pg.inner_text(f"#{i}")) for i in ("ttfa", "audio-seconds", "rtf"))
+    assert ttfa > 0 and rtf > 0
+    assert audio_s == pytest.approx(seconds, abs=0.01 if fmt != "mp3" else 0.15)
+    row = pg.eval_on_selector_all("#history tbody tr:first-child td", "tds => tds.map(td => td.textContent)")
+    assert row[:3] == ["1", fmt, str(len(TEXT))], row
+    total_s = float(row[5])
+    assert float(row[6]) == pytest.approx(total_s / audio_s, rel=0.02, abs=0.002)
+    assert float(row[3]) == pytest.approx(ttfa, abs=1) and ttfa / 1000 <= total_s
+
+    # The download button saves the audio.
+    with pg.expect_download() as info:
+        pg.click("#download")
+    data = open(info.value.path(), "rb").read()  # noqa: SIM115 - read once
+    if fmt == "mp3":
+        assert info.value.suggested_filename.endswith(".mp3")
+        audio, rate = decode_audio(data, "mp3")
+        assert rate == SR and len(audio) / SR == pytest.approx(seconds, abs=0.15)
+    else:  # a wav file with its real sizes (the streamed header's are open-ended)
+        assert info.value.suggested_filename.endswith(".wav")
+        with wave.open(io.BytesIO(data)) as w:
+            assert (w.getframerate(), w.getnchannels(), w.getsampwidth(), w.getnframes()) == (SR, 1, 2, samples)
+            assert w.readframes(samples) == expected_pcm  # the same audio as the API gives (fp32, one request)
+    assert not page.errors, page.errors
+
+
+def _voice(server: str, name: str) -> httpx.Response:
+    return httpx.get(f"{server}/v1/voices/{name}", timeout=HTTP_TIMEOUT)
+
+
+def test_voice_from_seed_then_delete(page, server):
+    pg, name = page.pg, "pg-seed-voice"
+    pg.fill("#voice-name", name)
+    pg.fill("#voice-seed", "42")
+    pg.click("#voice-create")
+    item = pg.wait_for_selector(f'#voices li[data-name="{name}"]')
+    assert _voice(server, name).json()["kind"] == "speaker"
+    assert pg.eval_on_selector("#voice", "s => s.value") == name  # ready to speak with
+    # Delete asks first: dismissed, nothing happens; accepted, the voice is gone.
+    pg.once("dialog", lambda d: d.dismiss())
+    item.query_selector("button.delete").click()
+    pg.wait_for_timeout(300)
+    assert _voice(server, name).status_code == 200
+    pg.once("dialog", lambda d: d.accept())
+    item.query_selector("button.delete").click()
+    pg.wait_for_selector(f'#voices li[data-name="{name}"]', state="detached")
+    assert _voice(server, name).status_code == 404
+    assert name not in pg.eval_on_selector_all("#voice option", "os => os.map(o => o.value)")
+    assert not page.errors, page.errors
+
+
+def test_voice_from_recording(page, server, tmp_path):
+    pg, name, transcript = page.pg, "pg-recording", "你好，这是一段测试录音。"
+    path = tmp_path / "sample.wav"
+    t = np.arange(SR) / SR
+    write_wav(path, 0.3 * np.sin(2 * np.pi * 220 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t)))
+    pg.set_input_files("#voice-file", str(path))
+    pg.fill("#voice-name", name)
+    pg.fill("#voice-text", transcript)
+    pg.click("#voice-create")
+    item = pg.wait_for_selector(f'#voices li[data-name="{name}"]', timeout=120_000)
+    assert transcript in item.inner_text()
+    voice = _voice(server, name).json()
+    assert voice["kind"] == "sample" and voice["sample_text"] == transcript
+    assert httpx.delete(f"{server}/v1/voices/{name}", timeout=HTTP_TIMEOUT).status_code == 200
+    assert not page.errors, page.errors
+
+
+def test_bad_voice_name_shows_the_error(page, server):
+    pg = page.pg
+    pg.fill("#voice-name", "no spaces allowed")
+    pg.fill("#voice-seed", "1")
+    pg.click("#voice-create")
+    pg.wait_for_function("document.getElementById('voice-status').textContent.startsWith('create failed')")
+    assert "400" in pg.inner_text("#voice-status")
+
+
+def test_advanced_options_change_the_request(page):
+    pg = page.pg
+    pg.fill("#text", TEXT)
+    pg.fill("#seed", str(SEED))
+    assert not pg.is_visible("#temperature")  # folded away until asked for
+    pg.click("#advanced summary")
+    pg.fill("#temperature", "0.5")
+    pg.fill("#top_p", "0.8")
+    pg.fill("#top_k", "10")
+    pg.select_option("#speed", "3")
+    pg.uncheck("#refine")
+    pg.fill("#refine_prompt", "[oral_2][laugh_0][break_4]")
+    body, _ = page.speak()
+    assert body == {
+        "text": TEXT,
+        "format": "pcm",
+        "stream": True,
+        "seed": SEED,
+        "temperature": 0.5,
+        "top_p": 0.8,
+        "top_k": 10,
+        "prompt": "[speed_3]",
+        "refine_text": False,
+        "refine_prompt": "[oral_2][laugh_0][break_4]",
+    }
+    assert page.state() == "done", pg.inner_text("#status")  # the server took every option
+    # An out-of-range option is the server's 400, shown on the page.
+    pg.fill("#top_p", "2")
+    page.speak()
+    assert page.state() == "error"
+    assert "400" in pg.inner_text("#status") and "top_p" in pg.inner_text("#status")
+    assert not page.errors, page.errors
+
+
+def test_api_key(browser, tiny_ckpt, tmp_path):
+    key = "playground-key-1"
+    with start_server(tiny_ckpt, tmp_path, "--api-keys", key, "--max-num-seqs", "2", "--no-warmup") as srv:
+        page = Page(browser, srv.base)  # the page itself needs no key ...
+        try:
+            pg = page.pg
+            pg.wait_for_function("document.getElementById('voices-note').textContent.includes('API key')")
+            pg.fill("#text", TEXT)
+            pg.click("#advanced summary")
+            pg.uncheck("#refine")
+            _, headers = page.speak()  # ... its requests do
+            assert page.state() == "error" and "401" in pg.inner_text("#status")
+            assert "authorization" not in headers
+            pg.fill("#key", key)
+            pg.dispatch_event("#key", "change")
+            pg.wait_for_function("document.getElementById('voices-note').textContent === 'no saved voices yet'")
+            _, headers = page.speak()
+            assert page.state() == "done", pg.inner_text("#status")
+            assert headers["authorization"] == f"Bearer {key}"
+            assert not page.errors, page.errors
+        finally:
+            page.context.close()
+        log = srv.log()
+    assert key not in log
