@@ -1,7 +1,8 @@
 """The ``chattts-serve`` command.
 
 chattts-serve synthesize "Hello." -o hello.wav [--model DIR|REPO] [--seed N] [--speaker STR]
-chattts-serve synthesize --input texts.txt --output-dir out/ [--batch-size N]
+chattts-serve synthesize --input texts.txt --output-dir out/ [--batch-size N] [--devices cuda:0,cuda:1]
+chattts-serve ray serve --model DIR --num-replicas N      chattts-serve ray batch --input F --output-dir D
 chattts-serve speaker new [--model DIR|REPO] [--seed N]
 chattts-serve checkpoint random DIR [--size tiny|full] [--seed N]
 chattts-serve bench offline|streams|serve ...   chattts-serve profile ...   chattts-serve eval ...
@@ -123,8 +124,15 @@ def _build_parser() -> argparse.ArgumentParser:
     syn = sub.add_parser("synthesize", help="text to WAV files")
     syn.add_argument("text", nargs="?", help="text to speak (or use --input)")
     syn.add_argument("-o", "--output", default="out.wav", help="output WAV for a single text")
-    syn.add_argument("--input", help="a UTF-8 file with one text per line; writes one WAV per line")
-    syn.add_argument("--output-dir", default="out", help="where --input writes its WAVs (0001.wav, ...)")
+    syn.add_argument(
+        "--input", help="texts: a UTF-8 file with one per line (or .jsonl / .parquet with text, id, seed); one WAV each"
+    )
+    syn.add_argument("--output-dir", default="out", help="where --input writes its WAVs (0001.wav, ... or <id>.wav)")
+    syn.add_argument(
+        "--devices",
+        type=lambda v: [d.strip() for d in v.split(",") if d.strip()],
+        help="with --input: one process per device over an equal share of the texts (e.g. cuda:0,cuda:1)",
+    )
     syn.add_argument(
         "--batch-size", type=_batch_size, default=16, help="sequences generated together (KV slots), or 'auto'"
     )
@@ -133,6 +141,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="run the HTTP/WebSocket server (OpenAI-compatible + native API)")
     _add_server_args(srv)
+
+    from .distributed.cli import add_arguments as add_ray_arguments  # no ray import until a ray command runs
+
+    add_ray_arguments(
+        sub.add_parser("ray", help="scale out on Ray: Serve replicas, Data batch jobs (needs the .[ray] extra)"),
+        server_args=_add_server_args,
+        model_args=_add_model_args,
+        sampling_args=_add_sampling_args,
+    )
 
     spk = sub.add_parser("speaker", help="speaker strings")
     spk_sub = spk.add_subparsers(dest="speaker_command", required=True)
@@ -285,40 +302,47 @@ def _banner_on_start(server, app, config) -> None:
 
 def _synthesize(args: argparse.Namespace) -> int:
     from .audio.wav import write_wav
+    from .distributed.jobs import Item, item_params, read_items, with_seed
     from .engine.config import EngineConfig, engine_config_from_args
     from .engine.engine import Engine
 
     if (args.text is None) == (args.input is None):
         raise ValueError("give either a text or --input FILE")
+    if args.devices and not args.input:
+        raise ValueError("--devices needs --input")
+    params = SamplingParams.from_options(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
     if args.input:
-        try:
-            lines = Path(args.input).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"cannot read {args.input}: {exc}") from None
-        texts = [line for line in lines if line.strip()]
-        if not texts:
-            raise ValueError(f"{args.input} has no non-empty lines")
+        items = with_seed(read_items(args.input), params.seed)  # the same ids and seeds as `ray batch`
     else:
-        texts = [args.text]
         if not args.text.strip():
             raise ValueError("the text is empty")
-    params = SamplingParams.from_options(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
+        items = [Item("out", args.text, params.seed)]
     config = engine_config_from_args(args, EngineConfig(auto_slots=args.batch_size is None))
     if args.batch_size is not None:
         config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=args.batch_size))
-    engine = Engine.from_pretrained(args.model, device=args.device, config=config)
-    start = time.perf_counter()
-    results = engine.synthesize(texts, params, progress=True)
-    wall = time.perf_counter() - start
+    out_dir = Path(args.output_dir)
     if args.input:
-        out_dir = Path(args.output_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        paths = [out_dir / f"{i + 1:04d}.wav" for i in range(len(results))]
+    start = time.perf_counter()
+    if args.devices:
+        from .distributed.offline import run_on_devices
+
+        entries = run_on_devices(args.devices, args.model, config, params, items, out_dir)
+        wall = time.perf_counter() - start
+        failed = [e for e in entries if e.error]
+        if failed:
+            raise ValueError(f"text {failed[0].id}: {failed[0].error}")
+        paths, audio_s = [out_dir / e.file for e in entries], sum(e.duration for e in entries)
     else:
-        paths = [Path(args.output)]
-    for path, r in zip(paths, results, strict=True):
-        write_wav(path, r.audio, r.sample_rate)
-    audio_s = sum(r.duration for r in results)
+        engine = Engine.from_pretrained(args.model, device=args.device, config=config)
+        start = time.perf_counter()
+        texts = [it.text for it in items]
+        results = engine.synthesize(texts, [item_params(params, it) for it in items], progress=True)
+        wall = time.perf_counter() - start
+        paths = [out_dir / it.file_name for it in items] if args.input else [Path(args.output)]
+        for path, r in zip(paths, results, strict=True):
+            write_wav(path, r.audio, r.sample_rate)
+        audio_s = sum(r.duration for r in results)
     print(
         f"wrote {len(paths)} file(s), {audio_s:.2f} s of audio in {wall:.2f} s (RTF {wall / max(audio_s, 1e-9):.2f})"
         + (f": {paths[0]}" if len(paths) == 1 else f" to {paths[0].parent}/")
@@ -364,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
             return _synthesize(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "ray":
+            from .distributed.cli import main as ray_main
+
+            return ray_main(args, _SAMPLING_FLAGS)
         if args.command == "bench":
             return _bench_module(args.bench_command).main(args)
         if args.command in ("profile", "eval"):

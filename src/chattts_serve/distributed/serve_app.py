@@ -31,6 +31,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
 
 from ..server.app import create_app
+from .cluster import connect
 from .memory import cap_device_memory
 from .metrics_export import RayMetricsMirror
 from .recycling import Recycler
@@ -41,9 +42,6 @@ logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "X-Chattts-Replica"
 """Response header naming the replica that answered (``<replica id>/<pid>``): logs and debugging."""
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-"""Set for a local cluster on 127.0.0.1: without the first, Ray binds the machine's external address even
-when told 127.0.0.1; the second keeps usage statistics at home."""
 
 
 class ReplicaContext:
@@ -160,23 +158,6 @@ def app(args: dict[str, Any] | None = None):
     settings = ServeSettings.from_dict(dict(args or {}))
     settings.server_config()  # fails here, not in every replica, when the app would serve no tenant
     return bind(settings, ray.cluster_resources().get("GPU", 0))
-
-
-def connect(address: str | None, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
-    """Join the cluster at ``address`` ("auto": the one this machine runs), or start a local one on
-    127.0.0.1 when None."""
-    if address is None:
-        for key, value in LOOPBACK_ENV.items():
-            os.environ.setdefault(key, value)
-        ray.init(
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-        )
-    else:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(address=address)
 
 
 def deploy(settings: ServeSettings) -> list[ServeSettings]:

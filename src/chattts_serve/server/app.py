@@ -28,6 +28,7 @@ from .metrics import Metrics
 from .service import APIError, ClientGone, Limits, key_matches
 from .timeouts import BodyReader
 from .voices import VoiceStore
+from .wyoming import WyomingServer
 
 logger = logging.getLogger("chattts_serve.server")
 
@@ -74,12 +75,18 @@ def create_app(
         app.state.limits = Limits(config.max_concurrent_streams)
         if config.warmup:
             await eng.generate("你好。", SamplingParams(seed=0, max_new_tokens=4, refine_text=False))
-        app.state.ready = True
-        logger.info("ready: model=%s device=%s slots=%d", config.model, eng.device, eng.stats().kv_slots)
+        # Home Assistant's protocol, on the same engine, voices and limits as the HTTP API.
+        wyoming = WyomingServer(app.state) if config.wyoming_uri is not None else None
         try:
+            if wyoming is not None:
+                await wyoming.start()
+            app.state.ready = True
+            logger.info("ready: model=%s device=%s slots=%d", config.model, eng.device, eng.stats().kv_slots)
             yield
         finally:
             app.state.ready = False
+            if wyoming is not None:
+                await wyoming.stop()
             eng.shutdown()
             app.state.voices.close()
 

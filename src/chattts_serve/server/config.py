@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..engine.config import FLAT_OPTIONS, EngineConfig, flat_defaults, from_flat
 from ..model.config import DEFAULT_MODEL
@@ -71,6 +72,15 @@ class ServerConfig:
     """Browser origins allowed to open WebSockets (and to POST with a browser); empty: same origin only."""
     allowed_hosts: tuple[str, ...] = ()
     """Host headers accepted (DNS-rebinding defence); empty: any."""
+    default_options: str = ""
+    """ChatTTS options (a JSON object, the fields of a ``/v1/tts`` body, e.g. ``{"refine_text": false, "seed":
+    7}``) for every request that does not set them: the only way to tune clients that cannot send them
+    (Home Assistant, Pipecat, LiveKit)."""
+    wyoming_uri: str | None = None
+    """Also serve the Wyoming protocol (Home Assistant) here, e.g. tcp://0.0.0.0:10200; None: off."""
+    wyoming_zeroconf: str | None = None
+    """Announce the Wyoming server on the local network (mDNS) under this name; None: off. Needs the
+    ``zeroconf`` extra."""
     warmup: bool = True
     log_level: str = "info"
     log_format: str = "text"
@@ -81,6 +91,13 @@ class ServerConfig:
     """Precision, KV slots, queue bound, decode step, default chunking (see ``engine.config``)."""
 
     def __post_init__(self) -> None:
+        from .protocol import parse_options
+
+        parse_options(self.default_options)  # a typo fails at start-up, not on the first request
+        if self.wyoming_uri is not None:
+            _check_wyoming_uri(self.wyoming_uri)
+        if self.wyoming_zeroconf is not None and not (self.wyoming_uri or "").startswith("tcp://"):
+            raise ValueError("wyoming_zeroconf announces a TCP server: set wyoming_uri to tcp://HOST:PORT")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if not 0 < self.port < 65536:
@@ -142,6 +159,17 @@ class ServerConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         engine = from_flat(None, **{k: v for k, v in values.items() if k in FLAT_OPTIONS})
         return cls(**{k: v for k, v in values.items() if k not in FLAT_OPTIONS}, engine=engine)
+
+
+def _check_wyoming_uri(uri: str) -> None:
+    """tcp://HOST:PORT or unix://PATH (the Wyoming library's stdio:// serves one client: not a server's)."""
+    try:
+        parts = urlsplit(uri)
+        ok = (parts.scheme == "tcp" and parts.hostname and parts.port) or (parts.scheme == "unix" and parts.path)
+    except ValueError:  # a port that is not a number
+        ok = False
+    if not ok:
+        raise ValueError(f"wyoming_uri must be tcp://HOST:PORT or unix://PATH, got {uri!r}")
 
 
 def _parse(raw: str, default: Any) -> Any:

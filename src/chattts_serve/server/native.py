@@ -21,6 +21,7 @@ from .service import (
     build_params,
     build_policy,
     check_length,
+    request_defaults,
     resolve_voice,
 )
 
@@ -32,7 +33,8 @@ def _voice_and_params(st, body: TTSRequest):
     cfg = st.config
     check_length(body.text, cfg.max_input_chars, "text")
     voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.default_voice, "voice")
-    return build_params(body, voice), build_policy(st.engine.stream_policy, body.chunking)
+    params = build_params(body, voice, defaults=request_defaults(cfg.default_options))
+    return params, build_policy(st.engine.stream_policy, body.chunking)
 
 
 @router.post("/v1/tts", response_class=Response, responses={**audio_responses(sse=False), **errors(429)})

@@ -18,6 +18,7 @@ from .service import (
     TimedStreamingResponse,
     build_params,
     check_length,
+    request_defaults,
     resolve_voice,
     speed_prompt,
 )
@@ -45,7 +46,8 @@ async def speech(body: SpeechRequest, request: Request):
         )
     check_length(body.input, cfg.max_input_chars, "input")
     voice = resolve_voice(st.voices, st.engine, body.voice, cfg.default_voice, "voice")
-    params = build_params(body, voice, prompt=speed_prompt(body.speed))
+    implied = speed_prompt(body.speed) if body.speed != 1.0 else None  # 1.0 (normal) leaves the defaults' prompt
+    params = build_params(body, voice, prompt=implied, defaults=request_defaults(cfg.default_options))
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.max_queue_wait_s)
     await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id, request)
     timeout = cfg.send_timeout_s

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 MEDIA_TYPES: dict[str, str] = {
@@ -53,6 +54,25 @@ class ChatTTSOptions(_Strict):
         if v is not None and not math.isfinite(v):
             raise ValueError("must be a finite number")
         return v
+
+
+def parse_options(text: str) -> ChatTTSOptions | None:
+    """A JSON object of ChatTTS options (``ServerConfig.default_options``), validated; None when empty.
+    Raises ValueError naming what is wrong."""
+    if not text.strip():
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        raise ValueError(f"default_options is not JSON: {text[:100]!r}") from None
+    if not isinstance(raw, dict):
+        raise ValueError('default_options must be a JSON object, e.g. {"refine_text": false, "seed": 7}')
+    try:
+        return ChatTTSOptions(**raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ())) or "options"
+        raise ValueError(f"default_options: {where}: {first['msg']}") from None
 
 
 class SpeechRequest(ChatTTSOptions):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import math
@@ -25,7 +26,7 @@ from ..engine.scheduler import QueueFullError
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from .metrics import Metrics
-from .protocol import ChatTTSOptions, StreamOptions
+from .protocol import ChatTTSOptions, StreamOptions, parse_options
 from .voices import VoiceStore, VoiceStoreError
 
 logger = logging.getLogger(__name__)
@@ -143,12 +144,27 @@ class Voice:
     sample_text: str = ""
 
 
-# OpenAI's voice names, so unmodified clients work: each is a fixed random speaker (seeded sample from
-# the checkpoint's speaker statistics), unless a saved voice of that name exists.
+# OpenAI's voice names, so unmodified clients work (Pipecat refuses any other name): each is a fixed random
+# speaker (seeded sample from the checkpoint's speaker statistics), unless a saved voice of that name exists.
+# New names go at the end: a name's seed is its position, and a voice must not change under its users.
 BUILTIN_VOICES = {
     name: 1000 + i
     for i, name in enumerate(
-        ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
+        (
+            "alloy",
+            "ash",
+            "ballad",
+            "coral",
+            "echo",
+            "fable",
+            "nova",
+            "onyx",
+            "sage",
+            "shimmer",
+            "verse",
+            "cedar",
+            "marin",
+        )
     )
 }
 
@@ -198,12 +214,28 @@ def _given(**values):
 _SAMPLING_OPTIONS = tuple(name for name in ChatTTSOptions.model_fields if name != "prompt")
 
 
-def build_params(opts: ChatTTSOptions, voice: Voice, prompt: str | None = None) -> SamplingParams:
-    """A request's options on top of the defaults; ``prompt``: the prompt the request implies (the
-    OpenAI ``speed``) unless it sets its own."""
+@functools.lru_cache(maxsize=4)
+def request_defaults(default_options: str) -> ChatTTSOptions | None:
+    """``ServerConfig.default_options``, parsed once (validated when the config was made)."""
+    return parse_options(default_options)
+
+
+def build_params(
+    opts: ChatTTSOptions, voice: Voice, prompt: str | None = None, defaults: ChatTTSOptions | None = None
+) -> SamplingParams:
+    """A request's options on top of the server's ``defaults`` (``request_defaults``), on top of
+    SamplingParams' own; ``prompt``: the prompt the request implies (an OpenAI ``speed`` other than 1),
+    which wins over the defaults' but not over a prompt the request sets itself."""
+
+    def given(name: str):
+        value = getattr(opts, name)
+        return getattr(defaults, name) if value is None and defaults is not None else value
+
+    if opts.prompt is None and prompt is None and defaults is not None:
+        prompt = defaults.prompt
     try:
         return SamplingParams.from_options(
-            **{name: getattr(opts, name) for name in _SAMPLING_OPTIONS},
+            **{name: given(name) for name in _SAMPLING_OPTIONS},
             prompt=opts.prompt if opts.prompt is not None else prompt,
             speaker=voice.speaker,
             speaker_sample=voice.sample,
@@ -279,8 +311,8 @@ class AudioResponse:
             await self._close()
             if isinstance(exc, (QueueFullError, TimeoutError)):
                 self._finish_metrics("rejected")
-            else:
-                self._finish_metrics("aborted" if isinstance(exc, ClientGone) else "error")
+            else:  # cancelled: the caller went away while the request was queued (a Wyoming client did)
+                self._finish_metrics("aborted" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
             raise self._translate(exc) from None
 
     async def _first_chunk(self, request: Request | None) -> RequestOutput:

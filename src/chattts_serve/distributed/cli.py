@@ -1,0 +1,157 @@
+"""``chattts-serve ray serve|batch``: the flags, and what each command runs. ray is imported only when a
+command runs (the base install has no ray; ``pip install 'chattts-serve[ray]'``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    server_args: Callable[[argparse.ArgumentParser], None],
+    model_args: Callable[[argparse.ArgumentParser], None],
+    sampling_args: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """``ray``'s subcommands; the flag groups they share with ``serve`` and ``synthesize`` come in as the
+    functions that add them there."""
+    sub = p.add_subparsers(dest="ray_command", required=True)
+    srv = sub.add_parser("serve", help="serve on Ray Serve: N replicas of the server, one engine each")
+    server_args(srv)
+    _cluster_args(srv)
+    srv.add_argument("--name", default="chattts", help="application and deployment name (default: chattts)")
+    srv.add_argument("--num-replicas", type=int, default=1, help="replicas (default: 1; see --autoscale)")
+    srv.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale between MIN and MAX replicas")
+    srv.add_argument("--target-ongoing-requests", type=float, help="autoscaling target per replica (default: KV slots)")
+    srv.add_argument("--upscale-delay-s", type=float, default=30.0)
+    srv.add_argument("--downscale-delay-s", type=float, default=600.0)
+    srv.add_argument("--autoscaling-config", type=json.loads, default={}, help="more Serve autoscaling_config (JSON)")
+    srv.add_argument(
+        "--max-ongoing-requests", type=int, help="requests Ray sends a replica at once (default: 2x slots)"
+    )
+    srv.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    srv.add_argument("--num-gpus-per-replica", type=float, help="default: 1 when the cluster has GPUs, else 0")
+    srv.add_argument("--max-memory-fraction", type=float, help="CUDA: share of the device per replica (KV slots fit)")
+    srv.add_argument("--tenants", help="tenants file (JSON): API keys -> tenants with limits (docs/ray.md)")
+    srv.add_argument("--recycle-after-requests", type=int, default=0, help="replace a replica after N requests")
+    srv.add_argument("--recycle-max-rss-mb", type=int, default=0, help="replace a replica whose RSS passes this")
+    srv.add_argument(
+        "--recycle-max-cuda-mb", type=int, default=0, help="replace a replica whose CUDA memory passes this"
+    )
+    srv.add_argument("--health-check-period-s", type=float, default=5.0)
+    srv.add_argument("--metrics-period-s", type=float, default=5.0, help="how often replicas export to Ray metrics")
+
+    bat = sub.add_parser("batch", help="offline synthesis on Ray Data: one WAV per text + manifest.jsonl")
+    bat.add_argument("--input", required=True, help="texts: .txt (one per line), .jsonl or .parquet (text, id, seed)")
+    bat.add_argument("--output-dir", required=True, help="WAVs and manifest.jsonl (shared storage on a cluster)")
+    bat.add_argument("--num-workers", type=int, default=1, help="actors, each with one engine (one GPU if any)")
+    bat.add_argument("--batch-size", type=int, default=16, help="texts per batch (and KV slots per engine)")
+    bat.add_argument("--num-cpus-per-worker", type=float, default=1.0)
+    bat.add_argument("--no-progress", dest="progress", action="store_false")
+    _cluster_args(bat)
+    model_args(bat)
+    bat.set_defaults(device="auto")
+    sampling_args(bat)
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", help="join this Ray cluster ('auto': the one on this machine); default: start one")
+    p.add_argument("--num-cpus", type=int, help="CPUs of the local cluster this command starts (default: all)")
+
+
+def main(args: argparse.Namespace, sampling_flags: tuple[str, ...]) -> int:
+    if args.ray_command == "serve":
+        return _serve(args)
+    return _batch(args, sampling_flags)
+
+
+def serve_settings(args: argparse.Namespace):
+    """The ServeSettings of ``ray serve``'s flags; the server options resolved here (flags, then this
+    machine's CHATTTS_SERVE_*, then defaults) and sent to every replica as they are."""
+    from ..engine.config import FLAT_OPTIONS, flat_defaults
+    from ..server.config import ServerConfig
+    from .recycling import RecyclePolicy
+    from .settings import ServeSettings, parse_autoscale
+    from .tenants import TenantsConfig
+
+    names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
+    config = ServerConfig.from_env(**{name: getattr(args, name) for name in names})
+    server: dict[str, Any] = {f.name: getattr(config, f.name) for f in ServerConfig.server_fields()}
+    server |= flat_defaults(config.engine)
+    server["voices_db"] = config.voices_path  # one file for every replica (see docs/ray.md for clusters)
+    if args.tenants:
+        server.pop("api_keys")
+    mb = 2**20
+    return ServeSettings(
+        server=server,
+        name=args.name,
+        num_replicas=args.num_replicas,
+        autoscale=parse_autoscale(args.autoscale) if args.autoscale else None,
+        target_ongoing_requests=args.target_ongoing_requests,
+        max_ongoing_requests=args.max_ongoing_requests,
+        upscale_delay_s=args.upscale_delay_s,
+        downscale_delay_s=args.downscale_delay_s,
+        autoscaling_extra=args.autoscaling_config,
+        num_cpus=args.num_cpus_per_replica,
+        num_gpus=args.num_gpus_per_replica,
+        max_memory_fraction=args.max_memory_fraction,
+        tenants=TenantsConfig.load(args.tenants) if args.tenants else None,
+        recycle=RecyclePolicy(
+            max_requests=args.recycle_after_requests,
+            max_rss_bytes=args.recycle_max_rss_mb * mb,
+            max_cuda_bytes=args.recycle_max_cuda_mb * mb,
+        ),
+        health_check_period_s=args.health_check_period_s,
+        metrics_period_s=args.metrics_period_s,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = serve_settings(args)
+    from .serve_app import serve_forever
+
+    return serve_forever(settings, args.address, num_cpus=args.num_cpus)
+
+
+def _batch(args: argparse.Namespace, sampling_flags: tuple[str, ...]) -> int:
+    from ..engine.config import EngineConfig, engine_config_from_args
+    from ..sampling_params import SamplingParams
+    from .jobs import read_items, with_seed
+
+    base = SamplingParams.from_options(**{name: getattr(args, name) for name in sampling_flags})
+    items = with_seed(read_items(args.input), base.seed)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    config = engine_config_from_args(args, EngineConfig())
+    config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=args.batch_size))
+    from .cluster import connect
+    from .ray_batch import run_batch
+
+    connect(args.address, num_cpus=args.num_cpus)
+    import ray
+
+    try:
+        summary = run_batch(
+            items,
+            Path(args.output_dir),
+            model=args.model,
+            config=config,
+            base=base,
+            num_workers=args.num_workers,
+            batch_size=args.batch_size,
+            device=args.device,
+            num_cpus_per_worker=args.num_cpus_per_worker,
+            progress=args.progress,
+        )
+    finally:
+        ray.shutdown()
+    print(json.dumps(summary))
+    return 1 if summary["failed"] else 0

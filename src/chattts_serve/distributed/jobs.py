@@ -1,0 +1,179 @@
+"""Offline jobs: input files -> items (id, text, seed), the params each item is spoken with, output file
+names, the manifest, resuming, and sharding over devices. Shared by ``chattts-serve synthesize --input``
+(one process, or one per device) and ``chattts-serve ray batch`` (Ray Data), so the same input and seeds
+give the same files whichever runs it.
+
+Inputs:
+
+* ``.txt``: one text per non-empty line; ids 0001, 0002, ... in line order (blank lines skipped).
+* ``.jsonl``: one object per line: ``text``, optional ``id`` (a file-name-safe string) and ``seed``.
+* ``.parquet``: columns ``text``, optional ``id`` and ``seed`` (needs pyarrow: the ``.[ray]`` extra).
+
+Seeds: an item's own ``seed``, else the job's ``--seed`` (the same for every text), else none (random).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from ..sampling_params import SamplingParams
+
+MANIFEST = "manifest.jsonl"
+ITEM_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    id: str
+    text: str
+    seed: int | None = None
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.id}.wav"
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    id: str
+    text: str
+    file: str | None
+    """The WAV's name in the output directory; None when the item failed."""
+    duration: float
+    seed: int | None
+    error: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+
+def _check_item(where: str, item_id, text, seed) -> Item:
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: text must be a non-empty string")
+    if not isinstance(item_id, str) or not ITEM_ID.fullmatch(item_id):
+        raise ValueError(f"{where}: id must be 1-128 of [A-Za-z0-9_.-] not starting with '.' or '-', got {item_id!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise ValueError(f"{where}: seed must be an int in [0, 2**63), got {seed!r}")
+    return Item(item_id, text, seed)
+
+
+def _records(path: Path) -> Iterable[tuple[str, dict]]:
+    """(where, record) per input text."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{n}: expected an object with 'text'")
+            yield f"{path}:{n}", record
+    elif suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError("reading .parquet needs pyarrow (pip install 'chattts-serve[ray]')") from None
+        for n, record in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield f"{path} row {n}", record
+    else:  # plain text, one per line (synthesize --input's format)
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                yield str(path), {"text": line}
+
+
+def read_items(path: str | Path) -> list[Item]:
+    """The items of an input file (format by suffix: .jsonl, .parquet, anything else is text lines).
+    Raises ValueError naming the file and line for anything it cannot use."""
+    path = Path(path)
+    try:
+        items = []
+        for i, (where, record) in enumerate(_records(path)):
+            unknown = set(record) - {"id", "text", "seed"}
+            if unknown:
+                raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+            item_id = record.get("id")
+            item_id = f"{i + 1:04d}" if item_id is None else item_id
+            items.append(_check_item(where, item_id, record.get("text"), record.get("seed")))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not items:
+        raise ValueError(f"{path} has no texts")
+    ids = [it.id for it in items]
+    if len(set(ids)) != len(ids):
+        dup = next(x for x in ids if ids.count(x) > 1)
+        raise ValueError(f"{path}: id {dup!r} appears more than once")
+    return items
+
+
+def with_seed(items: list[Item], seed: int | None) -> list[Item]:
+    """Items without a seed of their own take the job's (the same for every text), as ``synthesize``
+    always gave every line its ``--seed``."""
+    return [it if it.seed is not None or seed is None else replace(it, seed=seed) for it in items]
+
+
+def item_params(base: SamplingParams, item: Item) -> SamplingParams:
+    """The params one item is spoken with: the job's, with the item's seed."""
+    return base if item.seed is None or item.seed == base.seed else replace(base, seed=item.seed)
+
+
+def shard(items: list[Item], num_shards: int) -> list[list[Item]]:
+    """Split over ``num_shards`` workers: equal counts (within one), similar total text length (longest
+    first, dealt round the workers), each shard in input order."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    order = sorted(range(len(items)), key=lambda i: (-len(items[i].text), i))
+    picked: list[list[int]] = [[] for _ in range(num_shards)]
+    for rank, i in enumerate(order):
+        picked[rank % num_shards].append(i)
+    return [[items[i] for i in sorted(p)] for p in picked]
+
+
+def read_manifest(out_dir: str | Path) -> dict[str, ManifestEntry]:
+    """The entries already written (the last one per id wins); a torn last line (a crash) is skipped."""
+    path = Path(out_dir) / MANIFEST
+    done: dict[str, ManifestEntry] = {}
+    if not path.exists():
+        return done
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = ManifestEntry(**json.loads(line))
+        except (json.JSONDecodeError, TypeError):
+            continue
+        done[entry.id] = entry
+    return done
+
+
+def pending(items: list[Item], out_dir: str | Path) -> list[Item]:
+    """The items still to do: those without a successful manifest entry whose file exists."""
+    out_dir = Path(out_dir)
+    done = read_manifest(out_dir)
+    return [
+        it
+        for it in items
+        if not ((e := done.get(it.id)) and e.file and e.error is None and (out_dir / e.file).exists())
+    ]
+
+
+def write_wav_atomic(path: Path, audio, sample_rate: int) -> None:
+    """The WAV appears whole or not at all (a resumed job never takes a torn file for a done one)."""
+    from ..audio.wav import write_wav
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write_wav(tmp, audio, sample_rate)
+    os.replace(tmp, path)
+
+
+def append_manifest(out_dir: str | Path, entries: Iterable[ManifestEntry]) -> None:
+    with open(Path(out_dir) / MANIFEST, "a", encoding="utf-8") as f:
+        for e in entries:
+            f.write(e.to_json() + "\n")
+        f.flush()
+        os.fsync(f.fileno())

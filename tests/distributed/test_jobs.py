@@ -1,0 +1,116 @@
+"""Batch jobs without Ray: inputs -> items (ids, seeds), sharding, manifest and resume; and
+``synthesize --input ... --devices cpu,cpu`` (one process per device) writes the same files as one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chattts_serve.cli import main
+from chattts_serve.distributed.jobs import (
+    Item,
+    ManifestEntry,
+    append_manifest,
+    item_params,
+    pending,
+    read_items,
+    read_manifest,
+    shard,
+    with_seed,
+)
+from chattts_serve.sampling_params import SamplingParams
+
+
+def test_text_lines_get_synthesize_numbering(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("一。\n\n  \n二。\n三。\n", encoding="utf-8")
+    items = read_items(path)
+    assert [(it.id, it.text) for it in items] == [("0001", "一。"), ("0002", "二。"), ("0003", "三。")]
+    assert [it.file_name for it in items] == ["0001.wav", "0002.wav", "0003.wav"]
+
+
+def test_jsonl_ids_and_seeds(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [{"id": "a", "text": "x", "seed": 5}, {"text": "y"}, {"id": "c", "text": "z"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    items = read_items(path)
+    assert items == [Item("a", "x", 5), Item("0002", "y"), Item("c", "z")]
+    seeded = with_seed(items, 9)
+    assert [it.seed for it in seeded] == [5, 9, 9]  # an item's own seed wins over the job's
+    base = SamplingParams(seed=9, refine_text=False)
+    assert item_params(base, seeded[0]).seed == 5 and item_params(base, seeded[1]) is base
+
+
+def test_parquet_input(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": ["p1", "p2"], "text": ["x", "y"], "seed": [1, None]}), path)
+    assert read_items(path) == [Item("p1", "x", 1), Item("p2", "y", None)]
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ('{"text": ""}\n', "non-empty"),
+        ('{"id": "../x", "text": "a"}\n', "id must be"),
+        ('{"text": "a", "seed": -1}\n', "seed must be"),
+        ('{"text": "a", "voice": "x"}\n', "unknown field"),
+        ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "more than once"),
+        ("[1, 2]\n", "expected an object"),
+        ("{oops\n", "not JSON"),
+        ("\n", "no texts"),
+    ],
+)
+def test_bad_inputs_name_the_line(tmp_path, content, match):
+    path = tmp_path / "t.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        read_items(path)
+
+
+def test_shards_have_equal_counts_and_balanced_lengths():
+    items = [Item(f"{i:02d}", "x" * (i * 7 % 23 + 1)) for i in range(23)]
+    shards = shard(items, 4)
+    assert sorted(len(s) for s in shards) == [5, 6, 6, 6]
+    assert sorted(it.id for s in shards for it in s) == [it.id for it in items]  # each item exactly once
+    assert all(s == sorted(s, key=lambda it: it.id) for s in shards)  # input order inside a shard
+    totals = [sum(len(it.text) for it in s) for s in shards]
+    assert max(totals) - min(totals) <= max(len(it.text) for it in items)
+    assert shard(items, 4) == shards  # deterministic
+    assert shard(items[:1], 3) == [[items[0]], [], []]
+    with pytest.raises(ValueError):
+        shard(items, 0)
+
+
+def test_resume_skips_what_is_done(tmp_path):
+    items = [Item("a", "x"), Item("b", "y"), Item("c", "z")]
+    (tmp_path / "a.wav").write_bytes(b"RIFF")
+    append_manifest(
+        tmp_path,
+        [
+            ManifestEntry("a", "x", "a.wav", 1.0, None),
+            ManifestEntry("b", "y", "b.wav", 1.0, None),  # its file is gone: redo
+            ManifestEntry("c", "z", None, 0.0, None, error="bad"),  # failed: redo
+        ],
+    )
+    with open(tmp_path / "manifest.jsonl", "a") as f:
+        f.write('{"id": "torn", "te')  # a crash mid-line
+    assert [it.id for it in pending(items, tmp_path)] == ["b", "c"]
+    assert set(read_manifest(tmp_path)) == {"a", "b", "c"}
+
+
+def test_devices_split_the_texts_and_write_what_one_process_writes(tiny_ckpt, tmp_path):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(f"第{i}句话。\n" for i in range(1, 6)), encoding="utf-8")
+    common = ["--input", str(texts), "--model", str(tiny_ckpt), "--seed", "3", "--no-refine"]
+    common += ["--max-new-tokens", "6", "--min-new-tokens", "6", "--batch-size", "4"]
+    assert main(["synthesize", *common, "--output-dir", str(tmp_path / "one")]) == 0
+    assert main(["synthesize", *common, "--output-dir", str(tmp_path / "two"), "--devices", "cpu,cpu"]) == 0
+    names = sorted(p.name for p in (tmp_path / "one").glob("*.wav"))
+    assert names == [f"{i:04d}.wav" for i in range(1, 6)]
+    for name in names:
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    assert main(["synthesize", "hello", "--devices", "cpu,cpu", "--model", str(tiny_ckpt)]) == 2  # needs --input
