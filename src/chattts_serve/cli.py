@@ -142,6 +142,10 @@ def _build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the HTTP/WebSocket server (OpenAI-compatible + native API)")
     _add_server_args(srv)
 
+    wy = sub.add_parser("wyoming", help="run only the Wyoming protocol server (Home Assistant), no HTTP API")
+    _add_server_args(wy)
+    wy.add_argument("--uri", dest="wyoming_uri", help=f"where to listen (default: {WYOMING_URI}); = --wyoming-uri")
+
     from .distributed.cli import add_arguments as add_ray_arguments  # no ray import until a ray command runs
 
     add_ray_arguments(
@@ -255,6 +259,36 @@ def _serve(args: argparse.Namespace) -> int:
     server.handle_exit = handle_exit
     _banner_on_start(server, app, config)
     server.run()
+    return 0
+
+
+WYOMING_URI = "tcp://127.0.0.1:10200"
+
+
+def _wyoming(args: argparse.Namespace) -> int:
+    """The Wyoming server alone: the app's start-up (engine, warm-up, voices, limits) without uvicorn."""
+    import asyncio
+
+    from .engine.config import FLAT_OPTIONS
+    from .server.app import create_app
+    from .server.config import ServerConfig
+
+    names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
+    config = ServerConfig.from_env(**{name: getattr(args, name) for name in names})
+    if config.wyoming_uri is None:
+        config = replace(config, wyoming_uri=WYOMING_URI)
+    _server_logging(config)
+    app = create_app(config)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        async with app.router.lifespan_context(app):
+            print(f"chattts-serve wyoming: {config.wyoming_uri} (model {config.model})", flush=True)
+            await stop.wait()
+
+    asyncio.run(run())
     return 0
 
 
@@ -388,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
             return _synthesize(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "wyoming":
+            return _wyoming(args)
         if args.command == "ray":
             from .distributed.cli import main as ray_main
 
