@@ -54,6 +54,11 @@ def add_runner_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the static step eagerly")
     p.add_argument("--compile", action="store_true", help="torch.compile the static decode step")
+    p.add_argument(
+        "--onnx-cache-dir",
+        default=None,
+        help="where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
+    )
 
 
 def engine_config(args: argparse.Namespace, **scheduler: int):
@@ -61,7 +66,9 @@ def engine_config(args: argparse.Namespace, **scheduler: int):
     from ..engine.config import EngineConfig, RunnerConfig
     from ..engine.scheduler import SchedulerConfig
 
-    runner = RunnerConfig(decode=args.decode, cuda_graphs=args.cuda_graphs, compile=args.compile)
+    runner = RunnerConfig(
+        decode=args.decode, cuda_graphs=args.cuda_graphs, compile=args.compile, onnx_cache_dir=args.onnx_cache_dir
+    )
     return EngineConfig(precision=args.precision, scheduler=SchedulerConfig(**scheduler), runner=runner)
 
 

@@ -25,7 +25,7 @@ from ..model.config import PRECISIONS
 from . import stats
 from .common import TEXTS, run_tool, set_threads
 
-DEFAULT_MODES = ("bf16", "int8", "int8-dynamic", "int8-static")
+DEFAULT_MODES = ("bf16", "int8", "int8-dynamic", "int8-static", "ort-fp32", "ort-int8", "ort-int4")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-texts", type=int, default=4)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--onnx-cache-dir",
+        default=None,
+        help="where the ort-* modes cache their ONNX exports (default: the user cache directory)",
+    )
     p.add_argument("--plot", default=None, help="PNG: agreement and SNR per mode")
 
 
@@ -50,7 +55,9 @@ def _prompt_ids(engine, text: str) -> list[int]:
 
 
 def teacher_forced(engine, ids: list[int], codes) -> tuple[Any, Any]:
-    """The GPT over prompt + codes in one pass: (hidden [T, H] that produced each code, logits [T, 4, V])."""
+    """The GPT over prompt + codes: (hidden [T, H] that produced each code, logits [T, 4, V]). Torch
+    modes read it in one pass; ONNX Runtime modes (``ort-*``) as the engine runs them, the prompt in one
+    call, then one code per step (their int8 activation scale depends on the rows of a call)."""
     import torch
 
     model = engine.model
@@ -63,14 +70,30 @@ def teacher_forced(engine, ids: list[int], codes) -> tuple[Any, Any]:
     mask[0, :n] = True
     with torch.inference_mode():
         emb = model.embed.embed_prompt(full.to(dev), mask.to(dev))
-        cache = model.gpt.new_cache(1, n + t)
-        positions = torch.arange(n + t, device=dev)[None]
-        slot = torch.zeros(1, dtype=torch.long, device=dev)
-        dtype = model.gpt.norm.weight.dtype
-        h = model.gpt(emb.to(dtype), positions, cache, slot, 0, None, last_only=False).float()[0]
-        hs = h[n - 1 : n - 1 + t]
+        if engine.layout.trunk is not None:
+            hs = _onnx_hidden(engine.layout.trunk, emb, n, t)
+        else:
+            cache = model.gpt.new_cache(1, n + t)
+            positions = torch.arange(n + t, device=dev)[None]
+            slot = torch.zeros(1, dtype=torch.long, device=dev)
+            dtype = model.gpt.norm.weight.dtype
+            h = model.gpt(emb.to(dtype), positions, cache, slot, 0, None, last_only=False).float()[0]
+            hs = h[n - 1 : n - 1 + t]
         logits = model.embed.code_logits(hs).view(t, model.config.gpt.num_vq, -1)
     return hs, logits
+
+
+def _onnx_hidden(trunk, emb, n: int, t: int):
+    """Hidden states at positions n-1 .. n+t-2 of emb [1, n + t, H]: prefill, then single-token steps."""
+    import numpy as np
+    import torch
+
+    cache = trunk.new_cache(1, n + t)
+    one = np.ones(1, dtype=np.int32)
+    hs = [trunk.run(emb[:, :n], cache, 0, one * (n - 1), one * n)[0, -1]]
+    for pos in range(n, n + t - 1):
+        hs.append(trunk.run(emb[:, pos : pos + 1], cache, 0, one * pos, one)[0, 0])
+    return torch.stack(hs)
 
 
 def _decode(engine, hidden):
@@ -96,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from ..engine.config import EngineConfig
+    from ..engine.config import EngineConfig, RunnerConfig
     from ..engine.engine import Engine
     from ..model.quant import check_supported, parse_precision
 
@@ -118,6 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.steps < 2 or not texts:
         raise ValueError("--steps must be >= 2 and --num-texts >= 1")
 
+    runner = RunnerConfig(onnx_cache_dir=args.onnx_cache_dir)
     ref = Engine.from_pretrained(args.model, device, EngineConfig.with_slots(1))
     codes = _free_run(ref, texts, args.steps, args.seed)
     ids = [_prompt_ids(ref, t) for t in texts]
@@ -131,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rows = []
     for mode in modes:
-        eng = Engine.from_pretrained(args.model, device, EngineConfig.with_slots(1, precision=mode))
+        eng = Engine.from_pretrained(args.model, device, EngineConfig.with_slots(1, precision=mode, runner=runner))
         top1, kl, mel_d, snr = [], [], [], []
         for i, c, (lp32, mel32, wav32) in zip(ids, codes, base, strict=True):
             h, lg = teacher_forced(eng, i, c)

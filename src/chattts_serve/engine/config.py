@@ -2,9 +2,9 @@
 ``ServerConfig`` all hold, so a limit has one name, one default and one check.
 
     EngineConfig
-    ├── precision     str               fp32 | bf16 | fp16 | int8 | int8-dynamic | int8-static
+    ├── precision     str               fp32 | bf16 | fp16 | int8 | int8-dynamic | int8-static | ort-*
     ├── scheduler     SchedulerConfig   KV slots, slot length, queue bound, prefill budget
-    ├── runner        RunnerConfig      decode step: rows | static, CUDA graphs, torch.compile
+    ├── runner        RunnerConfig      decode step: rows | static, CUDA graphs, torch.compile, ONNX cache
     └── stream        StreamPolicy      default chunking of streamed audio (per request overridable)
 
 No torch here (the CLI builds its argument parser from these defaults before torch is imported).
@@ -34,6 +34,9 @@ class RunnerConfig:
     """Capture the static step in CUDA graphs (CUDA only; ignored elsewhere)."""
     compile: bool = False
     """``torch.compile`` the static step (inductor; fuses the elementwise ops between matmuls)."""
+    onnx_cache_dir: str | None = None
+    """Where the ``ort-*`` precisions keep their ONNX exports of the trunk, one per checkpoint and
+    mode (None: ``onnx`` in the user cache directory)."""
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
@@ -85,11 +88,13 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "decode": ("runner", "decode"),
     "cuda_graphs": ("runner", "cuda_graphs"),
     "compile": ("runner", "compile"),
+    "onnx_cache_dir": ("runner", "onnx_cache_dir"),
     "max_audio_seconds": ("max_audio_seconds",),
 }
 _HELP = {
     "precision": "GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
-    "int8-static (CPU, int8 activations too); see the README's quality table",
+    "int8-static (CPU, int8 activations too), ort-fp32 / ort-int8 / ort-int4 (the trunk in ONNX Runtime, CPU; "
+    "needs the [onnx] extra); see the README's quality table",
     "max_num_seqs": "KV-cache slots: sequences decoding at once",
     "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence)",
     "max_waiting": "sequences that may wait for a slot; beyond it submissions are refused",
@@ -97,6 +102,7 @@ _HELP = {
     "decode": "decode step: rows (batch-invariant; CPU default) or static (fixed shapes, CUDA graphs; CUDA default)",
     "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only)",
     "compile": "torch.compile the static decode step",
+    "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
     "max_audio_seconds": "audio one request may generate in all (its sentences x max_new_tokens are capped to fit)",
 }
 
@@ -149,7 +155,8 @@ def add_engine_arguments(
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=f"{_HELP[name]} {shown}", **kw)
         else:
             choices = {"precision": PRECISIONS, "decode": DECODE_MODES}.get(name)
-            p.add_argument(flag, type=type(default), choices=choices, help=f"{_HELP[name]} {shown}", **kw)
+            kind = str if default is None else type(default)
+            p.add_argument(flag, type=kind, choices=choices, help=f"{_HELP[name]} {shown}", **kw)
 
 
 def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:

@@ -93,6 +93,7 @@ class Engine:
             config.scheduler.max_num_seqs,
             compile=config.runner.compile,
             calibrate=lambda m: calibrate(m, tokenizer, stats),
+            onnx_cache_dir=config.runner.onnx_cache_dir,
         )
         return cls(model, tokenizer, stats, config, layout)
 

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..model.checkpoint import LoadedModel
@@ -117,10 +118,15 @@ class ModelRunner:
         self.config = config or RunnerConfig()
         self.device = model.embed.emb_text.weight.device
         self.dtype = model.gpt.norm.weight.dtype
-        self.decode_mode = self.config.resolve(self.device.type)
+        self.trunk = layout.trunk
+        """``ort-*``: prefill and decode run in this ONNX Runtime session over the same slot cache."""
+        self.decode_mode = "onnx" if self.trunk is not None else self.config.resolve(self.device.type)
         # The static step needs one scratch position past the last real one (see engine.cuda_graph).
         extra = 1 if self.decode_mode == "static" else 0
-        self.cache = model.gpt.new_cache(num_slots, max_model_len + extra)
+        if self.trunk is not None:
+            self.cache = self.trunk.new_cache(num_slots, max_model_len)
+        else:
+            self.cache = model.gpt.new_cache(num_slots, max_model_len + extra)
         if self.decode_mode == "static":
             self.cache.k.zero_(), self.cache.v.zero_()  # rows that decode nothing read finite values
         self.num_vq = model.config.gpt.num_vq
@@ -203,10 +209,15 @@ class ModelRunner:
         emb = embed.embed_prompt(ids, text_mask)
         if inp.speaker is not None:
             emb[0, ids[0, :, 0].eq(inp.speaker_token_id) & text_mask[0]] = inp.speaker.to(emb.dtype)
-        positions = torch.arange(seq.prompt_len, device=self.device)[None]
-        slot = torch.tensor([seq.slot], device=self.device)
-        # All positions through the final norm and heads, then the last row: the reference's order.
-        h = gpt(emb.to(self.dtype), positions, self.cache, slot, 0, None, last_only=False).float()[0]
+        if self.trunk is not None:
+            n = seq.prompt_len
+            one = np.array([n], dtype=np.int32)
+            h = self.trunk.run(emb, self.cache, seq.slot, one - 1, one)[0]
+        else:
+            positions = torch.arange(seq.prompt_len, device=self.device)[None]
+            slot = torch.tensor([seq.slot], device=self.device)
+            # All positions through the final norm and heads, then the last row: the reference's order.
+            h = gpt(emb.to(self.dtype), positions, self.cache, slot, 0, None, last_only=False).float()[0]
         logits = embed.code_logits(h)[-self.num_vq :] if seq.kind == "code" else embed.text_logits(h)[-1:]
         vocab = logits.shape[-1]
         self.states[seq.seq_id] = _SeqState(seq, self.num_vq if seq.kind == "code" else 1, self.device, vocab)
@@ -225,9 +236,26 @@ class ModelRunner:
             emb[text_rows] = embed.embed_text(last[text_rows, 0])
         lengths = [s.cache_len for s in seqs]
         slots = [s.slot for s in seqs]
+        if self.trunk is not None:
+            return self._decode_onnx(emb, slots, lengths)
         if self.static is not None:
             return self.static(emb, slots, lengths).float()
         return self.model.gpt.decode(emb.to(self.dtype), self.cache, slots, lengths, self.pad_rows_to).float()
+
+    def _decode_onnx(self, emb: torch.Tensor, slots: list[int], lengths: list[int]) -> torch.Tensor:
+        """One ORT step over the slot block ``min(slots) .. max(slots)`` (one contiguous piece of each
+        layer's cache, bound without a copy). Slots in between that decode nothing this step (free,
+        or prefilled this step) are idle rows: zero input, and their cache is left as it is."""
+        lo = min(slots)
+        rows = [s - lo for s in slots]
+        block = max(slots) - lo + 1
+        x = emb.new_zeros(block, 1, emb.shape[1])
+        x[rows, 0] = emb
+        seqlens_k = np.zeros(block, dtype=np.int32)
+        seqlens_k[rows] = lengths  # the new token goes to position lengths[b]: lengths[b] + 1 cached after
+        active = np.zeros(block, dtype=np.int32)
+        active[rows] = 1
+        return self.trunk.run(x, self.cache, lo, seqlens_k, active)[rows, 0]
 
     def _heads(self, kind: str, h: torch.Tensor, idx: list[int]) -> torch.Tensor:
         rows = h[idx]

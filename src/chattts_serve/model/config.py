@@ -13,7 +13,18 @@ DEFAULT_MODEL = "2Noise/ChatTTS"
 """The official checkpoint (Hugging Face hub repo id), used when no ``--model`` is given."""
 
 # GPT precision modes (see ``model.quant``); here so that torch-free code (the CLI) can list them.
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "int8", "int8-dynamic", "int8-static")
+# ``ort-*``: the trunk runs in ONNX Runtime (``model.onnx_export``), weights fp32 / int8 / 4-bit.
+PRECISIONS: tuple[str, ...] = (
+    "fp32",
+    "bf16",
+    "fp16",
+    "int8",
+    "int8-dynamic",
+    "int8-static",
+    "ort-fp32",
+    "ort-int8",
+    "ort-int4",
+)
 
 # Fixed by the audio format and the tokenizer; the same for every ChatTTS checkpoint.
 SAMPLE_RATE = 24_000

@@ -4,6 +4,9 @@ In order: fuse the q/k/v and gate/up projections (everywhere but the reference-e
 activation ranges (``int8-static`` only, on the fused fp32 model), swap in the precision's modules,
 then choose the CPU matmul layout for batching (oneDNN-packed weights, or row padding). The engine's
 runner only runs the result; ``ModelLayout`` tells it what was done.
+
+The ``ort-*`` precisions instead export the fp32 trunk to ONNX (or take the export from the cache) and
+open an ONNX Runtime session on it (``ModelLayout.trunk``); the torch trunk's weights are then dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from .checkpoint import LoadedModel
 from .gpt import fuse_projections_
 from .linear import pack_linears_, packing_available
+from .onnx_trunk import OnnxTrunk
 from .quant import PrecisionSpec, apply_precision_, check_supported
 
 logger = logging.getLogger(__name__)
@@ -34,6 +38,8 @@ class ModelLayout:
     """GPT projections are oneDNN-packed (batch-invariant at any row count)."""
     pad_rows_to: int = 1
     """Run fp32 matmuls on a multiple of this many rows (batch invariance where packing is missing)."""
+    trunk: OnnxTrunk | None = None
+    """``ort-*``: the GPT trunk runs in this ONNX Runtime session (``model.gpt`` holds no weights)."""
 
 
 def prepare_model(
@@ -43,6 +49,7 @@ def prepare_model(
     *,
     compile: bool = False,
     calibrate: Calibrate | None = None,
+    onnx_cache_dir: str | None = None,
 ) -> ModelLayout:
     """Prepare ``model`` in place for ``num_slots`` sequences decoding together in precision ``spec``.
 
@@ -50,9 +57,12 @@ def prepare_model(
     must not depend on its neighbours: the projections are packed for oneDNN (whose per-row result is
     the same at any row count), or fp32 matmuls run on a multiple of 4 rows where packing is missing.
     ``compile``: the decode step will be compiled (inductor cannot lower packed weights; it packs its own).
+    ``onnx_cache_dir``: where ``ort-*`` exports are cached (default: the user cache directory).
     """
     device = model.embed.emb_text.weight.device
     check_supported(spec, device)
+    if spec.onnx is not None:
+        return _prepare_onnx(model, spec, num_slots, device, onnx_cache_dir)
     if spec.name != "fp32" or num_slots > 1:
         fuse_projections_(model.gpt)
     absmax = None
@@ -73,5 +83,22 @@ def prepare_model(
         if packing_available(device, torch.float32):
             model.embed.pack_heads()
     layout = ModelLayout(spec, packed, pad_rows_to)
+    logger.info("model prepared: %s", layout)
+    return layout
+
+
+def _prepare_onnx(
+    model: LoadedModel, spec: PrecisionSpec, num_slots: int, device: torch.device, cache_dir: str | None
+) -> ModelLayout:
+    from .onnx_export import cached_export
+
+    directory = cached_export(model, spec.onnx, cache_dir)
+    trunk = OnnxTrunk(directory, model.config.gpt, spec.onnx, device)
+    # The session holds its own copy of the weights; the torch trunk's would only cost memory (and a
+    # stray call into it fails loudly on meta tensors instead of running on stale weights).
+    model.gpt.to("meta")
+    if num_slots > 1 and packing_available(device, torch.float32):  # as the torch modes: heads batch-invariant
+        model.embed.pack_heads()
+    layout = ModelLayout(spec, trunk=trunk)
     logger.info("model prepared: %s", layout)
     return layout

@@ -13,6 +13,9 @@ fp16           fp16        fp16                                                c
 int8           bf16        int8 weights, per-output-channel scales, bf16 act.  cpu, cuda
 int8-dynamic   fp32        int8 weights, activations quantised per call        cpu (fbgemm)
 int8-static    fp32        int8 weights, activation scales calibrated on text  cpu (fbgemm)
+ort-fp32       fp32        the trunk in ONNX Runtime, fp32                     cpu (onnxruntime)
+ort-int8       fp32        ORT, int8 weights per channel, act. per call        cpu (onnxruntime)
+ort-int4       fp32        ORT, 4-bit weights (block 32), int8 act. per block  cpu (onnxruntime)
 =============  ==========  ==================================================  ===========================
 
 Why three int8 modes: on CPUs without AVX-512 VNNI/AMX (our CI box is AVX2), torch's weight-only int8
@@ -20,6 +23,11 @@ GEMV (``_weight_int8pack_mm``) is only as fast as a bf16 GEMV, while fbgemm's u8
 weights at nearly the bandwidth floor. fbgemm needs int8 activations: "dynamic" takes one scale per
 call from the whole batch (so a row's result depends on its neighbours: not batch-invariant),
 "static" fixes one scale per layer from calibration text (batch-invariant, and a little faster).
+
+The ``ort-*`` modes leave the torch trunk alone: ``model.prepare`` exports it to ONNX (cached) and the
+runner steps it in ONNX Runtime over the same KV slot cache (``model.onnx_export``, ``model.onnx_trunk``).
+Batch invariance: ort-fp32 and ort-int4 keep it (MLAS computes each row the same at any row count;
+checked by the tests), ort-int8 does not (one activation scale per call, as int8-dynamic).
 """
 
 from __future__ import annotations
@@ -45,15 +53,20 @@ class PrecisionSpec:
     trunk_dtype: torch.dtype
     """dtype of the GPT residual stream and of its KV cache."""
     int8: Literal["none", "weight", "dynamic", "static"]
+    onnx: Literal["fp32", "int8", "int4"] | None = None
+    """The trunk runs in ONNX Runtime with these weights (``ort-*``); None: in torch."""
 
 
-_MODES = {  # name -> (trunk dtype, int8 kind); the names are model.config.PRECISIONS
-    "fp32": (torch.float32, "none"),
-    "bf16": (torch.bfloat16, "none"),
-    "fp16": (torch.float16, "none"),
-    "int8": (torch.bfloat16, "weight"),
-    "int8-dynamic": (torch.float32, "dynamic"),
-    "int8-static": (torch.float32, "static"),
+_MODES = {  # name -> (trunk dtype, int8 kind, ONNX weights); the names are model.config.PRECISIONS
+    "fp32": (torch.float32, "none", None),
+    "bf16": (torch.bfloat16, "none", None),
+    "fp16": (torch.float16, "none", None),
+    "int8": (torch.bfloat16, "weight", None),
+    "int8-dynamic": (torch.float32, "dynamic", None),
+    "int8-static": (torch.float32, "static", None),
+    "ort-fp32": (torch.float32, "none", "fp32"),
+    "ort-int8": (torch.float32, "none", "int8"),
+    "ort-int4": (torch.float32, "none", "int4"),
 }
 assert tuple(_MODES) == PRECISIONS
 SPECS = {name: PrecisionSpec(name, *_MODES[name]) for name in PRECISIONS}
@@ -71,6 +84,14 @@ def parse_precision(value: str | torch.dtype) -> PrecisionSpec:
 
 def check_supported(spec: PrecisionSpec, device: torch.device) -> None:
     """Raise ValueError with the reason when ``spec`` cannot run on ``device``."""
+    if spec.onnx is not None:
+        from .onnx_export import require_onnxruntime
+
+        require_onnxruntime()
+        if device.type != "cpu":
+            # GroupQueryAttention has no fp32 kernel on CUDA; the GPU route needs a half-precision export.
+            raise ValueError(f"precision {spec.name} runs on the CPU only for now; on {device.type} use bf16 or fp16")
+        return
     if device.type == "cpu" and spec.name == "fp16":
         raise ValueError("precision fp16 needs a CUDA device (CPUs have no fast fp16 matmul); use bf16 or int8")
     if device.type != "cpu" and spec.int8 in ("dynamic", "static"):

@@ -1,0 +1,136 @@
+"""Run the exported GPT trunk (``model.onnx_export``) in ONNX Runtime over the engine's KV slot cache.
+
+The cache is the same ``KVCache`` the torch path uses (``[layers, slots, kv_heads, capacity,
+head_dim]``, fp32). Slots ``lo..hi`` of one layer are one contiguous block, so a step binds that block
+as both ``past`` and ``present`` of the layer (I/O binding by pointer: no copy) and GroupQueryAttention
+writes each row's new key/value in place at its own position. Rows of the block that have nothing to
+do this step are idle (``query_seqlens = 0``): the op leaves their cache alone.
+
+Providers: ``cpu`` (default on a CPU device), ``cuda`` and ``tensorrt`` (the cache and the embeddings
+then live on that CUDA device and are bound there). GroupQueryAttention on CUDA runs in fp16/bf16
+only, so the fp32 graph of this module needs a half-precision export there (not written yet).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import GPTConfig
+from .gpt import KVCache
+from .onnx_export import MODEL_FILE, Manifest, require_onnxruntime
+
+logger = logging.getLogger(__name__)
+
+ONNX_PROVIDERS = ("auto", "cpu", "cuda", "tensorrt")
+_PROVIDER_NAMES = {
+    "cpu": ["CPUExecutionProvider"],
+    "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    "tensorrt": ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"],
+}
+
+
+def resolve_providers(provider: str, device: torch.device) -> list[str]:
+    """ORT provider names for ``provider`` on ``device``; ValueError when they cannot run here."""
+    import onnxruntime as ort
+
+    if provider not in ONNX_PROVIDERS:
+        raise ValueError(f"onnx provider must be one of {', '.join(ONNX_PROVIDERS)}; got {provider!r}")
+    if provider == "auto":
+        provider = "cuda" if device.type == "cuda" else "cpu"
+    if (provider == "cpu") != (device.type == "cpu"):
+        raise ValueError(f"onnx provider {provider!r} does not run on device {device.type!r}")
+    names = _PROVIDER_NAMES[provider]
+    available = ort.get_available_providers()
+    if names[0] not in available:
+        raise ValueError(
+            f"ONNX Runtime here has no {names[0]} (available: {', '.join(available)}); "
+            "install the onnxruntime build for it (e.g. onnxruntime-gpu)"
+        )
+    return names
+
+
+class OnnxTrunk:
+    """One ORT session of the trunk step; ``run`` prefills or decodes a contiguous block of slots."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        cfg: GPTConfig,
+        weights: str,
+        device: torch.device,
+        provider: str = "auto",
+        threads: int | None = None,
+    ) -> None:
+        require_onnxruntime()
+        import onnxruntime as ort
+
+        directory = Path(directory)
+        self.manifest = Manifest.read(directory)
+        self.manifest.check(cfg, weights)
+        self.cfg = cfg
+        self.device = device
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # The same thread count as torch: the two never run at once (audio decode follows the step).
+        so.intra_op_num_threads = threads or torch.get_num_threads()
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        self.providers = resolve_providers(provider, device)
+        self.session = ort.InferenceSession(str(directory / MODEL_FILE), so, providers=self.providers)
+        self._device_type = "cuda" if device.type == "cuda" else "cpu"
+        self._device_id = (device.index or 0) if device.type == "cuda" else 0
+        logger.info("ONNX trunk %s (%s) on %s", directory, weights, self.session.get_providers())
+
+    @property
+    def max_positions(self) -> int:
+        return self.manifest.max_positions
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        if max_len > self.max_positions:
+            raise ValueError(f"cache of {max_len} positions exceeds the export's rotary table ({self.max_positions})")
+        c = self.cfg
+        return KVCache(c.num_layers, num_slots, c.num_kv_heads, max_len, c.head_dim, torch.float32, self.device)
+
+    def _bind(self, io, name: str, t: torch.Tensor, output: bool = False) -> None:
+        bind = io.bind_output if output else io.bind_input
+        bind(name, self._device_type, self._device_id, np.float32, list(t.shape), t.data_ptr())
+
+    def run(
+        self,
+        embeds: torch.Tensor,  # [B, S, hidden] fp32: row b is slot lo + b
+        cache: KVCache,
+        lo: int,
+        seqlens_k: np.ndarray,  # [B] int32: positions cached after this step - 1
+        query_seqlens: np.ndarray,  # [B] int32: new tokens of row b (0 = idle)
+    ) -> torch.Tensor:
+        """One step over slots ``lo .. lo + B - 1``; returns final-norm hidden states ``[B, S, hidden]``
+        (rows and positions past ``query_seqlens`` are unspecified). Row b's new tokens go to cache
+        positions ``seqlens_k[b] + 1 - query_seqlens[b] ..  seqlens_k[b]`` of its slot."""
+        bsz = embeds.shape[0]
+        if lo < 0 or lo + bsz > cache.num_slots:
+            raise ValueError(f"slots {lo}..{lo + bsz - 1} outside the cache's {cache.num_slots}")
+        total = int(seqlens_k.max()) + 1
+        if total > cache.max_len:
+            raise ValueError(f"position {total - 1} exceeds cache {cache.max_len}")
+        embeds = embeds.to(device=self.device, dtype=torch.float32).contiguous()
+        out = torch.empty_like(embeds)
+        io = self.session.io_binding()
+        self._bind(io, "embeds", embeds)
+        io.bind_cpu_input("seqlens_k", np.ascontiguousarray(seqlens_k, dtype=np.int32))
+        io.bind_cpu_input("total_sequence_length", np.array(total, dtype=np.int32))
+        io.bind_cpu_input("query_seqlens", np.ascontiguousarray(query_seqlens, dtype=np.int32))
+        for i in range(self.cfg.num_layers):
+            # One layer's block of slots is contiguous in [layers, slots, ...]: bound by pointer,
+            # past and present the same memory (GroupQueryAttention then appends in place).
+            k, v = cache.k[i, lo : lo + bsz], cache.v[i, lo : lo + bsz]
+            for kind, t in (("key", k), ("value", v)):
+                self._bind(io, f"past_{kind}_{i}", t)
+                self._bind(io, f"present_{kind}_{i}", t, output=True)
+        self._bind(io, "hidden", out, output=True)
+        self.session.run_with_iobinding(io)
+        return out

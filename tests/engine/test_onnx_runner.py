@@ -1,0 +1,104 @@
+"""The ort-* precisions through the whole engine (engine/runner.py with model/onnx_trunk.py): the same
+tokens as torch fp32 for ort-fp32, offline and streamed synthesis, batch invariance where promised,
+and their rows in ``chattts-serve eval``. Exports are cached in a per-run directory, never the user's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime", reason="the ort-* precisions need the [onnx] extra")
+
+from chattts_serve import Engine, SamplingParams  # noqa: E402
+from chattts_serve.cli import main  # noqa: E402
+from chattts_serve.engine.async_engine import AsyncEngine  # noqa: E402
+from chattts_serve.engine.config import EngineConfig, RunnerConfig  # noqa: E402
+from chattts_serve.sampling_params import RefineParams  # noqa: E402
+
+PARAMS = SamplingParams(seed=5, max_new_tokens=24, refine_text=False)
+TEXTS = ["你好，世界。", "Hello there, my friend.", "Good morning."]
+
+
+@pytest.fixture(scope="module")
+def onnx_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("onnx-cache"))
+
+
+def _config(precision: str, onnx_cache: str, slots: int = 4) -> EngineConfig:
+    return EngineConfig.with_slots(slots, precision=precision, runner=RunnerConfig(onnx_cache_dir=onnx_cache))
+
+
+@pytest.fixture(scope="module", params=["ort-fp32", "ort-int8", "ort-int4"])
+def engine(request, tiny_ckpt, onnx_cache):
+    return Engine.from_pretrained(tiny_ckpt, config=_config(request.param, onnx_cache))
+
+
+def test_trunk_runs_in_onnx_runtime(engine):
+    assert engine.decode_mode == "onnx" and engine.layout.trunk is not None
+    # The torch trunk gave its weights up: a stray call into it cannot run on them.
+    assert all(p.is_meta for p in engine.model.gpt.parameters())
+
+
+def test_ort_fp32_tokens_equal_torch_fp32(tiny_ckpt, onnx_cache):
+    """Hidden states differ from torch's in the last bits (other kernels, ~3e-7 relative); on the tiny
+    checkpoint that never flips a sampled code, so seeded requests give the same tokens, batched or not."""
+    ort = Engine.from_pretrained(tiny_ckpt, config=_config("ort-fp32", onnx_cache))
+    ref = Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(4))
+    for a, b in zip(ort.synthesize(TEXTS, PARAMS), ref.synthesize(TEXTS, PARAMS), strict=True):
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_allclose(a.audio, b.audio, atol=1e-3)
+    # The refine pass (text head) through ORT too.
+    refine = SamplingParams(seed=3, max_new_tokens=16, refine=RefineParams(seed=4, max_new_tokens=12))
+    [a], [b] = ort.synthesize(TEXTS[:1], refine), ref.synthesize(TEXTS[:1], refine)
+    assert [s.text for s in a.segments] == [s.text for s in b.segments]
+    np.testing.assert_array_equal(a.codes, b.codes)
+
+
+def test_synthesize_repeats(engine):
+    a = engine.synthesize(TEXTS, PARAMS)
+    b = engine.synthesize(TEXTS, PARAMS)
+    for x, y in zip(a, b, strict=True):
+        assert x.codes.shape[0] > 0 and np.isfinite(x.audio).all()
+        np.testing.assert_array_equal(x.codes, y.codes)
+
+
+def test_batch_invariance_where_promised(engine):
+    batched = engine.synthesize(TEXTS, PARAMS)[1]
+    alone = engine.synthesize(TEXTS[1:2], PARAMS)[0]
+    if engine.precision.name == "ort-int8":  # one activation scale per call (tests/model/test_onnx.py)
+        pytest.skip("ort-int8 does not promise batch invariance")
+    np.testing.assert_array_equal(batched.codes, alone.codes)
+
+
+def test_streaming_with_ort_int8(tiny_ckpt, onnx_cache):
+    engine = AsyncEngine.from_pretrained(tiny_ckpt, config=_config("ort-int8", onnx_cache, slots=2))
+    params = SamplingParams(seed=9, min_new_tokens=40, max_new_tokens=40, refine_text=False)
+
+    async def both():
+        return await asyncio.gather(*(collect(engine, t, params) for t in TEXTS[:2]))
+
+    async def collect(e, text, p):
+        return [c async for c in e.stream(text, p)]
+
+    try:
+        streams = asyncio.run(asyncio.wait_for(both(), 120))
+    finally:
+        engine.shutdown()
+    for chunks in streams:
+        assert len(chunks) > 1 and chunks[-1].finished and chunks[-1].finish_reason == "length"
+        audio = np.concatenate([c.audio for c in chunks])
+        assert len(audio) == 512 * 40 - 256 and np.isfinite(audio).all()
+
+
+def test_eval_reports_the_ort_modes(tiny_ckpt, onnx_cache, capsys):
+    argv = ["eval", "--model", str(tiny_ckpt), "--threads", "1", "--steps", "12", "--num-texts", "2"]
+    assert main([*argv, "--modes", "ort-fp32,ort-int8", "--onnx-cache-dir", onnx_cache]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    exact, int8 = r["modes"]
+    assert exact["precision"] == "ort-fp32" and exact["tf_top1_agreement"] == 1.0
+    assert abs(exact["tf_kl_nats"]) < 1e-5 and exact["free_run_code_agreement"] == 1.0
+    assert int8["precision"] == "ort-int8" and 0.5 < int8["tf_top1_agreement"] <= 1 and int8["tf_kl_nats"] > 0
+    assert "| ort-int8 |" in r["markdown"]

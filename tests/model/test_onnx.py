@@ -1,0 +1,203 @@
+"""The ONNX export of the GPT trunk (model/onnx_export.py) and its ORT step over the KV slot cache
+(model/onnx_trunk.py), against the torch trunk on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime", reason="the ort-* precisions need the [onnx] extra")
+
+from chattts_serve.model import checkpoint, onnx_export  # noqa: E402
+from chattts_serve.model.onnx_export import Manifest, cached_export, export  # noqa: E402
+from chattts_serve.model.onnx_trunk import OnnxTrunk  # noqa: E402
+from chattts_serve.model.quant import check_supported, parse_precision  # noqa: E402
+
+NUM_SLOTS, MAX_LEN = 6, 64
+PROMPTS = {0: 5, 1: 9, 2: 3, 3: 12, 5: 7}  # slot -> prompt length (slot 4 stays empty)
+# (slots decoding) per step: gaps (idle rows inside the block), one row, an unsorted set, every slot.
+STEPS = [[0, 2, 3], [1, 3], [5], [3, 0, 5, 1], [0, 1, 2, 3, 5], [2, 5]]
+# Relative error of a decode step's hidden state vs torch fp32, measured on the tiny random checkpoint
+# (fp32 ~3e-7; int8 ~1 %; 4-bit ~10 %: random tiny weights are its worst case) with room to spare.
+BOUND = {"fp32": 1e-4, "int8": 0.05, "int4": 0.3}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return checkpoint.load(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def exports(model, tmp_path_factory):
+    base = tmp_path_factory.mktemp("onnx")
+    return {w: export(model, base / w, w) for w in onnx_export.WEIGHT_KINDS}
+
+
+def _trunk(model, exports, weights):
+    return OnnxTrunk(exports[weights], model.config.gpt, weights, torch.device("cpu"))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _ort_decode(trunk, cache, emb, slots, lengths, block=None):
+    """The runner's block step: rows lo..hi (or ``block`` rows from lo), the ones not in ``slots`` idle."""
+    lo = min(slots)
+    block = block or max(slots) - lo + 1
+    rows = [s - lo for s in slots]
+    x = torch.zeros(block, 1, emb.shape[1])
+    x[rows, 0] = emb
+    seqlens = np.zeros(block, np.int32)
+    seqlens[rows] = lengths
+    active = np.zeros(block, np.int32)
+    active[rows] = 1
+    return trunk.run(x, cache, lo, seqlens, active)[rows, 0]
+
+
+def _run_both(model, trunk):
+    """Prefill PROMPTS, then decode STEPS, in torch fp32 and in ORT; yields (what, torch, ort) hidden
+    states, then the two caches."""
+    gpt, hidden = model.gpt, model.config.gpt.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    cache_t, cache_o = gpt.new_cache(NUM_SLOTS, MAX_LEN), trunk.new_cache(NUM_SLOTS, MAX_LEN)
+    out = []
+    lengths = dict(PROMPTS)
+    with torch.inference_mode():
+        for slot, n in PROMPTS.items():
+            emb = torch.randn(1, n, hidden, generator=gen)
+            ht = gpt(emb, torch.arange(n)[None], cache_t, torch.tensor([slot]), 0, None, last_only=False)
+            ho = trunk.run(emb, cache_o, slot, np.array([n - 1], np.int32), np.array([n], np.int32))
+            out.append((f"prefill slot {slot}", ht[0], ho[0]))
+        for step, slots in enumerate(STEPS):
+            emb = torch.randn(len(slots), hidden, generator=gen)
+            lens = [lengths[s] for s in slots]
+            ht = gpt.decode(emb, cache_t, slots, lens)
+            ho = _ort_decode(trunk, cache_o, emb, slots, lens)
+            out.append((f"decode step {step} slots {slots}", ht, ho))
+            for s in slots:
+                lengths[s] += 1
+    return out, cache_t, cache_o, lengths
+
+
+def test_fp32_matches_torch_over_steps_and_slot_layouts(model, exports):
+    trunk = _trunk(model, exports, "fp32")
+    steps, cache_t, cache_o, lengths = _run_both(model, trunk)
+    for what, ht, ho in steps:
+        assert _rel(ho, ht) < BOUND["fp32"], what
+    # Every position each slot wrote holds the same keys and values (idle rows wrote nothing).
+    for slot, n in lengths.items():
+        for name in ("k", "v"):
+            a, b = getattr(cache_t, name)[:, slot, :, :n], getattr(cache_o, name)[:, slot, :, :n]
+            assert _rel(b, a) < BOUND["fp32"], (slot, name)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_stays_within_its_bound(model, exports, weights):
+    steps, *_ = _run_both(model, _trunk(model, exports, weights))
+    errors = [_rel(ho, ht) for _, ht, ho in steps]
+    assert all(np.isfinite(errors)) and max(errors) < BOUND[weights]
+    assert max(errors) > 1e-6  # the weights really are quantized
+
+
+def test_idle_rows_leave_their_cache_alone(model, exports):
+    trunk = _trunk(model, exports, "fp32")
+    cache = trunk.new_cache(4, MAX_LEN)
+    cache.k.normal_(), cache.v.normal_()
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    hidden = model.config.gpt.hidden_size
+    # Slots 0 and 3 decode at positions 10 and 20; slots 1 and 2 (say, one free, one just prefilled) idle.
+    _ort_decode(trunk, cache, torch.randn(2, hidden), [0, 3], [10, 20])
+    changed = (cache.k != before_k).any(-1)  # [layers, slots, heads, positions]
+    assert changed[:, [1, 2]].sum() == 0 and torch.equal(cache.v[:, 1:3], before_v[:, 1:3])
+    assert changed[:, 0, :, 10].all() and changed[:, 3, :, 20].all()
+    assert changed[:, 0].sum() == changed[:, 0, :, 10].sum()  # nothing else of slot 0 either
+
+
+@pytest.mark.parametrize("weights", onnx_export.WEIGHT_KINDS)
+def test_batch_invariance_per_mode(model, exports, weights):
+    """What each mode promises: fp32 and 4-bit compute a row the same whatever else is in the call
+    (MLAS's GEMMs and the 4-bit kernel's per-row activation blocks); int8 quantises the activations with
+    one scale per call, so active neighbours change a row's result, idle (zero) rows do not."""
+    trunk = _trunk(model, exports, weights)
+    hidden = model.config.gpt.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    base = trunk.new_cache(8, MAX_LEN)
+    base.k.copy_(torch.randn(base.k.shape, generator=gen))
+    base.v.copy_(torch.randn(base.v.shape, generator=gen))
+    emb = torch.randn(8, hidden, generator=gen) * 3
+    lengths = [11, 30, 5, 17, 40, 8, 23, 2]
+
+    def row0(slots, block=None):
+        cache = trunk.new_cache(8, MAX_LEN)
+        cache.k.copy_(base.k), cache.v.copy_(base.v)
+        return _ort_decode(trunk, cache, emb[slots], slots, [lengths[s] for s in slots], block)[0]
+
+    alone = row0([0])
+    assert torch.equal(alone, row0([0], block=6)), "idle rows must not change a row"
+    with_neighbours = [row0(list(range(n))) for n in (2, 3, 4, 8)]
+    if weights == "int8":
+        assert not all(torch.equal(alone, h) for h in with_neighbours)
+    else:
+        assert all(torch.equal(alone, h) for h in with_neighbours)
+
+
+def test_run_refuses_slots_and_positions_outside_the_cache(model, exports):
+    trunk = _trunk(model, exports, "fp32")
+    cache = trunk.new_cache(2, 16)
+    x = torch.zeros(2, 1, model.config.gpt.hidden_size)
+    one = np.ones(2, np.int32)
+    with pytest.raises(ValueError, match="outside the cache"):
+        trunk.run(x, cache, 1, one, one)
+    with pytest.raises(ValueError, match="exceeds cache"):
+        trunk.run(x, cache, 0, one * 16, one)
+    with pytest.raises(ValueError, match="rotary table"):
+        trunk.new_cache(1, trunk.max_positions + 1)
+
+
+def test_export_is_checked_against_the_model(model, exports, tmp_path):
+    manifest = Manifest.read(exports["int8"])
+    assert manifest.weights == "int8" and manifest.num_layers == model.config.gpt.num_layers
+    with pytest.raises(ValueError, match="does not fit"):
+        OnnxTrunk(exports["int8"], model.config.gpt, "fp32", torch.device("cpu"))
+    with pytest.raises(ValueError, match="not an ONNX export"):
+        Manifest.read(tmp_path)
+
+
+def test_cache_reuses_an_export_and_keys_it_by_checkpoint_and_mode(model, tmp_path, monkeypatch):
+    first = cached_export(model, "fp32", tmp_path)
+    assert (first / onnx_export.MODEL_FILE).exists()
+
+    def no_export(*_a, **_k):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(onnx_export, "export", no_export)
+    assert cached_export(model, "fp32", tmp_path) == first
+    monkeypatch.setattr(onnx_export, "checkpoint_digest", lambda _root: "f" * 64)  # another checkpoint
+    with pytest.raises(AssertionError, match="exported again"):
+        cached_export(model, "fp32", tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # the failed attempt left nothing
+
+
+def test_checkpoint_digest_follows_the_trunk_files(tiny_ckpt, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
+    assert onnx_export.checkpoint_digest(copy) == onnx_export.checkpoint_digest(tiny_ckpt)
+    config = copy / checkpoint.GPT_CONFIG
+    config.write_text(config.read_text() + "\n")
+    assert onnx_export.checkpoint_digest(copy) != onnx_export.checkpoint_digest(tiny_ckpt)
+
+
+def test_missing_onnxruntime_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(ValueError, match=r"pip install 'chattts-serve\[onnx\]'"):
+        check_supported(parse_precision("ort-int8"), torch.device("cpu"))
+
+
+def test_ort_modes_are_cpu_only_for_now():
+    with pytest.raises(ValueError, match="CPU only"):
+        check_supported(parse_precision("ort-fp32"), torch.device("cuda"))
