@@ -201,3 +201,20 @@ def test_missing_onnxruntime_is_a_clear_error(monkeypatch):
 def test_ort_modes_are_cpu_only_for_now():
     with pytest.raises(ValueError, match="CPU only"):
         check_supported(parse_precision("ort-fp32"), torch.device("cuda"))
+
+
+def test_export_cli_writes_a_checked_export(tiny_ckpt, tmp_path, capsys):
+    from chattts_serve.cli import main
+
+    out = tmp_path / "int8"
+    argv = ["export", "onnx", "--model", str(tiny_ckpt), "--out", str(out), "--quant", "int8"]
+    assert main(argv) == 0
+    assert "checked on ORT's cpu" in capsys.readouterr().out
+    assert Manifest.read(out).weights == "int8"
+    size = (out / onnx_export.DATA_FILE).stat().st_size
+    assert main(argv) == 0  # again into the same directory: replaced, not appended to
+    assert (out / onnx_export.DATA_FILE).stat().st_size == size
+    capsys.readouterr()
+    assert main([*argv, "--provider", "cuda"]) == 2  # this ONNX Runtime build has no CUDA provider
+    assert "CUDAExecutionProvider" in capsys.readouterr().err
+    assert main(["export", "onnx", "--model", str(tmp_path / "missing"), "--out", str(out)]) == 2

@@ -390,6 +390,8 @@ def export(model: LoadedModel, out: str | os.PathLike, weights: str = "fp32", di
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_KINDS)}; got {weights!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for name in (MANIFEST, MODEL_FILE, DATA_FILE):  # onnx appends to an existing data file
+        (out / name).unlink(missing_ok=True)
     cfg = model.config.gpt
     start = time.perf_counter()
     graph = build_graph(model.gpt)

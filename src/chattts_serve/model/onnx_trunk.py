@@ -134,3 +134,16 @@ class OnnxTrunk:
         self._bind(io, "hidden", out, output=True)
         self.session.run_with_iobinding(io)
         return out
+
+
+def check_export(directory: str | Path, cfg: GPTConfig, weights: str, provider: str = "cpu") -> None:
+    """Load an export on ``provider`` and run one prefill and one decode step on random input;
+    ValueError when it cannot load or its output is not finite."""
+    device = torch.device("cpu" if provider == "cpu" else "cuda")
+    trunk = OnnxTrunk(directory, cfg, weights, device, provider)
+    cache = trunk.new_cache(1, 8)
+    x = torch.randn(1, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    prefill = trunk.run(x, cache, 0, np.array([2], np.int32), np.array([3], np.int32))
+    decode = trunk.run(x[:, :1], cache, 0, np.array([3], np.int32), np.array([1], np.int32))
+    if not (torch.isfinite(prefill).all() and torch.isfinite(decode).all()):
+        raise ValueError(f"the export in {directory} gives non-finite hidden states on {trunk.providers[0]}")
