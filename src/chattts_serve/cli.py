@@ -5,6 +5,7 @@ chattts-serve synthesize --input texts.txt --output-dir out/ [--batch-size N] [-
 chattts-serve ray serve --model DIR --num-replicas N      chattts-serve ray batch --input F --output-dir D
 chattts-serve speaker new [--model DIR|REPO] [--seed N]
 chattts-serve checkpoint random DIR [--size tiny|full] [--seed N]
+chattts-serve export onnx --out DIR [--model DIR|REPO] [--quant fp32|int8|int4] [--provider cpu|cuda|tensorrt]
 chattts-serve bench offline|streams|serve ...   chattts-serve profile ...   chattts-serve eval ...
 """
 
@@ -180,6 +181,27 @@ def _build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("directory")
     rnd.add_argument("--size", choices=("tiny", "full"), default="tiny")
     rnd.add_argument("--seed", type=int, default=0)
+
+    exp = sub.add_parser("export", help="export the model for other runtimes")
+    exp_sub = exp.add_subparsers(dest="export_command", required=True)
+    onnx = exp_sub.add_parser(
+        "onnx", help="the GPT trunk step as an ONNX graph for ONNX Runtime (what the ort-* precisions run)"
+    )
+    onnx.add_argument("--model", default=_model_default(), help="checkpoint directory or Hugging Face repo id")
+    onnx.add_argument("--out", required=True, help="directory for model.onnx, model.onnx.data and manifest.json")
+    onnx.add_argument(
+        "--quant",
+        choices=("fp32", "int8", "int4"),
+        default="fp32",
+        help="weights: fp32, int8 (per channel, activations quantised per call) or int4 (MatMulNBits, block 32)",
+    )
+    onnx.add_argument(
+        "--provider",
+        choices=("cpu", "cuda", "tensorrt"),
+        default="cpu",
+        help="ONNX Runtime execution provider to load the export on and run one step with, as a check "
+        "(cuda/tensorrt need onnxruntime-gpu and a CUDA device)",
+    )
     return ap
 
 
@@ -409,6 +431,19 @@ def _checkpoint_random(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_onnx(args: argparse.Namespace) -> int:
+    from .model import checkpoint
+    from .model.onnx_export import export
+    from .model.onnx_trunk import check_export
+
+    model = checkpoint.load(args.model)
+    out = export(model, args.out, args.quant)
+    check_export(out, model.config.gpt, args.quant, args.provider)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"wrote the GPT trunk ({args.quant}, {size / 1e6:.1f} MB) to {out}; checked on ORT's {args.provider}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     logging.basicConfig(
@@ -434,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_module(args.command).main(args)
         if args.command == "speaker":
             return _speaker_new(args)
+        if args.command == "export":
+            return _export_onnx(args)
         return _checkpoint_random(args)
     except (ValueError, CheckpointError) as exc:
         print(f"chattts-serve: error: {exc}", file=sys.stderr)
