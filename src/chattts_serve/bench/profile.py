@@ -181,7 +181,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prof.export_chrome_trace(args.trace)
         top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / 24000
-    nbytes = weight_bytes(engine.model.gpt)
+    trunk = engine.layout.trunk  # ort-* modes: the weights live in the ONNX export
+    nbytes = trunk.weight_bytes if trunk is not None else weight_bytes(engine.model.gpt)
     floor_s = read_floor_s(nbytes, dev)
     return {
         "bench": "profile",

@@ -21,7 +21,7 @@ import torch
 
 from .config import GPTConfig
 from .gpt import KVCache
-from .onnx_export import MODEL_FILE, Manifest, require_onnxruntime
+from .onnx_export import DATA_FILE, MODEL_FILE, Manifest, require_onnxruntime
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class OnnxTrunk:
         so.log_severity_level = 3
         self.providers = resolve_providers(provider, device)
         self.session = ort.InferenceSession(str(directory / MODEL_FILE), so, providers=self.providers)
+        self.weight_bytes = sum(f.stat().st_size for f in (directory / MODEL_FILE, directory / DATA_FILE) if f.exists())
+        """Bytes of the export's graph and weights: what one step reads, near enough (``profile``)."""
         self._device_type = "cuda" if device.type == "cuda" else "cpu"
         self._device_id = (device.index or 0) if device.type == "cuda" else 0
         logger.info("ONNX trunk %s (%s) on %s", directory, weights, self.session.get_providers())
