@@ -16,7 +16,7 @@ import pytest
 
 from chattts_serve.audio.wav import write_wav
 
-from .conftest import HTTP_TIMEOUT, SR, decode_audio, start_server
+from .conftest import HTTP_TIMEOUT, SR, decode_audio, metric, start_server, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -287,6 +287,23 @@ def test_advanced_options_change_the_request(page):
     page.speak()
     assert page.state() == "error"
     assert "400" in pg.inner_text("#status") and "top_p" in pg.inner_text("#status")
+    assert not page.errors, page.errors
+
+
+def test_stop_aborts_the_request(page, server):
+    pg = page.pg
+    aborted = metric(server, "chattts_aborted_requests_total")
+    pg.fill("#text", TEXT)
+    pg.click("#speak")
+    assert wait_until(lambda: metric(server, "chattts_requests_in_flight") >= 1, timeout=30)
+    assert page.state() == "busy" and pg.is_enabled("#stop")
+    pg.click("#stop")
+    pg.wait_for_function(FINISHED)
+    assert page.state() == "stopped" and pg.inner_text("#status").startswith("stopped")
+    # The server saw the client leave: the request was aborted, and nothing is left in flight.
+    assert wait_until(lambda: metric(server, "chattts_aborted_requests_total") > aborted, timeout=30)
+    assert wait_until(lambda: metric(server, "chattts_requests_in_flight") == 0, timeout=30)
+    assert pg.is_enabled("#speak") and not pg.is_enabled("#stop")
     assert not page.errors, page.errors
 
 
