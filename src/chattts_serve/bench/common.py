@@ -55,6 +55,12 @@ def add_runner_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the static step eagerly")
     p.add_argument("--compile", action="store_true", help="torch.compile the static decode step")
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "bf16"),
+        help="KV cache dtype: auto (the trunk's) or bf16 (half the bytes; torch modes)",
+    )
+    p.add_argument(
         "--onnx-cache-dir",
         default=None,
         help="where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
@@ -67,7 +73,11 @@ def engine_config(args: argparse.Namespace, **scheduler: int):
     from ..engine.scheduler import SchedulerConfig
 
     runner = RunnerConfig(
-        decode=args.decode, cuda_graphs=args.cuda_graphs, compile=args.compile, onnx_cache_dir=args.onnx_cache_dir
+        decode=args.decode,
+        cuda_graphs=args.cuda_graphs,
+        compile=args.compile,
+        onnx_cache_dir=args.onnx_cache_dir,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     return EngineConfig(precision=args.precision, scheduler=SchedulerConfig(**scheduler), runner=runner)
 

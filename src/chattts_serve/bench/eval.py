@@ -19,13 +19,34 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+from dataclasses import replace
 from typing import Any
 
 from ..model.config import PRECISIONS
 from . import stats
 from .common import TEXTS, run_tool, set_threads
 
-DEFAULT_MODES = ("bf16", "int8", "int8-dynamic", "int8-static", "ort-fp32", "ort-int8", "ort-int4")
+DEFAULT_MODES = (
+    "bf16",
+    "int8",
+    "int8-dynamic",
+    "int8-static",
+    "ort-fp32",
+    "ort-int8",
+    "ort-int4",
+    "fp32/kv-bf16",
+    "int8-static/kv-bf16",
+)
+KV_SUFFIX = "/kv-"
+"""``PRECISION/kv-bf16``: that precision with a bf16 KV cache (``RunnerConfig.kv_cache_dtype``)."""
+
+
+def split_mode(mode: str) -> tuple[str, str]:
+    """``"int8-static/kv-bf16"`` -> ("int8-static", "bf16"); a plain precision -> (precision, "auto")."""
+    precision, sep, kv = mode.partition(KV_SUFFIX)
+    if sep and kv != "bf16":
+        raise ValueError(f"mode {mode!r}: the KV cache suffix must be {KV_SUFFIX}bf16")
+    return precision, kv or "auto"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--modes",
         default=None,
-        help=f"comma-separated, from {', '.join(PRECISIONS[1:])} (default: those the device runs)",
+        help=f"comma-separated, from {', '.join(PRECISIONS[1:])}, each optionally with {KV_SUFFIX}bf16 "
+        "(a bf16 KV cache) (default: those the device runs)",
     )
     p.add_argument("--steps", type=int, default=100, help="audio tokens per text")
     p.add_argument("--num-texts", type=int, default=4)
@@ -57,7 +79,8 @@ def _prompt_ids(engine, text: str) -> list[int]:
 def teacher_forced(engine, ids: list[int], codes) -> tuple[Any, Any]:
     """The GPT over prompt + codes: (hidden [T, H] that produced each code, logits [T, 4, V]). Torch
     modes read it in one pass; ONNX Runtime modes (``ort-*``) as the engine runs them, the prompt in one
-    call, then one code per step (their int8 activation scale depends on the rows of a call)."""
+    call, then one code per step (their int8 activation scale depends on the rows of a call); so do
+    modes with a bf16 KV cache (decode attention runs in bf16, the prompt's in fp32)."""
     import torch
 
     model = engine.model
@@ -72,6 +95,8 @@ def teacher_forced(engine, ids: list[int], codes) -> tuple[Any, Any]:
         emb = model.embed.embed_prompt(full.to(dev), mask.to(dev))
         if engine.layout.trunk is not None:
             hs = _onnx_hidden(engine.layout.trunk, emb, n, t)
+        elif engine.core.runner.cache.k.dtype != model.gpt.norm.weight.dtype:
+            hs = _stepwise_hidden(engine, emb, n, t)
         else:
             cache = model.gpt.new_cache(1, n + t)
             positions = torch.arange(n + t, device=dev)[None]
@@ -81,6 +106,20 @@ def teacher_forced(engine, ids: list[int], codes) -> tuple[Any, Any]:
             hs = h[n - 1 : n - 1 + t]
         logits = model.embed.code_logits(hs).view(t, model.config.gpt.num_vq, -1)
     return hs, logits
+
+
+def _stepwise_hidden(engine, emb, n: int, t: int):
+    """``_onnx_hidden`` for the torch trunk: prefill, then ``GPT.decode`` steps, in the engine's cache dtype."""
+    import torch
+
+    gpt = engine.model.gpt
+    dtype = gpt.norm.weight.dtype
+    cache = gpt.new_cache(1, n + t, dtype=engine.core.runner.cache.k.dtype)
+    slot = torch.zeros(1, dtype=torch.long, device=emb.device)
+    hs = [gpt(emb[:, :n].to(dtype), torch.arange(n, device=emb.device)[None], cache, slot, 0, None)[0]]
+    for pos in range(n, n + t - 1):
+        hs.append(gpt.decode(emb[:, pos].to(dtype), cache, [0], [pos], engine.layout.pad_rows_to)[0])
+    return torch.stack(hs).float()
 
 
 def _onnx_hidden(trunk, emb, n: int, t: int):
@@ -128,12 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.modes:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         for m in modes:
-            check_supported(parse_precision(m), device)  # fail before any work
+            check_supported(parse_precision(split_mode(m)[0]), device)  # fail before any work
     else:
         modes = []
         for m in DEFAULT_MODES + ("fp16",):
             try:
-                check_supported(parse_precision(m), device)
+                check_supported(parse_precision(split_mode(m)[0]), device)
                 modes.append(m)
             except ValueError:
                 pass
@@ -155,7 +194,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rows = []
     for mode in modes:
-        eng = Engine.from_pretrained(args.model, device, EngineConfig.with_slots(1, precision=mode, runner=runner))
+        precision, kv = split_mode(mode)
+        config = EngineConfig.with_slots(1, precision=precision, runner=replace(runner, kv_cache_dtype=kv))
+        eng = Engine.from_pretrained(args.model, device, config)
         top1, kl, mel_d, snr = [], [], [], []
         for i, c, (lp32, mel32, wav32) in zip(ids, codes, base, strict=True):
             h, lg = teacher_forced(eng, i, c)

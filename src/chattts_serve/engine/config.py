@@ -4,7 +4,7 @@
     EngineConfig
     ├── precision     str               fp32 | bf16 | fp16 | int8 | int8-dynamic | int8-static | ort-*
     ├── scheduler     SchedulerConfig   KV slots, slot length, queue bound, prefill budget
-    ├── runner        RunnerConfig      decode step: rows | static, CUDA graphs, torch.compile, ONNX cache
+    ├── runner        RunnerConfig      decode step: rows | static, CUDA graphs, torch.compile, KV dtype, ONNX cache
     └── stream        StreamPolicy      default chunking of streamed audio (per request overridable)
 
 No torch here (the CLI builds its argument parser from these defaults before torch is imported).
@@ -21,6 +21,7 @@ from ..model.config import PRECISIONS
 from .scheduler import SchedulerConfig
 
 DECODE_MODES = ("auto", "rows", "static")
+KV_CACHE_DTYPES = ("auto", "bf16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +38,15 @@ class RunnerConfig:
     onnx_cache_dir: str | None = None
     """Where the ``ort-*`` precisions keep their ONNX exports of the trunk, one per checkpoint and
     mode (None: ``onnx`` in the user cache directory)."""
+    kv_cache_dtype: str = "auto"
+    """"auto": the trunk's dtype; "bf16": half the cache bytes under an fp32 or int8 trunk (attention
+    then runs in bf16; batched decode steps are cache-bound). Torch modes only."""
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}; got {self.decode!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
 
     def resolve(self, device_type: str) -> str:
         """The decode step for a device type ("cpu", "cuda", ...)."""
@@ -89,6 +95,7 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "cuda_graphs": ("runner", "cuda_graphs"),
     "compile": ("runner", "compile"),
     "onnx_cache_dir": ("runner", "onnx_cache_dir"),
+    "kv_cache_dtype": ("runner", "kv_cache_dtype"),
     "max_audio_seconds": ("max_audio_seconds",),
 }
 _HELP = {
@@ -103,6 +110,7 @@ _HELP = {
     "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only)",
     "compile": "torch.compile the static decode step",
     "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
+    "kv_cache_dtype": "KV cache dtype: auto (the trunk's) or bf16 (half the bytes; attention in bf16; torch modes)",
     "max_audio_seconds": "audio one request may generate in all (its sentences x max_new_tokens are capped to fit)",
 }
 
@@ -154,7 +162,7 @@ def add_engine_arguments(
         if isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=f"{_HELP[name]} {shown}", **kw)
         else:
-            choices = {"precision": PRECISIONS, "decode": DECODE_MODES}.get(name)
+            choices = {"precision": PRECISIONS, "decode": DECODE_MODES, "kv_cache_dtype": KV_CACHE_DTYPES}.get(name)
             kind = str if default is None else type(default)
             p.add_argument(flag, type=kind, choices=choices, help=f"{_HELP[name]} {shown}", **kw)
 

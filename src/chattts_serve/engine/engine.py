@@ -82,7 +82,8 @@ class Engine:
         # Every mode starts from the fp32 weights (int8 scales are taken from them, not from bf16).
         model = checkpoint.load(path_or_repo, device=device, dtype=torch.float32)
         if config.auto_slots:  # as many KV slots as half the free memory holds
-            n = auto_num_slots(model, config.scheduler.max_model_len, device, spec.trunk_dtype)
+            kv_dtype = torch.bfloat16 if config.runner.kv_cache_dtype == "bf16" else spec.trunk_dtype
+            n = auto_num_slots(model, config.scheduler.max_model_len, device, kv_dtype)
             logger.info("KV cache: %d slots sized from free memory", n)
             config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=n), auto_slots=False)
         tokenizer = Tokenizer(model.root / checkpoint.TOKENIZER_DIR)

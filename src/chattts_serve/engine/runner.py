@@ -123,10 +123,13 @@ class ModelRunner:
         self.decode_mode = "onnx" if self.trunk is not None else self.config.resolve(self.device.type)
         # The static step needs one scratch position past the last real one (see engine.cuda_graph).
         extra = 1 if self.decode_mode == "static" else 0
+        kv_dtype = torch.bfloat16 if self.config.kv_cache_dtype == "bf16" else None
         if self.trunk is not None:
+            if kv_dtype is not None:
+                raise ValueError("kv_cache_dtype bf16 is for the torch precisions; the ort-* cache is fp32")
             self.cache = self.trunk.new_cache(num_slots, max_model_len)
         else:
-            self.cache = model.gpt.new_cache(num_slots, max_model_len + extra)
+            self.cache = model.gpt.new_cache(num_slots, max_model_len + extra, dtype=kv_dtype)
         if self.decode_mode == "static":
             self.cache.k.zero_(), self.cache.v.zero_()  # rows that decode nothing read finite values
         self.num_vq = model.config.gpt.num_vq

@@ -126,6 +126,7 @@ class Attention(nn.Module):
 
         end = start + seqlen
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # a no-op unless the cache is narrower (bf16)
         contiguous_slots = slots.numel() == k_cache.shape[0]
         if contiguous_slots:
             # All slots in order: write and read through views, no gather copy.
@@ -136,6 +137,8 @@ class Attention(nn.Module):
             k_cache[slots, :, start:end] = k
             v_cache[slots, :, start:end] = v
             keys, values = k_cache[slots, :, :end], v_cache[slots, :, :end]
+        # A bf16 cache under an fp32 trunk: the prompt's attention (once per sequence) reads it upcast.
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
@@ -195,8 +198,11 @@ class Attention(nn.Module):
         q, k, v = self.rotated_qkv(x, cos, sin)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
         # Every row's new key/value in one indexed write (a copy: the same values as row by row).
-        k_cache[where[0], :, where[1]] = k[:n, :, 0]
-        v_cache[where[0], :, where[1]] = v[:n, :, 0]
+        k_cache[where[0], :, where[1]] = k[:n, :, 0].to(k_cache.dtype)
+        v_cache[where[0], :, where[1]] = v[:n, :, 0].to(v_cache.dtype)
+        # A bf16 cache: attention runs in bf16 (the query rounded once), so the keys are read at half
+        # the bytes instead of upcast into a copy; the kernel accumulates in fp32.
+        q = q.to(k_cache.dtype)
         rep = self.num_heads // self.num_kv_heads
         outs = []
         for row, (slot, pos) in enumerate(zip(slots, lengths, strict=True)):
@@ -209,7 +215,7 @@ class Attention(nn.Module):
         if m > n:  # padding rows (pad_rows_to): zeros
             outs.append(q.new_zeros(m - n, self.num_heads, 1, self.head_dim))
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return self.o_proj(out.reshape(m, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
 
     def decode_static(
         self,
@@ -230,14 +236,15 @@ class Attention(nn.Module):
         q, k, v = self.rotated_qkv(x, cos, sin)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
         rows = torch.arange(m, device=x.device)
-        k_cache[rows, :, positions] = k[:, :, 0]
-        v_cache[rows, :, positions] = v[:, :, 0]
+        k_cache[rows, :, positions] = k[:, :, 0].to(k_cache.dtype)
+        v_cache[rows, :, positions] = v[:, :, 0].to(v_cache.dtype)
         keys, values = k_cache[:m, :, :ctx], v_cache[:m, :, :ctx]
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        q = q.to(k_cache.dtype)  # (see decode)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=self.head_dim**-0.5)
-        return self.o_proj(out.reshape(m, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
 
 
 class MLP(nn.Module):
