@@ -112,7 +112,7 @@ class Engine:
 
     @property
     def decode_mode(self) -> str:
-        """The decode step in use: "rows" or "static"."""
+        """The decode step in use: "rows", "static" or "onnx" (the ort-* precisions)."""
         return self.core.runner.decode_mode
 
     # ---------------------------------------------------------------------------------------------
