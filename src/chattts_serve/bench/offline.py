@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model),
         "device": str(engine.device),
         "precision": engine.precision.name,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "decode": engine.decode_mode,
         "threads": torch.get_num_threads(),
         "num_texts": n,

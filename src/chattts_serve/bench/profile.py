@@ -189,6 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model),
         "device": str(dev),
         "precision": engine.precision.name,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "decode": engine.decode_mode,
         "threads": torch.get_num_threads(),
         "streams": args.streams,

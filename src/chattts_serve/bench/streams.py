@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model),
         "device": str(device),
         "precision": args.precision,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "decode": decode,
         "threads": torch.get_num_threads(),
         "steps": args.steps,
