@@ -88,6 +88,8 @@ def test_fp32_matches_torch_over_steps_and_slot_layouts(model, exports):
     steps, cache_t, cache_o, lengths = _run_both(model, trunk)
     for what, ht, ho in steps:
         assert _rel(ho, ht) < BOUND["fp32"], what
+        # The heads run in torch on either: logits as close as the hidden states.
+        assert _rel(model.embed.code_logits(ho), model.embed.code_logits(ht)) < BOUND["fp32"], what
     # Every position each slot wrote holds the same keys and values (idle rows wrote nothing).
     for slot, n in lengths.items():
         for name in ("k", "v"):
