@@ -237,3 +237,36 @@ def test_livekit_interruption_frees_the_slot(long):
     asyncio.run(run())
     assert wait_until(lambda: metric(long, "chattts_requests_total", ABORTED) == aborted + 1, timeout=30)
     assert metric(long, "chattts_requests_in_flight") == 0
+
+
+def test_livekit_raw_audio_reports_a_failure_mid_stream(tiny_ckpt, tmp_path):
+    """With ``model="tts-1"`` (raw audio) a synthesis that fails after its first audio cuts the response, and the
+    plugin raises (its retry logic then takes over; here retries are off). docs/livekit.md recommends it where
+    failures must be noticed: the plugin ignores the SSE ``error`` event the default mode ends with."""
+    from livekit.agents import APIConnectionError, APIConnectOptions
+
+    from chattts_serve.engine.async_engine import AsyncEngine
+    from chattts_serve.engine.config import EngineConfig
+    from chattts_serve.engine.engine import Engine
+
+    from .test_faults import fault, in_process_server
+
+    engine = AsyncEngine(Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(1)))
+    frames: list = []
+
+    async def speak(base: str) -> None:
+        tts = lk_openai.TTS(
+            base_url=f"{base}/v1", api_key="unused", voice="alloy", model="tts-1", response_format="pcm"
+        )
+        try:
+            async with tts.synthesize(TEXT, conn_options=APIConnectOptions(max_retry=0)) as stream:
+                async for ev in stream:
+                    frames.append(ev.frame)
+        finally:
+            await tts.aclose()
+
+    with in_process_server(engine, tmp_path, default_options=_defaults(200)) as base:
+        with fault(engine.core.runner, "execute", after=60):  # after the first audio (14 steps) left
+            with pytest.raises(APIConnectionError):
+                asyncio.run(speak(base))
+    assert frames, "the failure came before any audio: not the mid-stream case"

@@ -450,3 +450,28 @@ def test_pcm_of_a_chunk_is_little_endian_int16(wy):
 
     samples = np.frombuffer(asyncio.run(speak()), dtype="<i2")
     assert len(samples) == expected_samples(TOKENS) and np.abs(samples).max() > 0
+
+
+def test_zeroconf_announces_the_server(tiny_ckpt, tmp_path):
+    """``--wyoming-zeroconf NAME``: Home Assistant's discovery (mDNS ``_wyoming._tcp``) finds the server at the
+    address and port it listens on; the announcement goes when the server stops."""
+    pytest.importorskip("zeroconf")
+    from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+    port = free_port()
+    name = f"chattts-test-{port}"
+    service = f"{name}._wyoming._tcp.local."
+
+    async def resolve() -> AsyncServiceInfo | None:
+        zc = AsyncZeroconf()
+        try:
+            info = AsyncServiceInfo("_wyoming._tcp.local.", service)
+            return info if await info.async_request(zc.zeroconf, 10000) else None
+        finally:
+            await zc.async_close()
+
+    uri = f"tcp://127.0.0.1:{port}"
+    with start_server(tiny_ckpt, tmp_path, "--no-warmup", "--wyoming-uri", uri, "--wyoming-zeroconf", name):
+        info = asyncio.run(resolve())
+        assert info is not None, "the server was not announced"
+        assert info.port == port and info.parsed_addresses() == ["127.0.0.1"]

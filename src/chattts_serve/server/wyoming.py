@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import numpy as np
 from pydantic import ValidationError
@@ -171,7 +172,7 @@ class WyomingServer:
         if self.config.api_keys:
             logger.warning("the Wyoming protocol has no authentication: api_keys do not protect %s", uri)
         if self.config.wyoming_zeroconf is not None:
-            self._zeroconf = await _announce(self.config.wyoming_zeroconf, urlsplit(uri).port)
+            self._zeroconf = await _announce(self.config.wyoming_zeroconf, urlsplit(uri))
         logger.info("wyoming: listening on %s", uri)
 
     async def stop(self) -> None:
@@ -186,16 +187,23 @@ class WyomingServer:
             await asyncio.wait(self.connections, timeout=5)
 
 
-async def _announce(name: str, port: int):
+async def _announce(name: str, where: SplitResult):
+    """mDNS (zeroconf) announcement of ``_wyoming._tcp``, which Home Assistant discovers. The address announced is
+    the one listened on, or, for a wildcard (0.0.0.0), the machine's address towards the local network."""
     try:
         from wyoming.zeroconf import HomeAssistantZeroconf
     except ImportError:
         raise RuntimeError(
             "wyoming_zeroconf needs the zeroconf package: pip install 'chattts-serve[zeroconf]'"
         ) from None
-    announcer = HomeAssistantZeroconf(port=port, name=name)
+    try:
+        address = ipaddress.IPv4Address(where.hostname)
+        host = None if address.is_unspecified else str(address)
+    except ValueError:  # a name, or IPv6 (the announcer speaks IPv4)
+        host = None
+    announcer = HomeAssistantZeroconf(port=where.port, name=name, host=host)
     await announcer.register_server()
-    logger.info("wyoming: announced as %s._wyoming._tcp.local. (%s:%d)", name, announcer.host, port)
+    logger.info("wyoming: announced as %s._wyoming._tcp.local. (%s:%d)", name, announcer.host, where.port)
     return announcer
 
 
