@@ -347,10 +347,29 @@ def _nbits_quantizer():
 
 def _quantize(src: Path, dst: Path, weights: str) -> None:
     """Quantize ``src``'s MatMul weights into ``dst`` (both directories holding ``model.onnx``)."""
+    # The quantizers log every node at INFO, and quantize_dynamic advises pre-processing (for CNNs).
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    root = logging.getLogger()
+    advice = _DropMessage("Please consider to run pre-processing")
+    root.addFilter(advice)
+    try:
+        _run_quantizer(src, dst, weights)
+    finally:
+        root.removeFilter(advice)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def _run_quantizer(src: Path, dst: Path, weights: str) -> None:
     import onnx
 
-    # The quantizers log every node at INFO.
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     if weights == "int8":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
