@@ -105,12 +105,12 @@ class ChatTTSReplica:
         middleware = []
         if tenants is not None:
             middleware.append(Middleware(TenantLimits, config=tenants, max_wait_s=self.config.max_queue_wait_s))
-        self.app = create_app(self.config, middleware=middleware)
-        self.app.add_middleware(ReplicaContext, replica=self.replica, recycler=self.recycler)
+        self.asgi = create_app(self.config, middleware=middleware)
+        self.asgi.add_middleware(ReplicaContext, replica=self.replica, recycler=self.recycler)
         self._mirror = asyncio.get_running_loop().create_task(self._export_metrics())
 
     def __serve_build_asgi_app__(self):
-        return self.app
+        return self.asgi  # (``self.app`` is Serve's: the wrapper's property)
 
     async def _export_metrics(self) -> None:
         from ray.serve.metrics import Gauge
@@ -118,7 +118,7 @@ class ChatTTSReplica:
         mirror = None
         while True:
             await asyncio.sleep(self.settings.metrics_period_s)
-            metrics = getattr(self.app.state, "metrics", None)
+            metrics = getattr(self.asgi.state, "metrics", None)
             if metrics is None:  # the lifespan (model load) has not finished yet
                 continue
             if mirror is None:
@@ -131,7 +131,7 @@ class ChatTTSReplica:
                 logger.exception("exporting metrics to Ray failed")
 
     async def check_health(self) -> None:
-        engine = getattr(self.app.state, "engine", None)
+        engine = getattr(self.asgi.state, "engine", None)
         if engine is not None and engine.dead_error is not None:
             raise RuntimeError(f"the engine loop has stopped: {engine.dead_error}")
         reason = self.recycler.check()
@@ -142,7 +142,9 @@ class ChatTTSReplica:
             raise RuntimeError(f"recycling this replica: {reason}")
 
     async def __del__(self) -> None:
-        self._mirror.cancel()
+        mirror = getattr(self, "_mirror", None)  # absent when __init__ failed
+        if mirror is not None:
+            mirror.cancel()
 
 
 def bind(settings: ServeSettings, cluster_gpus: float):
