@@ -301,3 +301,43 @@ def test_a_dedicated_tenant_autoscales_under_load(base):
         stop.set()
         for s in streams:
             s.close()
+
+
+def test_a_recycled_replica_finishes_its_stream_then_is_replaced(serve_app, tiny_ckpt, tmp_path):
+    """An application deployed from this process (a second driver) whose replica must go after 2 requests."""
+    from ray import serve
+
+    from chattts_serve.distributed.recycling import RecyclePolicy
+    from chattts_serve.distributed.serve_app import bind
+    from chattts_serve.distributed.settings import ServeSettings
+
+    base = serve_app[0]
+    settings = ServeSettings(
+        server={"model": str(tiny_ckpt), "max_num_seqs": 4, "threads": 1, "voices_db": str(tmp_path / "v.sqlite3")},
+        name="chattts-recycle",
+        route_prefix="/recycle",
+        num_cpus=0.25,
+        recycle=RecyclePolicy(max_requests=2),
+        health_check_period_s=1,
+    )
+    serve.run(bind(settings, 0), name=settings.name, route_prefix=settings.route_prefix)
+    try:
+        url = base + "/recycle"
+        first = httpx.post(url + "/v1/tts", json=tts_body(8), timeout=120)
+        assert first.status_code == 200
+        old = replica_of(first)[0]
+        stream = Stream(base, 1500, prefix="/recycle")  # in flight while the replica trips
+        assert stream.replica[0] == old
+        assert httpx.post(url + "/v1/tts", json=tts_body(8), timeout=120).status_code == 200  # 2 served: trips
+        try:
+            assert len(stream.read_all()) == 2 * expected_samples(1500)  # drained, not cut
+        finally:
+            stream.close()
+
+        def new_replica():
+            r = httpx.post(url + "/v1/tts", json=tts_body(8), timeout=120)
+            return r.status_code == 200 and replica_of(r)[0] != old
+
+        wait_for(new_replica, 120, "a fresh replica in place of the recycled one", interval=0.5)
+    finally:
+        serve.delete(settings.name)

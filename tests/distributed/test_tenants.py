@@ -201,3 +201,13 @@ def test_middleware_answers_429_to_the_tenant_over_its_cap_only():
             assert (await post("ks")).status_code == 200  # the slot was given back
 
     asyncio.run(run())
+
+
+def test_synthesis_paths_inside_a_route_prefix():
+    from chattts_serve.distributed.tenants import is_synthesis
+
+    assert is_synthesis({"type": "http", "path": "/v1/tts"})
+    assert is_synthesis({"type": "http", "path": "/tenants/vip/v1/tts", "root_path": "/tenants/vip"})
+    assert is_synthesis({"type": "websocket", "path": "/t/v1/tts/stream", "root_path": "/t"})
+    assert not is_synthesis({"type": "http", "path": "/tenants/vip/v1/voices", "root_path": "/tenants/vip"})
+    assert not is_synthesis({"type": "http", "path": "/tenants/vip/v1/tts"})  # prefix not stripped: another app

@@ -36,7 +36,7 @@ from .memory import cap_device_memory
 from .metrics_export import RayMetricsMirror
 from .recycling import Recycler
 from .settings import ServeSettings, plan_applications, threads_per_replica
-from .tenants import LIMITED_PATHS, TenantLimits
+from .tenants import TenantLimits, is_synthesis
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class ReplicaContext:
                 message = {**message, "headers": headers}
             await send(message)
 
-        counted = (scope["type"], scope.get("path")) in LIMITED_PATHS
+        counted = is_synthesis(scope)
         if counted:
             self.recycler.started()
         try:
@@ -134,11 +134,13 @@ class ChatTTSReplica:
         engine = getattr(self.asgi.state, "engine", None)
         if engine is not None and engine.dead_error is not None:
             raise RuntimeError(f"the engine loop has stopped: {engine.dead_error}")
+        tripped = self.recycler.reason is not None
         reason = self.recycler.check()
         if reason is not None:
-            logger.warning(
-                "replica %s asks to be replaced: %s (%d in flight)", self.replica, reason, self.recycler.in_flight
-            )
+            if not tripped:  # once: Ray calls this every health_check_period_s until it acts
+                logger.warning(
+                    "replica %s asks to be replaced: %s (%d in flight)", self.replica, reason, self.recycler.in_flight
+                )
             raise RuntimeError(f"recycling this replica: {reason}")
 
     async def __del__(self) -> None:

@@ -265,6 +265,16 @@ class TenantMetrics:
         return [in_flight, queued]
 
 
+def route_path(scope) -> str:
+    """The path inside the app: Serve mounts an application under its route prefix (``root_path``)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def is_synthesis(scope) -> bool:
+    return (scope["type"], route_path(scope)) in LIMITED_PATHS
+
+
 def request_key(scope) -> str | None:
     """The API key of a request: ``Authorization: Bearer`` (HTTP and WebSocket) or, on a WebSocket only,
     ``?api_key=`` (browsers cannot set headers there)."""
@@ -299,7 +309,7 @@ class TenantLimits:
         return self.metrics
 
     async def __call__(self, scope, receive, send):
-        if (scope["type"], scope.get("path")) not in LIMITED_PATHS or scope.get("method", "GET") not in ("POST", "GET"):
+        if scope["type"] not in ("http", "websocket") or not is_synthesis(scope):
             return await self.app(scope, receive, send)
         key = request_key(scope)
         tenant = self.config.tenant_for(key) if key is not None else None
