@@ -202,6 +202,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="ONNX Runtime execution provider to load the export on and run one step with, as a check "
         "(cuda/tensorrt need onnxruntime-gpu and a CUDA device)",
     )
+    onnx.add_argument(
+        "--reduce-range",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="int8: 7-bit weights, for x86 CPUs without VNNI whose u8 x s8 kernel can saturate (auto: probe "
+        "this CPU, as the engine does)",
+    )
     return ap
 
 
@@ -437,7 +444,8 @@ def _export_onnx(args: argparse.Namespace) -> int:
     from .model.onnx_trunk import check_export
 
     model = checkpoint.load(args.model)
-    out = export(model, args.out, args.quant)
+    reduce_range = {"auto": None, "on": True, "off": False}[args.reduce_range]
+    out = export(model, args.out, args.quant, reduce_range=reduce_range)
     check_export(out, model.config.gpt, args.quant, args.provider)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"wrote the GPT trunk ({args.quant}, {size / 1e6:.1f} MB) to {out}; checked on ORT's {args.provider}")

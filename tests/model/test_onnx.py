@@ -22,7 +22,7 @@ PROMPTS = {0: 5, 1: 9, 2: 3, 3: 12, 5: 7}  # slot -> prompt length (slot 4 stays
 STEPS = [[0, 2, 3], [1, 3], [5], [3, 0, 5, 1], [0, 1, 2, 3, 5], [2, 5]]
 # Relative error of a decode step's hidden state vs torch fp32, measured on the tiny random checkpoint
 # (fp32 ~3e-7; int8 ~1 %; 4-bit ~10 %: random tiny weights are its worst case) with room to spare.
-BOUND = {"fp32": 1e-4, "int8": 0.05, "int4": 0.3}
+BOUND = {"fp32": 1e-4, "int8": 0.05, "int8r7": 0.05, "int4": 0.3}
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +33,14 @@ def model(tiny_ckpt):
 @pytest.fixture(scope="module")
 def exports(model, tmp_path_factory):
     base = tmp_path_factory.mktemp("onnx")
-    return {w: export(model, base / w, w) for w in onnx_export.WEIGHT_KINDS}
+    out = {w: export(model, base / w, w, reduce_range=False) for w in onnx_export.WEIGHT_KINDS}
+    out["int8r7"] = export(model, base / "int8r7", "int8", reduce_range=True)  # as on x86 without VNNI
+    return out
 
 
-def _trunk(model, exports, weights):
-    return OnnxTrunk(exports[weights], model.config.gpt, weights, torch.device("cpu"))
+def _trunk(model, exports, key):
+    weights = "int8" if key == "int8r7" else key
+    return OnnxTrunk(exports[key], model.config.gpt, weights, torch.device("cpu"))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,7 +100,7 @@ def test_fp32_matches_torch_over_steps_and_slot_layouts(model, exports):
             assert _rel(b, a) < BOUND["fp32"], (slot, name)
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int8r7", "int4"])
 def test_quantized_stays_within_its_bound(model, exports, weights):
     steps, *_ = _run_both(model, _trunk(model, exports, weights))
     errors = [_rel(ho, ht) for _, ht, ho in steps]
@@ -163,6 +166,7 @@ def test_run_refuses_slots_and_positions_outside_the_cache(model, exports):
 def test_export_is_checked_against_the_model(model, exports, tmp_path):
     manifest = Manifest.read(exports["int8"])
     assert manifest.weights == "int8" and manifest.num_layers == model.config.gpt.num_layers
+    assert not manifest.int8_reduce_range and Manifest.read(exports["int8r7"]).int8_reduce_range
     with pytest.raises(ValueError, match="does not fit"):
         OnnxTrunk(exports["int8"], model.config.gpt, "fp32", torch.device("cpu"))
     with pytest.raises(ValueError, match="not an ONNX export"):
@@ -194,6 +198,20 @@ def test_checkpoint_digest_follows_the_trunk_files(tiny_ckpt, tmp_path):
     assert onnx_export.checkpoint_digest(copy) != onnx_export.checkpoint_digest(tiny_ckpt)
 
 
+def test_int8_keeps_to_7_bits_where_the_kernel_can_saturate(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert onnx_export.int8_reduce_range("flags\t: fpu sse avx2 fma\n")  # AVX2 only: vpmaddubsw (int16 sums)
+    assert not onnx_export.int8_reduce_range("flags\t: avx2 avx512f avx512_vnni\n")
+    assert not onnx_export.int8_reduce_range("flags\t: avx2 avx_vnni\n")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert not onnx_export.int8_reduce_range("")
+    digest = "0" * 64
+    assert onnx_export.cache_key(digest, "int8", True) != onnx_export.cache_key(digest, "int8", False)
+    assert onnx_export.cache_key(digest, "int4", True) == onnx_export.cache_key(digest, "int4", False)
+
+
 def test_missing_onnxruntime_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     with pytest.raises(ValueError, match=r"pip install 'chattts-serve\[onnx\]'"):
@@ -210,9 +228,9 @@ def test_export_cli_writes_a_checked_export(tiny_ckpt, tmp_path, capsys):
 
     out = tmp_path / "int8"
     argv = ["export", "onnx", "--model", str(tiny_ckpt), "--out", str(out), "--quant", "int8"]
-    assert main(argv) == 0
+    assert main([*argv, "--reduce-range", "on"]) == 0
     assert "checked on ORT's cpu" in capsys.readouterr().out
-    assert Manifest.read(out).weights == "int8"
+    assert Manifest.read(out).weights == "int8" and Manifest.read(out).int8_reduce_range
     size = (out / onnx_export.DATA_FILE).stat().st_size
     assert main(argv) == 0  # again into the same directory: replaced, not appended to
     assert (out / onnx_export.DATA_FILE).stat().st_size == size

@@ -22,8 +22,9 @@ Per layer: RMSNorm (``SimplifiedLayerNormalization``; later ones fused with the 
 ``SkipSimplifiedLayerNormalization``), one q/k/v MatMul, GQA (rotate-half RoPE from fp32 cos/sin
 tables, the same values ``model.gpt`` uses), o_proj MatMul, SwiGLU with one gate/up MatMul. The
 weights are the only thing the quantizers change: ``int8`` is ``quantize_dynamic`` (QInt8 weights,
-per output channel; uint8 activations quantised per call), ``int4`` is ``MatMulNBits`` (4-bit,
-block 32, symmetric, ``accuracy_level=4``: int8 activations per block of 32 inside each row).
+per output channel, 7 bits on x86 CPUs without VNNI: see ``int8_reduce_range``; uint8 activations
+quantised per call), ``int4`` is ``MatMulNBits`` (4-bit, block 32, symmetric, ``accuracy_level=4``:
+int8 activations per block of 32 inside each row).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class Manifest:
     max_positions: int
     """Rows of the rotary tables: the largest cache position the graph can encode."""
     onnxruntime_version: str
+    int8_reduce_range: bool = False
+    """int8 weights use 7 bits (``int8_reduce_range``)."""
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
@@ -132,11 +135,30 @@ def default_cache_dir() -> Path:
     return platformdirs.user_cache_path("chattts-serve", appauthor=False) / "onnx"
 
 
-def cache_key(digest: str, weights: str) -> str:
+def cache_key(digest: str, weights: str, reduce_range: bool = False) -> str:
     import onnxruntime
 
     # The ORT version is in the key because its quantizers write the int8/int4 graphs.
-    return f"{digest[:32]}-{weights}-v{FORMAT_VERSION}-ort{onnxruntime.__version__}"
+    tag = "int8r7" if weights == "int8" and reduce_range else weights
+    return f"{digest[:32]}-{tag}-v{FORMAT_VERSION}-ort{onnxruntime.__version__}"
+
+
+def int8_reduce_range(cpuinfo: str | None = None) -> bool:
+    """Whether int8 weights should keep to 7 bits on this CPU. ORT's x86 u8 x s8 kernel without VNNI
+    (AVX2's vpmaddubsw) adds pairs of products into int16, which full-range weights can overflow
+    (2 x 255 x 127 > 32767); 7-bit weights cannot. VNNI (AVX-512 or AVX) and Arm's dot products
+    accumulate in int32: full 8 bits there. Unknown CPUs get the safe choice."""
+    import platform
+
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return False
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return not ({"avx512_vnni", "avx_vnni"} & set(flags))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,7 +367,7 @@ def _nbits_quantizer():
     return MatMulNBitsQuantizer
 
 
-def _quantize(src: Path, dst: Path, weights: str) -> None:
+def _quantize(src: Path, dst: Path, weights: str, reduce_range: bool) -> None:
     """Quantize ``src``'s MatMul weights into ``dst`` (both directories holding ``model.onnx``)."""
     # The quantizers log every node at INFO, and quantize_dynamic advises pre-processing (for CNNs).
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
@@ -353,7 +375,7 @@ def _quantize(src: Path, dst: Path, weights: str) -> None:
     advice = _DropMessage("Please consider to run pre-processing")
     root.addFilter(advice)
     try:
-        _run_quantizer(src, dst, weights)
+        _run_quantizer(src, dst, weights, reduce_range)
     finally:
         root.removeFilter(advice)
 
@@ -367,7 +389,7 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
-def _run_quantizer(src: Path, dst: Path, weights: str) -> None:
+def _run_quantizer(src: Path, dst: Path, weights: str, reduce_range: bool) -> None:
     import onnx
 
     if weights == "int8":
@@ -380,6 +402,7 @@ def _run_quantizer(src: Path, dst: Path, weights: str) -> None:
             op_types_to_quantize=["MatMul"],
             weight_type=QuantType.QInt8,  # QUInt8 weights measured slower at 32 rows (issue 12)
             per_channel=True,
+            reduce_range=reduce_range,
             use_external_data_format=True,
             # onnx's shape inference stops at ORT's contrib ops; every tensor of the graph is fp32.
             extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
@@ -399,14 +422,22 @@ def _run_quantizer(src: Path, dst: Path, weights: str) -> None:
         raise ValueError(f"unknown weight kind {weights!r}; expected one of {', '.join(WEIGHT_KINDS)}")
 
 
-def export(model: LoadedModel, out: str | os.PathLike, weights: str = "fp32", digest: str | None = None) -> Path:
+def export(
+    model: LoadedModel,
+    out: str | os.PathLike,
+    weights: str = "fp32",
+    digest: str | None = None,
+    reduce_range: bool | None = None,
+) -> Path:
     """Write the trunk of ``model`` (fp32, as loaded) as an ONNX export to directory ``out``:
-    ``model.onnx`` + ``model.onnx.data`` + ``manifest.json``. Returns ``out``."""
+    ``model.onnx`` + ``model.onnx.data`` + ``manifest.json``. Returns ``out``. ``reduce_range``: 7-bit
+    int8 weights (None: ``int8_reduce_range()`` for this CPU; ignored for fp32 and int4)."""
     require_onnxruntime()
     import onnxruntime
 
     if weights not in WEIGHT_KINDS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_KINDS)}; got {weights!r}")
+    reduce_range = int8_reduce_range() if reduce_range is None else reduce_range
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for name in (MANIFEST, MODEL_FILE, DATA_FILE):  # onnx appends to an existing data file
@@ -420,7 +451,7 @@ def export(model: LoadedModel, out: str | os.PathLike, weights: str = "fp32", di
         with tempfile.TemporaryDirectory(dir=out) as tmp:
             _save(graph, Path(tmp))
             del graph
-            _quantize(Path(tmp), out, weights)
+            _quantize(Path(tmp), out, weights, reduce_range)
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         weights=weights,
@@ -432,6 +463,7 @@ def export(model: LoadedModel, out: str | os.PathLike, weights: str = "fp32", di
         head_dim=cfg.head_dim,
         max_positions=cfg.max_position_embeddings,
         onnxruntime_version=onnxruntime.__version__,
+        int8_reduce_range=weights == "int8" and reduce_range,
     )
     (out / MANIFEST).write_text(json.dumps(asdict(manifest), indent=2) + "\n")
     logger.info("exported the GPT trunk (%s) to %s in %.1f s", weights, out, time.perf_counter() - start)
@@ -445,14 +477,15 @@ def cached_export(model: LoadedModel, weights: str, cache_dir: str | os.PathLike
     require_onnxruntime()
     base = Path(cache_dir) if cache_dir else default_cache_dir()
     digest = checkpoint_digest(model.root)
-    final = base / cache_key(digest, weights)
+    reduce_range = weights == "int8" and int8_reduce_range()
+    final = base / cache_key(digest, weights, reduce_range)
     if (final / MANIFEST).exists():
         logger.info("ONNX export from the cache: %s", final)
         return final
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=base))
     try:
-        export(model, tmp, weights, digest)
+        export(model, tmp, weights, digest, reduce_range)
         try:
             os.replace(tmp, final)  # atomic: a reader sees a whole export or none
         except OSError:
