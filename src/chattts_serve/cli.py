@@ -266,7 +266,7 @@ def _serve(args: argparse.Namespace) -> int:
             log_level=config.log_level,
             # JSON: uvicorn's loggers get no handlers of their own and reach the root's JSON one.
             log_config=None if config.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-            timeout_graceful_shutdown=10,
+            timeout_graceful_shutdown=config.shutdown_timeout_s,
             # Our middleware logs every request without its query string (which may carry a key).
             access_log=False,
             # Connections beyond this get 503 at once (slowloris and floods stay bounded).
@@ -282,7 +282,9 @@ def _serve(args: argparse.Namespace) -> int:
     exit_handler = server.handle_exit
 
     def handle_exit(sig, frame) -> None:
-        app.state.ready = False  # /ready answers 503 from the first signal on: balancers stop routing here
+        if app.state.ready:  # the first signal
+            app.state.ready = False  # /ready answers 503 from now on: balancers stop routing here
+            _end_streams_before_the_deadline(app, config.shutdown_timeout_s)
         exit_handler(sig, frame)
 
     server.handle_exit = handle_exit
@@ -319,6 +321,22 @@ def _wyoming(args: argparse.Namespace) -> int:
 
     asyncio.run(run())
     return 0
+
+
+def _end_streams_before_the_deadline(app, grace_s: float) -> None:
+    """Streams still running shortly before uvicorn's grace period ends are ended by the engine, so they
+    fail the way their clients can see (``AudioResponse``: an error event, an unfinished chunked body)
+    rather than being cancelled mid-write when uvicorn gives up on them."""
+    loop, engine = getattr(app.state, "loop", None), getattr(app.state, "engine", None)
+    if loop is None or engine is None:
+        return
+
+    def end_all() -> None:
+        if ended := engine.end_all("the server is shutting down"):
+            logging.getLogger("chattts_serve.server").warning("shutdown: ended %d unfinished request(s)", ended)
+
+    delay = grace_s - min(2.0, grace_s / 2)  # time left for the error events to go out
+    loop.call_soon_threadsafe(loop.call_later, delay, end_all)
 
 
 def _server_logging(config) -> None:

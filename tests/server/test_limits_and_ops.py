@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from .conftest import (
@@ -22,6 +23,7 @@ from .conftest import (
     start_server,
     tts_body,
     wait_until,
+    ws_url,
 )
 
 TEXT = "今天天气真不错。"
@@ -278,6 +280,69 @@ def test_sigterm_drains_the_stream_and_exits(tiny_ckpt, tmp_path_factory):
     assert "Traceback" not in log, log
     with pytest.raises(httpx.TransportError):
         httpx.get(srv.base + "/health", timeout=2)
+
+
+def test_sigterm_ends_streams_that_outlast_the_grace_period_visibly(tiny_ckpt, tmp_path_factory):
+    """Three long streams (SSE, a chunked body, a WebSocket) when SIGTERM comes with a 4 s grace period:
+    each ends in a way its client can tell from success (an SSE error event, a chunked body without its
+    last chunk, a WebSocket close 1012), and the server still exits 0."""
+    tmp = tmp_path_factory.mktemp("sigterm-long")
+    long = {"seed": 1, "refine_text": False, "min_new_tokens": 2000, "max_new_tokens": 2000}
+    long["first_sentence_voice"] = False  # audio from the first step on
+    text = "今天天气真不错。我们去公园吧。明天见。你好。再见。谢谢。"  # 6 x 2000 steps: far past the grace period
+    flags = ("--no-warmup", "--max-num-seqs", "3", "--shutdown-timeout-s", "4", "--log-level", "info")
+    flags += ("--max-queue-wait-s", "600")  # a loaded machine must not turn a slow first chunk into a 503
+    with start_server(tiny_ckpt, tmp, *flags) as srv:
+        speech = {"model": "tts-1", "voice": "alloy", "input": text, "stream_format": "sse", **long}
+        ws_options = {"open_timeout": 10, "ping_interval": None}  # no keep-alive pings while it is not read
+        with httpx.Client(timeout=HTTP_TIMEOUT) as c, connect(ws_url(srv.base), **ws_options) as ws:
+            ws.send(json.dumps({"type": "start", "text": text, "format": "pcm", **long}))
+            ws.send(json.dumps({"type": "end"}))
+            assert json.loads(ws.recv(timeout=HTTP_TIMEOUT))["type"] == "start"
+            while not isinstance(ws.recv(timeout=HTTP_TIMEOUT), bytes):  # until audio flows
+                pass
+
+            def rest_of_ws() -> tuple[list, ConnectionClosed]:
+                messages = []
+                with pytest.raises(ConnectionClosed) as closed:
+                    while True:
+                        messages.append(ws.recv(timeout=HTTP_TIMEOUT))
+                return messages, closed.value
+
+            def rest_of_raw(chunks) -> bytes:
+                rest = b""
+                with pytest.raises(httpx.RemoteProtocolError):  # the chunked body never gets its last chunk
+                    for chunk in chunks:
+                        rest += chunk
+                return rest
+
+            # Every stream is read all along: none is held up (or timed out) by a reader that waits.
+            with ThreadPoolExecutor(2) as pool:
+                ws_rest = pool.submit(rest_of_ws)
+                with c.stream("POST", srv.base + "/v1/audio/speech", json=speech) as sse, c.stream(
+                    "POST", srv.base + "/v1/tts", json={"text": text, "format": "pcm", **long}
+                ) as raw:
+                    assert sse.status_code == 200 and raw.status_code == 200
+                    lines, raw_chunks = sse.iter_lines(), raw.iter_raw()
+                    events = [json.loads(next(line for line in lines if line.startswith("data: "))[6:])]
+                    body = next(raw_chunks)
+                    srv.proc.send_signal(signal.SIGTERM)
+                    raw_rest = pool.submit(rest_of_raw, raw_chunks)
+                    events += [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+                    body += raw_rest.result(timeout=120)
+                messages, closed = ws_rest.result(timeout=120)
+        code = srv.proc.wait(timeout=60)
+        log = srv.log()
+    assert events[0]["type"] == "speech.audio.delta"
+    assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "server_shutdown", events[-1]
+    assert not any(e["type"] == "speech.audio.done" for e in events)
+    assert len(body) < 2 * expected_samples(2000, segments=6)
+    # uvicorn closes every WebSocket at once on shutdown, with 1012 (Service Restart): explicit, no "end".
+    assert closed.rcvd is not None and closed.rcvd.code == 1012, closed
+    assert not any(isinstance(m, str) and json.loads(m).get("type") == "end" for m in messages)
+    assert code == 0, log
+    assert "unfinished request(s)" in log, log  # the two HTTP streams (and the WebSocket's, if still there)
+    assert "Traceback" not in log, log
 
 
 def test_server_config_refuses_unknown_precision_and_decode():

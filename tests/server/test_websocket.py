@@ -53,6 +53,24 @@ def _ws_collect(ws) -> tuple[list[dict], bytes]:
             return events, pcm
 
 
+def test_a_big_delta_goes_out_in_frames_under_a_megabyte(server, http):
+    """Audio that reaches the session in one delta (here: 600 steps, one chunk by request; in practice what
+    piles up while a client reads slowly) is sent in frames of at most MAX_FRAME_SAMPLES, so a client with
+    websockets' default 1 MiB message limit reads it; the same PCM as an HTTP stream cut alike."""
+    tokens = 600  # 12.8 s: more than two frames
+    options = {**FIXED, "min_new_tokens": tokens, "max_new_tokens": tokens}
+    big = {"first_chunk": tokens, "max_chunk": tokens}
+    with connect(ws_url(server), open_timeout=10, close_timeout=5) as ws:  # max_size: 1 MiB (the default)
+        ws.send(json.dumps({"type": "start", "text": TEXT, "format": "pcm", "chunking": big, **options}))
+        ws.send(json.dumps({"type": "end"}))
+        events, pcm = _ws_collect(ws)
+    chunks = [e for e in events if e["type"] == "chunk"]
+    assert events[-1]["type"] == "end"
+    assert len(chunks) >= 3 and max(e["samples"] for e in chunks) <= websocket.MAX_FRAME_SAMPLES
+    same = http.post("/v1/tts", json={"text": TEXT, "format": "pcm", "chunking": big, **options})  # streamed alike
+    assert len(pcm) == 2 * expected_samples(tokens) and pcm == same.content
+
+
 def test_websocket_stream(server, http):
     with connect(ws_url(server), open_timeout=10, close_timeout=5) as ws:
         ws.send(json.dumps({"type": "start", "format": "pcm", "seed": 1, "refine_text": False, "max_new_tokens": 40}))

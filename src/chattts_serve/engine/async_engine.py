@@ -48,6 +48,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+class ShutdownError(EngineError):
+    """The server is stopping and ended this request before it was done (its audio is incomplete)."""
+
+
 @dataclass(eq=False)
 class _Collector:
     """One request's outputs. The engine thread puts; one consumer takes. If the consumer is slow,
@@ -157,6 +161,17 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+    def end_all(self, reason: str) -> int:
+        """Fail every request in flight with ``ShutdownError(reason)`` and abort it: what a stopping
+        server does with streams that outlast its grace period, so that their clients see an explicit
+        end instead of a cut connection. Returns how many requests it ended."""
+        ended = 0
+        for rid, collector in list(self._collectors.items()):
+            collector.fail(ShutdownError(reason))
+            self.abort(rid)
+            ended += 1
+        return ended
 
     @property
     def is_running(self) -> bool:

@@ -25,7 +25,7 @@ from . import native, openai_routes, openapi, voices_routes, websocket
 from .config import ServerConfig
 from .logs import REQUEST_ID
 from .metrics import Metrics
-from .service import APIError, ClientGone, Limits, key_matches
+from .service import APIError, ClientGone, Limits, ResponseCut, key_matches
 from .timeouts import BodyReader
 from .voices import VoiceStore
 from .wyoming import WyomingServer
@@ -70,6 +70,7 @@ def create_app(
                 max_buffered_audio_s=config.max_buffered_audio_s,
             )
         app.state.engine = eng
+        app.state.loop = asyncio.get_running_loop()  # for the shutdown signal handler (cli)
         app.state.metrics = Metrics(eng)
         app.state.voices = VoiceStore(config.voices_path)
         app.state.limits = Limits(config.max_concurrent_streams)
@@ -236,6 +237,8 @@ class RequestContext:
         token = REQUEST_ID.set(rid)  # JSON log lines of this request carry its id
         try:
             await (refusal or self.app)(scope, receive, send_with_id)
+        except ResponseCut as exc:
+            logger.warning("request_id=%s ended unfinished: %s", rid, exc)
         finally:
             logger.info(
                 "request_id=%s client_request_id=%s method=%s path=%s status=%d ms=%.1f",
@@ -263,4 +266,3 @@ class RequestContext:
                 code="invalid_api_key",
             )
         return None
-

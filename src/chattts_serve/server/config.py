@@ -49,6 +49,10 @@ class ServerConfig:
     response); else it is closed (slowloris)."""
     body_timeout_s: float = 30.0
     """A request body must arrive whole within this long; else 408 and the connection is closed."""
+    shutdown_timeout_s: float = 10.0
+    """On SIGTERM, requests in flight get this long to finish; a stream still running 2 s before the end
+    ends as a failure its client can see (an SSE error event, a chunked body without its last chunk),
+    never as a complete-looking file. (uvicorn closes WebSockets at once on shutdown, with 1012.)"""
     voices_db: str | None = None
     """SQLite file of saved voices (survives restarts); None: voices.sqlite3 in the user's data
     directory (platformdirs)."""
@@ -121,6 +125,7 @@ class ServerConfig:
             "send_timeout_s",
             "header_timeout_s",
             "body_timeout_s",
+            "shutdown_timeout_s",
             "max_upload_seconds",
             "ws_idle_timeout_s",
         ):

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from ..audio.encode import StreamingEncoder
 from ..audio.policy import StreamPolicy
-from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineError
+from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineError, ShutdownError
 from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
 from ..model.config import SAMPLE_RATE
@@ -63,6 +63,20 @@ class StreamFailed(APIError):
         )
 
 
+class StreamEndedByShutdown(StreamFailed):
+    """The server is stopping and its grace period ran out before this request was done."""
+
+    def __init__(self, request_id: str) -> None:
+        APIError.__init__(
+            self,
+            503,
+            f"the server is shutting down; request {request_id} ended before its audio was complete",
+            "server_error",
+            code="server_shutdown",
+            headers={"Retry-After": "1"},
+        )
+
+
 def key_matches(key: str, keys: tuple[str, ...]) -> bool:
     """Whether ``key`` is one of ``keys``, in constant time (no early exit that times the match)."""
     found = False
@@ -88,14 +102,22 @@ class TimedStreamingResponse(StreamingResponse):
         async def timed_send(message) -> None:
             try:
                 await asyncio.wait_for(send(message), self.send_timeout_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (not the builtin TimeoutError before Python 3.11)
                 logger.warning("client read nothing for %g s; closing the response", self.send_timeout_s)
                 raise ClientTooSlow() from None
 
         try:
             await super().stream_response(timed_send)
+        except StreamFailed as exc:  # the status line is out: the body ends unfinished (see ResponseCut)
+            raise ResponseCut(str(exc.detail)) from None
         finally:
             await self.body_iterator.aclose()
+
+
+class ResponseCut(Exception):
+    """A streamed response failed after it started. The request middleware returns without finishing the
+    response, so uvicorn closes the connection before the body's terminating chunk: the client sees an
+    incomplete body, never a complete (truncated) file, and the log gets one line, not a traceback."""
 
 
 class ClientTooSlow(OSError):
@@ -349,6 +371,8 @@ class AudioResponse:
             return APIError(
                 503, "the engine has stopped; retry on another replica", "server_error", code="engine_unavailable"
             )
+        if isinstance(exc, ShutdownError):
+            return StreamEndedByShutdown(self.request_id)
         if isinstance(exc, EngineError):
             logger.error("request %s failed: %s", self.request_id, exc)
             return StreamFailed(self.request_id)
@@ -371,6 +395,10 @@ class AudioResponse:
         except (asyncio.CancelledError, GeneratorExit):  # the client went away, or stopped reading
             self._status = "aborted"
             raise
+        except ShutdownError:
+            logger.warning("request %s ended by the shutdown before it was done", self.request_id)
+            self._status = "error"
+            raise StreamEndedByShutdown(self.request_id) from None
         except (EngineError, EngineDeadError) as exc:
             logger.error("request %s failed mid-stream: %s", self.request_id, exc)
             self._status = "error"

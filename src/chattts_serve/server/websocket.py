@@ -37,7 +37,8 @@ What happens at each limit (``ServerConfig``):
 * Binary frames are not part of the protocol: error ``binary_frame`` + 1003.
 * A message that is not JSON, a start message that does not validate, an unknown message type: error + 1008.
 * Synthesis that fails once started (``StreamFailed``, engine errors, the engine stopped): error + 1011 (never an
-  ``end``); no capacity (429/503 ``capacity``): error + 1013, try again later.
+  ``end``); no capacity (429/503 ``capacity``): error + 1013, try again later; the server stopping before the
+  audio was done: error ``server_shutdown`` + 1012.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ _NO_INITIAL_TEXT = "-"
 """Stands in for the required ``text`` when a WebSocket start message has none; only validated, never spoken."""
 _ECHO_CHARS = 100
 _MAX_ERROR_CHARS = 300
+MAX_FRAME_SAMPLES = 5 * SAMPLE_RATE  # at most 240 KB of 16-bit PCM per binary frame
 _DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
 
@@ -274,22 +276,28 @@ class _Session:
                         first_part_audio.append(chunk.audio)
                         if chunk.finished and chunk.finish_reason in ("stop", "length"):
                             self.params = await _with_first_part_voice(self.st, self.params, chunk, first_part_audio)
-                    data = encoder.write(chunk.audio) + (encoder.finish() if chunk.finished else b"")
-                    await self._send_chunk(chunk, data)
+                    # Audio that piled up while the client read slowly arrives as one delta: sent in frames of at
+                    # most MAX_FRAME_SAMPLES, under the 1 MiB message limit of common clients (websockets' default).
+                    pieces = range(0, max(len(chunk.audio), 1), MAX_FRAME_SAMPLES)
+                    for i, start in enumerate(pieces):
+                        piece = chunk.audio[start : start + MAX_FRAME_SAMPLES]
+                        last = chunk.finished and i == len(pieces) - 1
+                        data = encoder.write(piece) + (encoder.finish() if last else b"")
+                        await self._send_chunk(len(piece), chunk.elapsed_s, data)
         finally:
             encoder.close()
 
-    async def _send_chunk(self, chunk, data: bytes) -> None:
+    async def _send_chunk(self, samples: int, elapsed_s: float, data: bytes) -> None:
         event = {
             "type": "chunk",
             "index": self.chunks,
-            "samples": len(chunk.audio),
+            "samples": samples,
             "bytes": len(data),
-            "elapsed_s": round(chunk.elapsed_s, 4),
+            "elapsed_s": round(elapsed_s, 4),
             "part": self.part - 1,
         }
         self.chunks += 1
-        self.samples += len(chunk.audio)
+        self.samples += samples
         # Shielded: a cancelled speaker still sends the frame its event announced (the lock keeps others out).
         sending = asyncio.ensure_future(self._send_pair(event, data))
         sending.add_done_callback(_retrieve)  # if nobody awaits it any more, its _Gone is not "never retrieved"
@@ -372,6 +380,8 @@ def _failure(exc: Exception) -> _Close:
     if isinstance(exc, APIError):
         if exc.code == "capacity":
             return _Close(str(exc.detail), "capacity", 1013)
+        if exc.code == "server_shutdown":  # 1012 Service Restart: the client may reconnect elsewhere
+            return _Close(str(exc.detail), "server_shutdown", 1012)
         return _Close(str(exc.detail), exc.code or "server_error", 1011)
     logger.error("websocket synthesis failed: %s", exc)
     return _Close("synthesis failed; the server log has the cause", "synthesis_failed", 1011)
