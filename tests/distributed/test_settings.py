@@ -110,3 +110,20 @@ def test_mirror_copies_every_series_with_its_labels():
     slots.set(5)
     mirror.sync()  # the same gauges, new values
     assert made["chattts_kv_slots_used"].values == {(): 5.0}
+
+
+def test_the_documented_serve_config_is_valid():
+    """deploy/ray-serve.yaml passes Serve's own schema, and each application's args make ServeSettings."""
+    yaml = pytest.importorskip("yaml")
+    pytest.importorskip("ray", reason="needs the .[ray] extra")
+    from pathlib import Path
+
+    from ray.serve.schema import ServeDeploySchema
+
+    path = Path(__file__).parents[2] / "deploy" / "ray-serve.yaml"
+    config = yaml.safe_load(path.read_text())
+    ServeDeploySchema.model_validate(config)
+    for app in config["applications"]:
+        assert app["import_path"] == "chattts_serve.distributed.serve_app:app"
+        settings = ServeSettings.from_dict(app["args"])
+        assert settings.deployment_options(cluster_gpus=0)["max_ongoing_requests"] == 32

@@ -2,9 +2,8 @@
 HTTP ingress, serving the app ``server.app.create_app`` builds (the same routes as ``chattts-serve
 serve``: OpenAI speech with streaming and SSE, /v1/tts, the WebSocket, voices, health, metrics).
 
-    serve run chattts_serve.distributed.serve_app:app model=/models/chattts num_replicas=2
-    serve deploy deploy/ray-serve.yaml          # import_path: chattts_serve.distributed.serve_app:app
-    chattts-serve ray serve --model DIR --num-replicas 2
+    chattts-serve ray serve --model DIR --num-replicas 2     # starts (or, with --address, joins) a cluster
+    serve deploy deploy/ray-serve.yaml    # import_path: chattts_serve.distributed.serve_app:app; also KubeRay
 
 ``app`` is a Serve application builder: its ``args`` are ``ServeSettings`` fields (``settings.py``).
 Streams leave the replica as they are made; a client that disconnects cancels the replica's request task,
