@@ -26,7 +26,6 @@ RAY_ENV = {
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
     "RAY_DEDUP_LOGS": "0",
-    "OMP_NUM_THREADS": "1",
 }
 
 
@@ -67,7 +66,9 @@ def cli(*args: str) -> list[str]:
 def background(cmd: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
     """A command running for the block; SIGTERM (then SIGKILL) after."""
     log = open(log_path, "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **RAY_ENV})
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1"}
+    )
     try:
         yield proc
     finally:

@@ -45,7 +45,9 @@ def run_batch(cluster, tiny_ckpt, texts, out) -> dict:
         "ray", "batch", "--address", cluster.address, "--input", str(texts), "--output-dir", str(out),
         "--model", str(tiny_ckpt), "--num-workers", "2", "--num-cpus-per-worker", "0.5", "--no-progress", *SAMPLING,
     )  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **RAY_ENV})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

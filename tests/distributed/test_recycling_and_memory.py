@@ -69,3 +69,12 @@ def test_weights_bytes_follow_the_precision(tiny_ckpt):
     bf16 = weights_bytes(tiny_ckpt, "bf16")
     gpt = (tiny_ckpt / "asset/gpt/model.safetensors").stat().st_size
     assert fp32 > bf16 and fp32 - bf16 == gpt - gpt // 2
+
+
+def test_no_memory_cap_off_cuda(tiny_ckpt):
+    from chattts_serve.distributed.memory import cap_device_memory
+    from chattts_serve.engine.config import EngineConfig
+
+    config = EngineConfig.with_slots(4)
+    assert cap_device_memory(str(tiny_ckpt), config, "cpu", 0.5) is config
+    assert cap_device_memory(str(tiny_ckpt), config, "cuda:0", None) is config

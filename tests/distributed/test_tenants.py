@@ -211,3 +211,26 @@ def test_synthesis_paths_inside_a_route_prefix():
     assert is_synthesis({"type": "websocket", "path": "/t/v1/tts/stream", "root_path": "/t"})
     assert not is_synthesis({"type": "http", "path": "/tenants/vip/v1/voices", "root_path": "/tenants/vip"})
     assert not is_synthesis({"type": "http", "path": "/tenants/vip/v1/tts"})  # prefix not stripped: another app
+
+
+def test_a_websocket_over_its_tenant_limit_gets_an_error_event_and_1013():
+    from starlette.routing import WebSocketRoute
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocket
+
+    async def stream(ws: WebSocket):
+        await ws.accept()
+        await ws.send_json({"type": "end"})
+        await ws.close()
+
+    app = Starlette(routes=[WebSocketRoute("/v1/tts/stream", stream)])
+    config = TenantsConfig((Tenant("t", ("k",), rate_per_s=0.001, burst=1),))
+    app.add_middleware(TenantLimits, config=config, max_wait_s=1)
+    with TestClient(app) as client:
+        with client.websocket_connect("/v1/tts/stream?api_key=k") as ws:
+            assert ws.receive_json() == {"type": "end"}
+        with client.websocket_connect("/v1/tts/stream?api_key=k") as ws:  # the bucket is empty now
+            event = ws.receive_json()
+            assert event["type"] == "error" and event["code"] == "tenant_rate_limited" and event["fatal"]
+            closed = ws.receive()
+            assert closed["type"] == "websocket.close" and closed["code"] == 1013
