@@ -242,10 +242,11 @@ def test_livekit_interruption_frees_the_slot(long):
     assert metric(long, "chattts_requests_in_flight") == 0
 
 
-def test_livekit_raw_audio_reports_a_failure_mid_stream(tiny_ckpt, tmp_path):
-    """With ``model="tts-1"`` (raw audio) a synthesis that fails after its first audio cuts the response, and the
-    plugin raises (its retry logic then takes over; here retries are off). docs/livekit.md recommends it where
-    failures must be noticed: the plugin ignores the SSE ``error`` event the default mode ends with."""
+@pytest.mark.parametrize("model", ["tts-1", "gpt-4o-mini-tts"])  # raw audio; SSE (the plugin's default)
+def test_livekit_reports_a_failure_mid_stream(tiny_ckpt, tmp_path, model):
+    """A synthesis that fails after its first audio cuts the response, and the plugin raises (its retry
+    logic then takes over; here retries are off). With SSE the server sends an ``error`` event first, which
+    the plugin ignores: only the cut body after it makes the failure visible to LiveKit."""
     from livekit.agents import APIConnectionError, APIConnectOptions
 
     from chattts_serve.engine.async_engine import AsyncEngine
@@ -259,7 +260,7 @@ def test_livekit_raw_audio_reports_a_failure_mid_stream(tiny_ckpt, tmp_path):
 
     async def speak(base: str) -> None:
         tts = lk_openai.TTS(
-            base_url=f"{base}/v1", api_key="unused", voice="alloy", model="tts-1", response_format="pcm"
+            base_url=f"{base}/v1", api_key="unused", voice="alloy", model=model, response_format="pcm"
         )
         try:
             async with tts.synthesize(TEXT, conn_options=APIConnectOptions(max_retry=0)) as stream:

@@ -119,23 +119,25 @@ def test_whole_file_request_fails_with_500_json(served, where):
 
 def test_sse_failure_is_an_error_event_not_done(served):
     base, engine = served
+    body = {
+        "model": "tts-1",
+        "voice": "alloy",
+        "input": TEXT,
+        "response_format": "pcm",
+        "stream_format": "sse",
+        "seed": 1,
+        "min_new_tokens": 200,
+        "max_new_tokens": 200,
+        "refine_text": False,
+    }
+    lines = []
     with fault(engine.core.runner, "execute", after=40):  # after the first chunk (14 steps) left
-        r = httpx.post(
-            base + "/v1/audio/speech",
-            json={
-                "model": "tts-1",
-                "voice": "alloy",
-                "input": TEXT,
-                "response_format": "pcm",
-                "stream_format": "sse",
-                "seed": 1,
-                "min_new_tokens": 200,
-                "max_new_tokens": 200,
-                "refine_text": False,
-            },
-            timeout=HTTP_TIMEOUT,
-        )
-    events = [json.loads(b[6:]) for b in r.text.split("\n\n") if b.strip()]
+        with httpx.stream("POST", base + "/v1/audio/speech", json=body, timeout=HTTP_TIMEOUT) as r:
+            # The error event, and then the body is cut: a client that ignores error events still fails.
+            with pytest.raises(httpx.RemoteProtocolError):
+                for line in r.iter_lines():
+                    lines.append(line)
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
     assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "synthesis_failed"
     assert not any(e["type"] == "speech.audio.done" for e in events)
     _healthy_after(base)

@@ -14,6 +14,7 @@ from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
 from .service import (
     APIError,
     AudioResponse,
+    ResponseCut,
     StreamFailed,
     TimedStreamingResponse,
     build_params,
@@ -66,7 +67,9 @@ async def _sse(resp: AudioResponse, fmt: str):
     except StreamFailed as exc:  # an error event, never a "done" after a failure
         error = {"type": "error", "error": {"message": str(exc.detail), "type": exc.type, "code": exc.code}}
         yield f"data: {json.dumps(error)}\n\n"
-        return
+        # ... and then the body ends unfinished: clients that ignore error events (LiveKit's OpenAI TTS
+        # does) still see a failed request, not a short one.
+        raise ResponseCut(str(exc.detail)) from None
     final = resp.final
     tokens_in = final.num_input_tokens if final is not None else 0
     tokens_out = final.num_steps if final is not None else 0  # audio tokens (4 codes = 512 samples each)
