@@ -5,7 +5,8 @@
     python scripts/bench_ray.py serve --model CKPT --replicas 1,2 --concurrency 8 --requests 32 --tokens 200
         the same load through Serve's proxy with 1, then 2 replicas, in one run: audio s per wall s, TTFB
     python scripts/bench_ray.py batch --model CKPT --num-texts 64 --num-workers 2 --tokens 200
-        `chattts-serve ray batch` vs `chattts-serve synthesize --input` (one process) on the same texts
+        `chattts-serve ray batch` vs `chattts-serve synthesize --input` (one process) on the same texts;
+        each wall time includes its start-up (cluster, model loads): give it enough texts to amortise
 
 Loopback only (a local cluster on 127.0.0.1). Replicas get ``--num-cpus-per-replica`` CPUs each and as many
 torch threads; on a box with fewer cores than replicas x threads the figures measure contention.
