@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from chattts_serve.engine.async_engine import EngineDeadError, EngineError
-from chattts_serve.server import websocket
+from chattts_serve.server import text_parts, websocket
 
 from .conftest import (
     HTTP_TIMEOUT,
@@ -418,8 +418,8 @@ class _CountingPattern:
 def test_websocket_scans_only_new_text_for_sentence_ends(ws_app, monkeypatch):
     """200 pieces of 10 characters, no sentence end: the sentence-end scan reads each character once
     (re-scanning the whole buffer on every message would read ~200,000)."""
-    counting = _CountingPattern(websocket._SENTENCE_END)
-    monkeypatch.setattr(websocket, "_SENTENCE_END", counting)
+    counting = _CountingPattern(text_parts.SENTENCE_END)
+    monkeypatch.setattr(text_parts, "SENTENCE_END", counting)
     ws_app.configure(max_input_chars=4096)
     with connect(ws_app.url, open_timeout=10, close_timeout=5) as ws:
         _start(ws)

@@ -28,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_s
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from chattts_serve.server.websocket import _SENTENCE_END, _Segmenter
+from chattts_serve.server.text_parts import SENTENCE_END, Segmenter
 
 from .conftest import HTTP_TIMEOUT, ServerProcess, start_server
 
@@ -337,10 +337,10 @@ def test_websocket_state_machine(fuzz_server):
 @settings(max_examples=200, deadline=None, database=None)
 @given(pieces=st.lists(st.text(alphabet="ab 。!,\n", max_size=40), max_size=20), limit=st.integers(1, 30))
 def test_segmenter_keeps_all_text_within_the_limit(pieces, limit):
-    segmenter = _Segmenter(limit)
+    segmenter = Segmenter(limit)
     parts = [part for piece in pieces for part in segmenter.feed(piece)] + segmenter.flush()
     assert "".join(parts) == "".join(pieces)  # nothing lost, nothing repeated, in order
     assert all(0 < len(part) <= limit for part in parts)
     for part in parts[:-1]:
         # A part ends at a sentence end, or is a long run cut at the limit or at a space/comma past its half.
-        assert _SENTENCE_END.search(part[-1]) or len(part) > limit // 2, (part, limit)
+        assert SENTENCE_END.search(part[-1]) or len(part) > limit // 2, (part, limit)

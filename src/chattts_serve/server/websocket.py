@@ -44,24 +44,19 @@ What happens at each limit (``ServerConfig``):
 from __future__ import annotations
 
 import asyncio
-import bisect
 import json
 import logging
-import re
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import replace
 from urllib.parse import urlsplit
 
-import numpy as np
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from ..audio.encode import StreamingEncoder
 from ..engine.async_engine import EngineDeadError, EngineError
 from ..model.config import SAMPLE_RATE
-from ..model.speaker import MIN_VOICE_SAMPLES
 from .native import _voice_and_params
 from .protocol import TTSRequest
 from .service import (
@@ -69,11 +64,10 @@ from .service import (
     AudioResponse,
     key_matches,
 )
+from .text_parts import Segmenter, speakable, voice_from_first_part, with_first_part_voice
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
-_SENTENCE_END = re.compile(r"[。！？!?.\n]")
-_SOFT_BREAK = re.compile(r"[\s,，、;；:：]")
 _NO_INITIAL_TEXT = "-"
 """Stands in for the required ``text`` when a WebSocket start message has none; only validated, never spoken."""
 _ECHO_CHARS = 100
@@ -158,7 +152,7 @@ def _same_origin(origin: str, host: str) -> bool:
 
 
 class _Session:
-    """One WebSocket session: a reader task turns messages into parts (``_Segmenter``) and queues them, a
+    """One WebSocket session: a reader task turns messages into parts (``text_parts.Segmenter``) and queues them, a
     speaker task synthesizes them in order. Either may end the session (``_Close``); the other is cancelled
     (cancelling the speaker aborts its engine request)."""
 
@@ -168,7 +162,7 @@ class _Session:
         self.id = uuid.uuid4().hex[:12]
         # Bounded: a full queue stops the reader, which is the backpressure on a client that outruns synthesis.
         self.parts: asyncio.Queue[str | None] = asyncio.Queue(maxsize=self.cfg.ws_max_pending_sentences)
-        self.segmenter = _Segmenter(self.cfg.max_input_chars)
+        self.segmenter = Segmenter(self.cfg.max_input_chars)
         # One sender at a time: a chunk event and its binary frame must never have an error event between them.
         self.send_lock = asyncio.Lock()
         self.speaking = False
@@ -233,7 +227,7 @@ class _Session:
             await self._queue(part)
 
     async def _queue(self, part: str) -> None:
-        if part.strip() and _speakable(part):
+        if part.strip() and speakable(part):
             await self.parts.put(part)  # blocks while the queue is full: backpressure
 
     async def _speak(self) -> None:
@@ -268,14 +262,14 @@ class _Session:
 
     async def _stream_part(self, resp: AudioResponse) -> None:
         encoder = StreamingEncoder(self.body.format)
-        first_part_audio = [] if _voice_from_first_part(self.params) else None
+        first_part_audio = [] if voice_from_first_part(self.params) else None
         try:
             async with aclosing(resp.chunks()) as chunks:  # closing it (cancelled, failed) aborts the request
                 async for chunk in chunks:
                     if first_part_audio is not None:
                         first_part_audio.append(chunk.audio)
                         if chunk.finished and chunk.finish_reason in ("stop", "length"):
-                            self.params = await _with_first_part_voice(self.st, self.params, chunk, first_part_audio)
+                            self.params = await with_first_part_voice(self.st, self.params, chunk, first_part_audio)
                     # Audio that piled up while the client read slowly arrives as one delta: sent in frames of at
                     # most MAX_FRAME_SAMPLES, under the 1 MiB message limit of common clients (websockets' default).
                     pieces = range(0, max(len(chunk.audio), 1), MAX_FRAME_SAMPLES)
@@ -399,48 +393,6 @@ def _parse(raw: str) -> dict:
     raise _Close(f"bad message: unexpected message {_excerpt(raw)}", "invalid_message", 1008)
 
 
-class _Segmenter:
-    """Cuts the incoming text into parts to speak (see ``_cut``). Only new text is scanned for sentence ends,
-    and what is kept between messages (``pending``, no sentence end in it) is at most ``limit`` characters, so
-    the work per message is O(len(new) + limit): linear in the session's text."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.pending = ""
-
-    def feed(self, new: str) -> list[str]:
-        ends = [len(self.pending) + m.end() for m in _SENTENCE_END.finditer(new)]
-        parts, self.pending = _cut(self.pending + new, ends, self.limit)
-        return parts
-
-    def flush(self) -> list[str]:
-        rest, self.pending = self.pending, ""
-        return [rest] if rest else []
-
-
-def _cut(text: str, ends: list[int], limit: int) -> tuple[list[str], str]:
-    """``text`` as (parts to speak now, the rest to keep). Parts have at most ``limit`` characters and end at
-    the last sentence end that fits; a longer sentence is cut at a soft break. The rest (no sentence end in
-    it) is kept while it is at most ``limit`` characters. ``ends``: offsets just after each sentence end."""
-    parts, start = [], 0
-    last = ends[-1] if ends else 0
-    while start < last or len(text) - start > limit:
-        i = bisect.bisect_right(ends, start + limit) - 1
-        stop = ends[i] if i >= 0 and ends[i] > start else _soft_break(text, start, limit)
-        parts.append(text[start:stop])
-        start = stop
-    return parts, text[start:]
-
-
-def _soft_break(text: str, start: int, limit: int) -> int:
-    """Where to cut a sentence longer than ``limit``: after the last space or comma in the second half of the
-    window (so every piece has at least limit/2 characters and the search stays linear), else at the limit."""
-    best = None
-    for m in _SOFT_BREAK.finditer(text, start + limit // 2, start + limit):
-        best = m.end()
-    return best or start + limit
-
-
 def _utf8_longer_than(text: str, limit: int) -> bool:
     # A character is 1 to 4 bytes in UTF-8: only the in-between case needs encoding.
     if len(text) > limit:
@@ -448,29 +400,6 @@ def _utf8_longer_than(text: str, limit: int) -> bool:
     if 4 * len(text) <= limit:
         return False
     return len(text.encode("utf-8", "surrogatepass")) > limit
-
-
-def _voice_from_first_part(params) -> bool:
-    return params.split_text and params.first_sentence_voice and params.speaker_sample is None
-
-
-async def _with_first_part_voice(st, params, final, audio: list[np.ndarray]):
-    """The session's voice, kept from its first part on: every later part is spoken with a voice sample
-    of the first part's audio and its text as transcript (the engine's voice step, for text that
-    arrives in pieces; the first part itself has already been heard as it was)."""
-    if not final.segments:
-        return params
-    sample = final.voice_sample
-    if sample is None:
-        wav = np.concatenate(audio) if audio else np.zeros(0, np.float32)
-        if len(wav) < MIN_VOICE_SAMPLES:
-            return params
-        sample = await st.engine.speaker_from_audio(wav)
-    return replace(params, speaker_sample=sample, speaker_sample_text=final.segments[0].text)
-
-
-def _speakable(text: str) -> bool:
-    return any(ch.isalnum() for ch in text)
 
 
 def _excerpt(text: str, limit: int = _ECHO_CHARS) -> str:

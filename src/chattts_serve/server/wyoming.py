@@ -68,8 +68,8 @@ from .service import (
     request_defaults,
     resolve_voice,
 )
+from .text_parts import Segmenter, speakable, voice_from_first_part, with_first_part_voice
 from .voices import VoiceStoreError
-from .websocket import _Segmenter, _speakable, _voice_from_first_part, _with_first_part_voice
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class _Stream:
     """A streaming synthesis (``synthesize-start`` .. ``synthesize-stop``)."""
 
     params: SamplingParams
-    segmenter: _Segmenter
+    segmenter: Segmenter
     out: _AudioOut
     text_chars: int = 0
 
@@ -366,7 +366,7 @@ class Connection(AsyncEventHandler):
         elif SynthesizeStart.is_type(kind):
             if self.stream is not None:
                 raise _Fail("synthesize-start while a stream is open", "invalid_event")
-            self.stream = _Stream(self._params(event.data), _Segmenter(self.cfg.max_input_chars), _AudioOut(self))
+            self.stream = _Stream(self._params(event.data), Segmenter(self.cfg.max_input_chars), _AudioOut(self))
         elif SynthesizeChunk.is_type(kind):
             await self._take_text(event.data.get("text"))
         elif SynthesizeStop.is_type(kind):
@@ -404,7 +404,7 @@ class Connection(AsyncEventHandler):
             await self._queue_part(stream, part)
 
     async def _queue_part(self, stream: _Stream, part: str) -> None:
-        if _speakable(part):
+        if speakable(part):
             await self.jobs.put(_Job(part, stream=stream))  # blocks while the queue is full: backpressure
 
     def _params(self, data: dict) -> SamplingParams:
@@ -466,7 +466,7 @@ class Connection(AsyncEventHandler):
     async def _run(self, job: _Job) -> None:
         if job.stream is None:  # synthesize
             out = _AudioOut(self)
-            if _speakable(job.text):
+            if speakable(job.text):
                 try:
                     await self._synthesize(job.text, job.params, out)
                 except APIError as exc:
@@ -490,7 +490,7 @@ class Connection(AsyncEventHandler):
         resp = AudioResponse(self.st.engine, self.st.metrics, self.st.limits, "wyoming", self.cfg.max_queue_wait_s)
         self.num_requests += 1
         await resp.start(text, params, self.st.engine.stream_policy, f"wyoming-{self.id}-{self.num_requests}")
-        first_part_audio = [] if stream is not None and _voice_from_first_part(params) else None
+        first_part_audio = [] if stream is not None and voice_from_first_part(params) else None
         try:
             async with aclosing(resp.chunks()) as chunks:  # closing it (cancelled, failed) aborts the request
                 async for chunk in chunks:
@@ -499,7 +499,7 @@ class Connection(AsyncEventHandler):
                     if first_part_audio is not None:
                         first_part_audio.append(chunk.audio)
                         if chunk.finished and chunk.finish_reason in ("stop", "length"):
-                            stream.params = await _with_first_part_voice(self.st, params, chunk, first_part_audio)
+                            stream.params = await with_first_part_voice(self.st, params, chunk, first_part_audio)
         except (APIError, EngineError, EngineDeadError) as exc:  # it failed after it started
             logger.error("wyoming request failed: %s", getattr(exc, "detail", exc))
             raise _Fail("synthesis failed; the server log has the cause", "synthesis_failed") from None
