@@ -7,6 +7,8 @@ reference's batched decode), so its audio does not depend on what else was in th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -44,18 +46,32 @@ def decode(
     return mel_to_wav(model, mel).cpu().numpy().astype(np.float32, copy=False)
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): elsewhere oneDNN emulates it and
+    a bf16 decode is slower than fp32. Probed from /proc/cpuinfo (Linux; False elsewhere)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
 @torch.inference_mode()
-def decode_windows(model: LoadedModel, windows: list[Window]) -> list[np.ndarray]:
+def decode_windows(model: LoadedModel, windows: list[Window], dtype: str = "fp32") -> list[np.ndarray]:
     """Decode many streams' windows: windows of equal length run as one batch (no zero padding, which
-    would change the samples at a window's true end)."""
+    would change the samples at a window's true end). ``dtype`` "bf16": under bf16 autocast (the
+    engine's ``audio_dtype``)."""
+    bf16 = dtype == "bf16"
+    device_type = model.decoder.coef.device.type
     out: list[np.ndarray | None] = [None] * len(windows)
     groups: dict[int, list[int]] = {}
     for i, w in enumerate(windows):
         groups.setdefault(w.num_steps, []).append(i)
     for idx in groups.values():
         h = torch.stack([windows[i].stream.hidden[windows[i].start : windows[i].end] for i in idx])
-        wav = model.vocos(model.decoder(h.transpose(1, 2)))  # [G, 512 * steps - 256]
-        wav = wav.cpu().numpy().astype(np.float32, copy=False)
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+            wav = model.vocos(model.decoder(h.transpose(1, 2)))  # [G, 512 * steps - 256]
+        wav = wav.float().cpu().numpy().astype(np.float32, copy=False)
         for j, i in enumerate(idx):
             out[i] = wav[j]
     return out  # type: ignore[return-value]

@@ -61,6 +61,12 @@ def add_runner_arguments(p: argparse.ArgumentParser) -> None:
         help="KV cache dtype: auto (the trunk's) or bf16 (half the bytes; torch modes)",
     )
     p.add_argument(
+        "--audio-dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="Decoder + Vocos dtype: fp32 (reference-exact) or bf16 (faster on CPUs with AVX-512 BF16 / AMX)",
+    )
+    p.add_argument(
         "--onnx-cache-dir",
         default=None,
         help="where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
@@ -79,7 +85,12 @@ def engine_config(args: argparse.Namespace, **scheduler: int):
         onnx_cache_dir=args.onnx_cache_dir,
         kv_cache_dtype=args.kv_cache_dtype,
     )
-    return EngineConfig(precision=args.precision, scheduler=SchedulerConfig(**scheduler), runner=runner)
+    return EngineConfig(
+        precision=args.precision,
+        scheduler=SchedulerConfig(**scheduler),
+        runner=runner,
+        audio_dtype=getattr(args, "audio_dtype", "fp32"),
+    )
 
 
 def texts(args: argparse.Namespace, n: int) -> list[str]:

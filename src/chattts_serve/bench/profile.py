@@ -190,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(dev),
         "precision": engine.precision.name,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "audio_dtype": args.audio_dtype,
         "decode": engine.decode_mode,
         "threads": torch.get_num_threads(),
         "streams": args.streams,

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device),
         "precision": args.precision,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "audio_dtype": args.audio_dtype,
         "decode": decode,
         "threads": torch.get_num_threads(),
         "steps": args.steps,

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..audio.decode import decode_windows
+from ..audio.decode import cpu_has_bf16, decode_windows
 from ..audio.policy import StreamPolicy
 from ..model.checkpoint import LoadedModel
 from ..model.prepare import ModelLayout
@@ -43,6 +43,9 @@ class EngineCore:
         self.device = self.runner.device
         self.inputs = InputProcessor(tokenizer, gpt.hidden_size, gpt.num_vq, config.max_audio_seconds)
         self.pipeline = RequestPipeline(tokenizer, gpt.hidden_size, gpt.num_vq, sc.max_model_len, self.device)
+        self.audio_dtype = config.audio_dtype
+        if self.audio_dtype == "bf16" and self.device.type == "cpu" and not cpu_has_bf16():
+            logger.warning("audio_dtype bf16 on a CPU without AVX-512 BF16 or AMX: emulated, slower than fp32")
 
     # ------------------------------------------------------------------ requests
 
@@ -122,7 +125,7 @@ class EngineCore:
         if not windows:
             return
         try:
-            pcm = decode_windows(self.model, [w for _, _, w in windows])
+            pcm = decode_windows(self.model, [w for _, _, w in windows], self.audio_dtype)
         except Exception as exc:
             logger.exception("audio decode failed")
             for request_id, _, _ in windows:

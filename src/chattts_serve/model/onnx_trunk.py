@@ -80,6 +80,9 @@ class OnnxTrunk:
         so.intra_op_num_threads = threads or torch.get_num_threads()
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
+        # ORT's workers spin between runs by default and then hold both cores while torch runs the heads,
+        # sampling and audio decode: off, one stream's step went from ~30 to ~22 ms (BENCHMARKS.md).
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.providers = resolve_providers(provider, device)
         self.session = ort.InferenceSession(str(directory / MODEL_FILE), so, providers=self.providers)
         self.weight_bytes = sum(f.stat().st_size for f in (directory / MODEL_FILE, directory / DATA_FILE) if f.exists())
