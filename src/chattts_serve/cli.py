@@ -12,6 +12,7 @@ chattts-serve bench offline|streams|serve ...   chattts-serve profile ...   chat
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -472,6 +473,9 @@ def _export_onnx(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    # A crash in native code (torch, ONNX Runtime, PyAV) then leaves every thread's Python stack on
+    # stderr instead of a process that is simply gone.
+    faulthandler.enable()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -26,17 +26,8 @@ from ..model.config import PRECISIONS
 from . import stats
 from .common import TEXTS, run_tool, set_threads
 
-DEFAULT_MODES = (
-    "bf16",
-    "int8",
-    "int8-dynamic",
-    "int8-static",
-    "ort-fp32",
-    "ort-int8",
-    "ort-int4",
-    "fp32/kv-bf16",
-    "int8-static/kv-bf16",
-)
+# Every precision a CPU runs, against fp32 (fp16 is CUDA-only), and the bf16 KV cache under two of them.
+DEFAULT_MODES = (*(p for p in PRECISIONS if p not in ("fp32", "fp16")), "fp32/kv-bf16", "int8-static/kv-bf16")
 KV_SUFFIX = "/kv-"
 """``PRECISION/kv-bf16``: that precision with a bf16 KV cache (``RunnerConfig.kv_cache_dtype``)."""
 
