@@ -12,7 +12,9 @@ chattts-serve bench offline|streams|serve ...   chattts-serve profile ...   chat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import io
 import logging
 import os
 import signal
@@ -245,6 +247,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    with contextlib.suppress(io.UnsupportedOperation, AttributeError, ValueError):  # stderr without a file
+        # A crash in native code (torch, ONNX Runtime, PyAV) then leaves every thread's Python stack in the
+        # log instead of a server that is simply gone.
+        faulthandler.enable()
     import uvicorn
 
     from .engine.config import FLAT_OPTIONS
@@ -473,9 +479,6 @@ def _export_onnx(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    # A crash in native code (torch, ONNX Runtime, PyAV) then leaves every thread's Python stack on
-    # stderr instead of a process that is simply gone.
-    faulthandler.enable()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -411,17 +411,29 @@ class AudioResponse:
         """The response body in ``fmt``, encoded in a worker thread (never on the event loop)."""
         encoder = StreamingEncoder(fmt)
         done = False
+        work: asyncio.Future | None = None
+
+        async def in_thread(fn, *args):
+            nonlocal work
+            work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            return await asyncio.shield(work)
+
         try:
             async for chunk in self.chunks():
-                data = await asyncio.to_thread(encoder.write, chunk.audio)
+                data = await in_thread(encoder.write, chunk.audio)
                 if chunk.finished:
-                    data += await asyncio.to_thread(encoder.finish)
+                    data += await in_thread(encoder.finish)
                     done = True
                 if data:
                     yield data
         finally:
             if not done:
-                encoder.close()
+                if work is not None and not work.done():
+                    # Cancelled (the client left) while the worker thread still encodes: a thread keeps
+                    # running when its awaiter is cancelled, so free the codec only once it is done with it.
+                    work.add_done_callback(lambda f: (f.cancelled() or f.exception(), encoder.close()))
+                else:
+                    encoder.close()
 
     async def _close(self) -> None:
         if self._stream is not None:
