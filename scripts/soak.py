@@ -137,6 +137,7 @@ def main() -> int:
             batch(done, n)
             done += n
             samples.append({"requests": done, **proc_status(proc.pid)})
+            print(json.dumps(samples[-1]), file=sys.stderr, flush=True)  # progress: a long run may be cut short
         time.sleep(2)  # idle
         end = proc_status(proc.pid)
         g = gauges(base)
