@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+from ..server.openapi import error_response
 from ..server.service import key_matches
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -345,10 +346,5 @@ async def _refuse(scope, receive, send, exc: TenantLimited) -> None:
         await send({"type": "websocket.send", "text": json.dumps(event)})
         await send({"type": "websocket.close", "code": 1013})
         return
-    body = json.dumps(
-        {"error": {"message": str(exc), "type": "rate_limit_error", "param": None, "code": code}}
-    ).encode()
-    headers = [(b"content-type", b"application/json"), (b"retry-after", retry_after.encode())]
-    headers.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": 429, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    response = error_response(429, str(exc), "rate_limit_error", code=code, headers={"Retry-After": retry_after})
+    await response(scope, receive, send)

@@ -14,7 +14,7 @@ from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
@@ -25,6 +25,7 @@ from . import native, openai_routes, openapi, voices_routes, websocket
 from .config import ServerConfig
 from .logs import REQUEST_ID
 from .metrics import Metrics
+from .openapi import error_response
 from .service import APIError, ClientGone, Limits, ResponseCut, key_matches
 from .timeouts import BodyReader
 from .voices import VoiceStore
@@ -33,11 +34,6 @@ from .wyoming import WyomingServer
 logger = logging.getLogger("chattts_serve.server")
 
 PUBLIC_PATHS = ("/health", "/")  # the playground page is static HTML; it sends the key with its requests
-
-
-def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None, headers=None):
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _device(name: str) -> str:
@@ -54,6 +50,7 @@ def create_app(
     """The app. ``engine``: serve this one (else the lifespan loads ``config.model``). ``middleware``: ASGI
     middleware run inside the request context (after request ids, the Host and API key checks), the first
     outermost; Ray Serve replicas put their per-tenant limits there."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         eng = engine
@@ -105,14 +102,14 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return _error(exc.status_code, str(exc.detail), exc.type, exc.param, exc.code, exc.headers)
+        return error_response(exc.status_code, str(exc.detail), exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         headers = getattr(exc, "headers", None)
         if exc.status_code == 405:  # Starlette names only the first matching route's methods
             headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request.app, request.scope))}
-        return _error(exc.status_code, str(exc.detail), headers=headers)
+        return error_response(exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -122,7 +119,7 @@ def create_app(
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid" or "JSON" in msg:
             msg, loc = "request body is not valid JSON (UTF-8)", []
-        return _error(
+        return error_response(
             400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None, code="invalid_request"
         )
 
@@ -132,14 +129,16 @@ def create_app(
         # loading the model at start-up is not a failure (that is /ready's business).
         eng = getattr(request.app.state, "engine", None)
         if eng is not None and eng.dead_error is not None:
-            return _error(503, "the engine loop has stopped; restart the server", "server_error", code="engine_dead")
+            return error_response(
+                503, "the engine loop has stopped; restart the server", "server_error", code="engine_dead"
+            )
         return {"status": "ok"}
 
     @app.get("/ready", responses=openapi.errors())
     async def ready(request: Request):
         eng = getattr(request.app.state, "engine", None)
         if not request.app.state.ready or eng is None or eng.dead_error is not None:
-            return _error(503, "not ready", "server_error", code="not_ready")
+            return error_response(503, "not ready", "server_error", code="not_ready")
         return {"status": "ready"}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.errors())
@@ -254,12 +253,12 @@ class RequestContext:
     def _refusal(self, request: Request):
         config = self.config
         if config.allowed_hosts and request.headers.get("host", "").rsplit(":", 1)[0] not in config.allowed_hosts:
-            return _error(400, "host not allowed", code="bad_host")
+            return error_response(400, "host not allowed", code="bad_host")
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > config.max_body_bytes):
-            return _error(413, f"request body larger than {config.max_body_bytes} bytes", code="too_large")
+            return error_response(413, f"request body larger than {config.max_body_bytes} bytes", code="too_large")
         if config.api_keys and request.url.path not in PUBLIC_PATHS and not _authorized(request, config):
-            return _error(
+            return error_response(
                 401,
                 "missing or invalid API key (Authorization: Bearer <key>)",
                 "authentication_error",

@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import asyncio
 
-from starlette.responses import JSONResponse
+from .openapi import error_response
 
 try:  # uvicorn[standard] brings httptools; the pure-Python h11 protocol is uvicorn's fallback
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _BaseProtocol
 except ImportError:  # pragma: no cover - depends on the install
     from uvicorn.protocols.http.h11_impl import H11Protocol as _BaseProtocol
 
-
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers={"Connection": "close"})
+_CLOSE = {"Connection": "close"}
 
 
 def protocol_with_header_timeout(seconds: float) -> type:
@@ -72,10 +69,11 @@ def protocol_with_header_timeout(seconds: float) -> type:
 
 class BodyReader:
     """ASGI middleware: reads each HTTP request body whole before the app runs, then replays it. A body
-    over ``max_bytes`` is a 413, whether it announces its size (Content-Length) or arrives chunked; a
-    body not complete within ``timeout_s`` is a 408 and the connection is closed. Bodies are small (JSON,
-    or a voice upload under ``max_bytes``), so buffering them costs little and gives one deadline for
-    the whole body instead of one per chunk that a trickle would keep resetting."""
+    that grows past ``max_bytes`` is a 413 (one that announces a larger Content-Length was refused by
+    ``app.RequestContext`` before it got here); a body not complete within ``timeout_s`` is a 408 and the
+    connection is closed. Bodies are small (JSON, or a voice upload under ``max_bytes``), so buffering
+    them costs little and gives one deadline for the whole body instead of one per chunk that a trickle
+    would keep resetting."""
 
     def __init__(self, app, max_bytes: int, timeout_s: float) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
@@ -83,33 +81,31 @@ class BodyReader:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._too_large(scope, receive, send)
         try:
-            kind, payload = await asyncio.wait_for(self._read(receive), self.timeout_s)
+            first = await asyncio.wait_for(self._read(receive), self.timeout_s)
         except asyncio.TimeoutError:  # (not the builtin TimeoutError before Python 3.11)
-            response = _error(408, f"request body not received within {self.timeout_s:g} s", "body_timeout")
+            message = f"request body not received within {self.timeout_s:g} s"
+            response = error_response(408, message, code="body_timeout", headers=_CLOSE)
             return await response(scope, receive, send)
-        if kind == "too_large":
-            return await self._too_large(scope, receive, send)
-        return await self.app(scope, _replay(payload, receive), send)  # the body, or the disconnect
+        if first is None:
+            message = f"request body larger than {self.max_bytes} bytes"
+            response = error_response(413, message, code="too_large", headers=_CLOSE)
+            return await response(scope, receive, send)
+        return await self.app(scope, _replay(first, receive), send)
 
-    async def _read(self, receive) -> tuple[str, dict]:
+    async def _read(self, receive) -> dict | None:
+        """The message the app gets first: the whole body, or the disconnect that cut it short; None
+        when the body passes ``max_bytes``."""
         body = bytearray()
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return "gone", message
+                return message
             body += message.get("body", b"")
             if len(body) > self.max_bytes:
-                return "too_large", {}
+                return None
             if not message.get("more_body", False):
-                return "body", {"type": "http.request", "body": bytes(body), "more_body": False}
-
-    async def _too_large(self, scope, receive, send):
-        response = _error(413, f"request body larger than {self.max_bytes} bytes", "too_large")
-        return await response(scope, receive, send)
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
 
 
 def _replay(first: dict, receive):
