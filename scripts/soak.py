@@ -111,6 +111,8 @@ def main() -> int:
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
+            if proc.poll() is not None:  # it died at start-up: say so now, not after the deadline
+                raise SystemExit(f"server exited with {proc.returncode}; log: {tmp / 'server.log'}")
             try:
                 if httpx.get(base + "/ready", timeout=5).status_code == 200:
                     break

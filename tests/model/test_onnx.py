@@ -150,6 +150,45 @@ def test_batch_invariance_per_mode(model, exports, weights):
         assert all(torch.equal(alone, h) for h in with_neighbours)
 
 
+@pytest.mark.parametrize("weights", onnx_export.WEIGHT_KINDS)
+def test_batched_prefill_right_padded(model, exports, weights):
+    """Prompts of consecutive slots prefilled in one call (the runner's burst of admissions): each row's
+    hidden states and cache are what it gets alone (fp32, 4-bit: exactly; int8, whose activation scale
+    is per call: exactly when its only company is padding), and its padding comes out as zeros and
+    writes nothing to the cache."""
+    trunk = _trunk(model, exports, weights)
+    hidden = model.config.gpt.hidden_size
+    gen = torch.Generator().manual_seed(2)
+    lens = np.array([5, 12, 1, 9], np.int32)
+    x = torch.zeros(len(lens), int(lens.max()), hidden)
+    for b, n in enumerate(lens):
+        x[b, :n] = torch.randn(n, hidden, generator=gen)
+
+    def prefill(rows: list[int], pad_to: int | None = None):
+        cache = trunk.new_cache(4, MAX_LEN)
+        cache.k.fill_(7.0), cache.v.fill_(7.0)  # whatever a slot held before
+        n = lens[rows]
+        width = pad_to or int(n.max())
+        h = trunk.run(x[rows, :width].contiguous(), cache, rows[0], n - 1, n)
+        return h, cache
+
+    together, cache = prefill([0, 1, 2, 3])
+    for b, n in enumerate(lens):
+        assert torch.count_nonzero(together[b, n:]) == 0, "padding must come out as zeros"
+        assert (cache.k[:, b, :, n:] == 7.0).all() and (cache.v[:, b, :, n:] == 7.0).all()
+    # Padding alone changes nothing, in every mode.
+    (alone, cache_alone), (padded, cache_padded) = prefill([0]), prefill([0], pad_to=int(lens.max()))
+    assert torch.equal(padded[0, : lens[0]], alone[0])
+    assert torch.equal(cache_padded.k[:, 0], cache_alone.k[:, 0])
+    if weights == "int8":
+        return
+    for b, n in enumerate(lens):  # and neighbours change nothing where the mode is batch-invariant
+        h, single = prefill([b])
+        assert torch.equal(together[b, :n], h[0]), b
+        assert torch.equal(cache.k[:, b, :, :n], single.k[:, b, :, :n])
+        assert torch.equal(cache.v[:, b, :, :n], single.v[:, b, :, :n])
+
+
 def test_run_refuses_slots_and_positions_outside_the_cache(model, exports):
     trunk = _trunk(model, exports, "fp32")
     cache = trunk.new_cache(2, 16)

@@ -1,7 +1,10 @@
 """The model runner: turns a ``SchedulerOutput`` into device work and a ``RunnerOutput``.
 
-Prefill: each newly admitted sequence's prompt goes into its own slot (one sequence per call, so a
-sequence's prompt is computed the same way whatever else is admitted, and without padding). Decode:
+Prefill: each newly admitted sequence's prompt goes into its own slot. Torch modes: one sequence per
+call, so a sequence's prompt is computed the same way whatever else is admitted, and without padding.
+``ort-*`` modes: the prompts of sequences in consecutive slots go in one ONNX Runtime call, right-padded
+to the longest (``query_seqlens`` tells the op each row's length; a burst of 32 admissions is one call, not
+32, each of which would stream all the weights once). Decode:
 all running sequences, text and code mixed, in one trunk call; heads and sampling per kind, batched,
 with every sequence's own parameters and generator. One device-to-host copy per step (the tokens).
 """
@@ -164,12 +167,14 @@ class ModelRunner:
         order: dict[str, list[Sequence]] = {"code": [], "text": []}
         logits: dict[str, list[torch.Tensor]] = {"code": [], "text": []}
         hidden: dict[int, torch.Tensor] = {}
-        for seq in sched.prefill:
+        if sched.prefill:
             with self._stage("prefill"):
-                h, lg = self._prefill(seq)
-            order[seq.kind].append(seq)
-            logits[seq.kind].append(lg)
-            hidden[seq.seq_id] = h
+                prefilled = self._prefill_onnx(sched.prefill) if self.trunk is not None else None
+                for seq in sched.prefill:
+                    h, lg = self._prefill(seq, prefilled[seq.seq_id] if prefilled is not None else None)
+                    order[seq.kind].append(seq)
+                    logits[seq.kind].append(lg)
+                    hidden[seq.seq_id] = h
         if sched.decode:
             with self._stage("decode"):
                 h_dec = self._decode_trunk(sched.decode)  # [rows, hidden], padded
@@ -198,9 +203,50 @@ class ModelRunner:
     def _stage(self, name: str) -> AbstractContextManager:
         return self.stage_timer.stage(name) if self.stage_timer is not None else nullcontext()
 
-    def _prefill(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill(self, seq: Sequence, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill one sequence (``h``: its trunk output ``[prompt_len, hidden]``, already computed by
+        ``_prefill_onnx``); returns its last hidden state and first logits, and sets up its sampling."""
         inp: SeqInputs = seq.payload
         embed, gpt = self.model.embed, self.model.gpt
+        if h is None:
+            h = self._prefill_trunk(seq)
+        logits = embed.code_logits(h)[-self.num_vq :] if seq.kind == "code" else embed.text_logits(h)[-1:]
+        vocab = logits.shape[-1]
+        self.states[seq.seq_id] = _SeqState(seq, self.num_vq if seq.kind == "code" else 1, self.device, vocab)
+        return h[-1], logits
+
+    def _prefill_onnx(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
+        """Trunk outputs ``[prompt_len, hidden]`` of every sequence in ``seqs``: one ORT call per run of
+        consecutive slots, rows right-padded to the run's longest prompt (padding is zeros: it never
+        enters a row's keys, and int8's per-call activation scale does not see it)."""
+        out: dict[int, torch.Tensor] = {}
+        by_slot = sorted(seqs, key=lambda s: s.slot)
+        runs: list[list[Sequence]] = []
+        for seq in by_slot:
+            if runs and seq.slot == runs[-1][-1].slot + 1:
+                runs[-1].append(seq)
+            else:
+                runs.append([seq])
+        for run in runs:
+            lens = np.array([s.prompt_len for s in run], dtype=np.int32)
+            x = torch.zeros(len(run), int(lens.max()), self.model.embed.emb_text.weight.shape[1], device=self.device)
+            for b, seq in enumerate(run):
+                x[b, : seq.prompt_len] = self._embed_prompt(seq)[0]
+            h = self.trunk.run(x, self.cache, run[0].slot, lens - 1, lens)
+            out.update((seq.seq_id, h[b, : seq.prompt_len]) for b, seq in enumerate(run))
+        return out
+
+    def _prefill_trunk(self, seq: Sequence) -> torch.Tensor:
+        emb = self._embed_prompt(seq)
+        positions = torch.arange(seq.prompt_len, device=self.device)[None]
+        slot = torch.tensor([seq.slot], device=self.device)
+        # All positions through the final norm and heads, then the last row: the reference's order.
+        return self.model.gpt(emb.to(self.dtype), positions, self.cache, slot, 0, None, last_only=False).float()[0]
+
+    def _embed_prompt(self, seq: Sequence) -> torch.Tensor:
+        """The prompt's input embeddings ``[1, prompt_len, hidden]`` (text, speaker, voice-sample codes)."""
+        inp: SeqInputs = seq.payload
+        embed = self.model.embed
         n_text = len(inp.ids)
         ids = torch.zeros(1, seq.prompt_len, self.num_vq, dtype=torch.long)
         ids[0, :n_text] = torch.tensor(inp.ids, dtype=torch.long)[:, None]
@@ -212,19 +258,7 @@ class ModelRunner:
         emb = embed.embed_prompt(ids, text_mask)
         if inp.speaker is not None:
             emb[0, ids[0, :, 0].eq(inp.speaker_token_id) & text_mask[0]] = inp.speaker.to(emb.dtype)
-        if self.trunk is not None:
-            n = seq.prompt_len
-            one = np.array([n], dtype=np.int32)
-            h = self.trunk.run(emb, self.cache, seq.slot, one - 1, one)[0]
-        else:
-            positions = torch.arange(seq.prompt_len, device=self.device)[None]
-            slot = torch.tensor([seq.slot], device=self.device)
-            # All positions through the final norm and heads, then the last row: the reference's order.
-            h = gpt(emb.to(self.dtype), positions, self.cache, slot, 0, None, last_only=False).float()[0]
-        logits = embed.code_logits(h)[-self.num_vq :] if seq.kind == "code" else embed.text_logits(h)[-1:]
-        vocab = logits.shape[-1]
-        self.states[seq.seq_id] = _SeqState(seq, self.num_vq if seq.kind == "code" else 1, self.device, vocab)
-        return h[-1], logits
+        return emb
 
     def _decode_trunk(self, seqs: list[Sequence]) -> torch.Tensor:
         embed = self.model.embed

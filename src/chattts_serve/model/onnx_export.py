@@ -5,8 +5,8 @@ the step we want is not one torch can trace. Attention is ORT's ``GroupQueryAtte
 which reads and writes the engine's KV slot cache **in place** (past and present bound to the same
 buffer), scores only each row's own ``seqlens_k + 1`` keys, applies the rotary embedding itself and
 lets an idle row (``query_seqlens = 0``) through untouched. So a decode step passes the cache as
-per-layer inputs with no per-step copy, and one graph serves prefill (one row, S tokens) and decode
-(B rows, one token each).
+per-layer inputs with no per-step copy, and one graph serves prefill (B rows of up to S tokens, right-
+padded; positions past a row's ``query_seqlens`` come out as zeros) and decode (B rows, one token each).
 
 Graph (names are the ONNX input/output names)::
 
@@ -47,7 +47,7 @@ from .gpt import GPT, rope_inv_freq
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the graph changes: cached exports of older versions are then ignored."""
 OPSET = 21
 WEIGHT_KINDS = ("fp32", "int8", "int4")
@@ -259,10 +259,19 @@ def build_graph(gpt: GPT, max_positions: int | None = None):
     ]
     outputs = [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [batch, seq, cfg.hidden_size])]
 
-    # Idle rows (query_seqlens 0) get an unspecified attention output from the op; zero it, so that
+    # Positions past a row's query_seqlens (an idle row's every position; a short prompt's right
+    # padding in a batched prefill) get an unspecified attention output from the op; zero it, so that
     # they stay exact zeros and never reach a neighbour (int8's per-call activation scale sees them).
-    node("Greater", ["query_seqlens", init("zero_i32", torch.zeros((), dtype=torch.int32))], ["active_1d"])
-    node("Unsqueeze", ["active_1d", init("axes_12", torch.tensor([1, 2]))], ["active"])
+    node("Shape", ["embeds"], ["embeds_shape"])
+    one_i64 = init("one_i64", torch.ones(1, dtype=torch.int64))
+    node("Slice", ["embeds_shape", one_i64, init("two_i64", torch.full((1,), 2, dtype=torch.int64))], ["seq_len_1"])
+    node("Squeeze", ["seq_len_1"], ["seq_len"])
+    node("Cast", ["seq_len"], ["seq_len_i32"], to=TensorProto.INT32)
+    zero_i32 = init("zero_i32", torch.zeros((), dtype=torch.int32))
+    node("Range", [zero_i32, "seq_len_i32", init("one_i32", torch.ones((), dtype=torch.int32))], ["positions"])
+    node("Unsqueeze", ["query_seqlens", one_i64], ["query_seqlens_col"])  # [B, 1]
+    node("Less", ["positions", "query_seqlens_col"], ["active_2d"])  # [B, S]
+    node("Unsqueeze", ["active_2d", init("axes_2", torch.tensor([2]))], ["active"])  # [B, S, 1]
     zero = init("zero_f32", torch.zeros(()))
 
     h = "embeds"  # the residual stream

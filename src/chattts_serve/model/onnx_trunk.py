@@ -122,7 +122,8 @@ class OnnxTrunk:
         bsz = embeds.shape[0]
         if lo < 0 or lo + bsz > cache.num_slots:
             raise ValueError(f"slots {lo}..{lo + bsz - 1} outside the cache's {cache.num_slots}")
-        total = int(seqlens_k.max()) + 1
+        # The op wants total_sequence_length >= the call's width (a row padded past every real prompt).
+        total = max(int(seqlens_k.max()) + 1, embeds.shape[1])
         if total > cache.max_len:
             raise ValueError(f"position {total - 1} exceeds cache {cache.max_len}")
         embeds = embeds.to(device=self.device, dtype=torch.float32).contiguous()
