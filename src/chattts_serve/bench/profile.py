@@ -6,6 +6,9 @@ bookkeeping: the engine loop's own Python). The model runner times its own stage
 sampling) through its ``stage_timer``; the others are timed by wrapping the one public function that
 does each, on this engine instance only. Every stage carries a ``torch.profiler.record_function`` label
 so the trace shows the same names; on CUDA each stage synchronises first, so its time is its own.
+Floors: ``decode_floor_ms`` is what one decode step costs at this box's measured memory bandwidth if it
+read every weight and every cached key and value it attends to exactly once and computed nothing
+(``floor_ratio`` = floor / measured step); ``rtf_floor`` turns it into the real-time factor per stream.
 ``--trace PATH`` writes the torch.profiler trace (open it in chrome://tracing or
 https://ui.perfetto.dev).
 """
@@ -115,6 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..audio.encode import FORMATS, encode_whole
     from ..audio.policy import StreamPolicy
     from ..engine.engine import Engine
+    from ..model.config import TOKENS_PER_SECOND
     from ..sampling_params import SamplingParams
 
     set_threads(args)
@@ -149,6 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.streams):
             core.add_request(f"profile-{i}", core.prepare(args.text, params(i)), StreamPolicy())
         while core.has_unfinished():
+            # Cached positions the step's attention reads: what it must stream besides the weights.
+            kv_positions[0] += sum(s.cache_len for s in core.scheduler.running if s.tokens)
             outs = core.step()
             steps += 1
             for out in outs:
@@ -161,7 +167,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # The timed pass runs without torch.profiler (its per-op bookkeeping would inflate every stage);
     # its numbers are taken now, before --trace adds a second, profiled pass.
+    kv_positions = [0]
     wall, first, steps, audio = one_pass()
+    kv_positions_per_step = kv_positions[0] / max(1, timer.calls["decode"])
     staged = sum(timer.seconds.values())
     breakdown = {
         s: {
@@ -184,6 +192,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trunk = engine.layout.trunk  # ort-* modes: the weights live in the ONNX export
     nbytes = trunk.weight_bytes if trunk is not None else weight_bytes(engine.model.gpt)
     floor_s = read_floor_s(nbytes, dev)
+    # The decode step's memory floor: its weights plus the keys and values it reads, at the bandwidth
+    # just measured; real time for a stream is one step per 21.3 ms (46.875 steps per audio second).
+    cache = core.runner.cache
+    kv_bytes = kv_positions_per_step * 2 * cache.k[:, 0, :, 0].numel() * cache.k.element_size()
+    step_floor_ms = 1000 * floor_s * (nbytes + kv_bytes) / nbytes
     return {
         "bench": "profile",
         "model": str(args.model),
@@ -204,7 +217,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_ms_per_step": round(decode_ms, 2),
         "weight_mb": round(nbytes / 1e6, 1),
         "weight_read_floor_ms": round(1000 * floor_s, 4),
-        "floor_ratio": round(1000 * floor_s / decode_ms, 3) if decode_ms else None,
+        "kv_read_mb_per_step": round(kv_bytes / 1e6, 1),
+        "decode_floor_ms": round(step_floor_ms, 3),
+        "floor_ratio": round(step_floor_ms / decode_ms, 3) if decode_ms else None,
+        "real_time_step_ms": round(1000 / TOKENS_PER_SECOND, 2),
+        "rtf_floor": round(step_floor_ms / (1000 / TOKENS_PER_SECOND) / args.streams, 3),
         "stages": breakdown,
         "trace": args.trace,
         "top_ops": top,
