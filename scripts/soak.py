@@ -139,6 +139,7 @@ def main() -> int:
             batch(done, n)
             done += n
             samples.append({"requests": done, **proc_status(proc.pid)})
+            samples[-1]["t_s"] = time.monotonic() - t0
             print(json.dumps(samples[-1]), file=sys.stderr, flush=True)  # progress: a long run may be cut short
         time.sleep(2)  # idle
         end = proc_status(proc.pid)

@@ -31,6 +31,7 @@ from ..model.speaker import MIN_VOICE_SAMPLES, SpeakerStats, encode_prompt_codes
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from .calibrate import calibrate
+from .onednn import bound_kernel_caches
 from .config import EngineConfig
 from .core import EngineCore
 from .outputs import Result, build_result
@@ -74,6 +75,7 @@ class Engine:
         not depend on what else runs (batch invariance; in every precision but int8-dynamic).
         ``int8-static`` first calibrates on sample texts (seconds)."""
         config = config or EngineConfig()
+        bound_kernel_caches()  # before any weights are packed: oneDNN reads it once (see engine.onednn)
         spec = parse_precision(config.precision)
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
