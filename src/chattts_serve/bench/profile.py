@@ -8,7 +8,8 @@ does each, on this engine instance only. Every stage carries a ``torch.profiler.
 so the trace shows the same names; on CUDA each stage synchronises first, so its time is its own.
 Floors: ``decode_floor_ms`` is what one decode step costs at this box's measured memory bandwidth if it
 read every weight and every cached key and value it attends to exactly once and computed nothing
-(``floor_ratio`` = floor / measured step); ``rtf_floor`` turns it into the real-time factor per stream.
+(``floor_ratio`` = floor / measured step); ``rtf_floor`` is that floor as a real-time factor the way
+``rtf`` is one (wall per second of audio of all streams together; times ``streams`` for one stream's).
 ``--trace PATH`` writes the torch.profiler trace (open it in chrome://tracing or
 https://ui.perfetto.dev).
 """
