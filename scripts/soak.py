@@ -4,6 +4,9 @@ growth after warm-up small.
 
     python scripts/soak.py --model CKPT [--requests 400] [--concurrency 8] [--warmup 50]
 
+Warm-up: the server's caches of compiled CPU kernels (bounded, see ``engine/onednn.py``) fill with the
+first ~100-150 requests of this mix; measure growth after them (``--warmup 150``).
+
 One JSON line: RSS after warm-up and at the end (MB) and the growth in %, threads and open files
 before/after, the request outcomes. The mix: OpenAI-SDK-shaped /v1/audio/speech requests in every
 format, 16-48 tokens, refine on (the default), 10 % closed after the first chunk, 5 % SSE, some
