@@ -31,9 +31,9 @@ from ..model.speaker import MIN_VOICE_SAMPLES, SpeakerStats, encode_prompt_codes
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from .calibrate import calibrate
-from .onednn import bound_kernel_caches
 from .config import EngineConfig
 from .core import EngineCore
+from .onednn import bound_kernel_caches
 from .outputs import Result, build_result
 from .runner import auto_num_slots
 

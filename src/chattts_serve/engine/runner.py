@@ -206,8 +206,7 @@ class ModelRunner:
     def _prefill(self, seq: Sequence, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill one sequence (``h``: its trunk output ``[prompt_len, hidden]``, already computed by
         ``_prefill_onnx``); returns its last hidden state and first logits, and sets up its sampling."""
-        inp: SeqInputs = seq.payload
-        embed, gpt = self.model.embed, self.model.gpt
+        embed = self.model.embed
         if h is None:
             h = self._prefill_trunk(seq)
         logits = embed.code_logits(h)[-self.num_vq :] if seq.kind == "code" else embed.text_logits(h)[-1:]
