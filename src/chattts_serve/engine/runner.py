@@ -169,9 +169,12 @@ class ModelRunner:
         hidden: dict[int, torch.Tensor] = {}
         if sched.prefill:
             with self._stage("prefill"):
-                prefilled = self._prefill_onnx(sched.prefill) if self.trunk is not None else None
+                if self.trunk is not None:
+                    trunk_out = self._prefill_onnx(sched.prefill)
+                else:
+                    trunk_out = {seq.seq_id: self._prefill_trunk(seq) for seq in sched.prefill}
                 for seq in sched.prefill:
-                    h, lg = self._prefill(seq, prefilled[seq.seq_id] if prefilled is not None else None)
+                    h, lg = self._prefill(seq, trunk_out[seq.seq_id])
                     order[seq.kind].append(seq)
                     logits[seq.kind].append(lg)
                     hidden[seq.seq_id] = h
@@ -203,12 +206,10 @@ class ModelRunner:
     def _stage(self, name: str) -> AbstractContextManager:
         return self.stage_timer.stage(name) if self.stage_timer is not None else nullcontext()
 
-    def _prefill(self, seq: Sequence, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefill one sequence (``h``: its trunk output ``[prompt_len, hidden]``, already computed by
-        ``_prefill_onnx``); returns its last hidden state and first logits, and sets up its sampling."""
+    def _prefill(self, seq: Sequence, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Finish one sequence's prefill from its trunk output ``h`` ``[prompt_len, hidden]``: returns its
+        last hidden state and first logits, and sets up its sampling."""
         embed = self.model.embed
-        if h is None:
-            h = self._prefill_trunk(seq)
         logits = embed.code_logits(h)[-self.num_vq :] if seq.kind == "code" else embed.text_logits(h)[-1:]
         vocab = logits.shape[-1]
         self.states[seq.seq_id] = _SeqState(seq, self.num_vq if seq.kind == "code" else 1, self.device, vocab)

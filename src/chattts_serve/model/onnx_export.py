@@ -262,15 +262,13 @@ def build_graph(gpt: GPT, max_positions: int | None = None):
     # Positions past a row's query_seqlens (an idle row's every position; a short prompt's right
     # padding in a batched prefill) get an unspecified attention output from the op; zero it, so that
     # they stay exact zeros and never reach a neighbour (int8's per-call activation scale sees them).
-    node("Shape", ["embeds"], ["embeds_shape"])
-    one_i64 = init("one_i64", torch.ones(1, dtype=torch.int64))
-    node("Slice", ["embeds_shape", one_i64, init("two_i64", torch.full((1,), 2, dtype=torch.int64))], ["seq_len_1"])
+    node("Shape", ["embeds"], ["seq_len_1"], start=1, end=2)  # [S]
     node("Squeeze", ["seq_len_1"], ["seq_len"])
     node("Cast", ["seq_len"], ["seq_len_i32"], to=TensorProto.INT32)
     zero_i32 = init("zero_i32", torch.zeros((), dtype=torch.int32))
     node("Range", [zero_i32, "seq_len_i32", init("one_i32", torch.ones((), dtype=torch.int32))], ["positions"])
-    node("Unsqueeze", ["query_seqlens", one_i64], ["query_seqlens_col"])  # [B, 1]
-    node("Less", ["positions", "query_seqlens_col"], ["active_2d"])  # [B, S]
+    node("Unsqueeze", ["query_seqlens", init("axes_1", torch.ones(1, dtype=torch.int64))], ["qs_col"])  # [B, 1]
+    node("Less", ["positions", "qs_col"], ["active_2d"])  # [B, S]
     node("Unsqueeze", ["active_2d", init("axes_2", torch.tensor([2]))], ["active"])  # [B, S, 1]
     zero = init("zero_f32", torch.zeros(()))
 
