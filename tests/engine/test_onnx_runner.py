@@ -102,3 +102,22 @@ def test_eval_reports_the_ort_modes(tiny_ckpt, onnx_cache, capsys):
     assert abs(exact["tf_kl_nats"]) < 1e-5 and exact["free_run_code_agreement"] == 1.0
     assert int8["precision"] == "ort-int8" and 0.5 < int8["tf_top1_agreement"] <= 1 and int8["tf_kl_nats"] > 0
     assert "| ort-int8 |" in r["markdown"]
+
+
+def test_profile_splits_the_ort_step_by_op(tiny_ckpt, onnx_cache, capsys):
+    argv = ["profile", "--model", str(tiny_ckpt), "--threads", "1", "--steps", "12", "--streams", "2"]
+    assert main([*argv, "--format", "pcm", "--precision", "ort-int8", "--onnx-cache-dir", onnx_cache, "--ops"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ops = r["ort_ops"]
+    # The second pass runs the same requests: as many decode steps, one prefill call for both prompts.
+    assert ops["decode_steps"] == r["stages"]["decode"]["calls"] and ops["prefill_runs"] == 1
+    assert {"DynamicQuantizeMatMul", "GroupQueryAttention"} <= set(ops["decode_ms_per_step"])
+    classes = ops["decode_classes"]
+    assert sum(c["ms"] for c in classes.values()) == pytest.approx(ops["decode_kernel_ms_per_step"], abs=3e-3)
+    assert classes["matmul"]["ms"] >= ops["decode_ms_per_step"]["DynamicQuantizeMatMul"] > 0
+    assert classes["matmul"]["floor_ms"] == pytest.approx(r["weight_read_floor_ms"], abs=1e-3)
+    assert classes["attention"]["floor_ms"] > 0 and classes["other"]["floor_ms"] is None
+    assert ops["decode_kernel_ms_per_step"] <= ops["decode_run_ms_per_step"] + 0.05
+    # Splitting ORT's step needs ORT's step.
+    assert main([*argv, "--ops"]) == 2
+    assert "needs an ort-* precision" in capsys.readouterr().err

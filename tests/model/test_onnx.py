@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("onnxruntime", reason="the ort-* precisions need the [onnx] extra")
 
-from chattts_serve.model import checkpoint, onnx_export  # noqa: E402
+from chattts_serve.model import checkpoint, onnx_export, onnx_trunk  # noqa: E402
 from chattts_serve.model.onnx_export import Manifest, cached_export, export  # noqa: E402
 from chattts_serve.model.onnx_trunk import OnnxTrunk  # noqa: E402
 from chattts_serve.model.quant import check_supported, parse_precision  # noqa: E402
@@ -187,6 +187,62 @@ def test_batched_prefill_right_padded(model, exports, weights):
         assert torch.equal(together[b, :n], h[0]), b
         assert torch.equal(cache.k[:, b, :, :n], single.k[:, b, :, :n])
         assert torch.equal(cache.v[:, b, :, :n], single.v[:, b, :, :n])
+
+
+def test_op_profile_splits_the_runs_by_kind_and_changes_nothing(model, exports, tmp_path):
+    """``profile --ops``: under ORT's profiler the trunk computes exactly what it computes without it,
+    reports every run's kernels under its kind, cleans its file up, and reopens without the profiler."""
+    trunk = _trunk(model, exports, "fp32")
+    x = torch.randn(1, 3, model.config.gpt.hidden_size, generator=torch.Generator().manual_seed(4))
+
+    def three_runs():
+        cache = trunk.new_cache(1, 8)
+        out = [trunk.run(x, cache, 0, np.array([2], np.int32), np.array([3], np.int32))]
+        for n in (3, 4):
+            out.append(trunk.run(x[:, :1].contiguous(), cache, 0, np.array([n], np.int32), np.array([1], np.int32)))
+        return out
+
+    plain = three_runs()
+    trunk.start_op_profile(tmp_path)
+    profiled = three_runs()
+    seconds = trunk.end_op_profile()
+    assert all(torch.equal(a, b) for a, b in zip(plain, profiled, strict=True))
+    assert seconds["runs"] == {"decode": 2, "prefill": 1}
+    for kind in ("decode", "prefill"):
+        ops = seconds[kind]
+        assert ops["GroupQueryAttention"] > 0 and ops["MatMul"] > 0
+        # One inter-op thread: a run's kernels follow each other inside its span.
+        assert sum(ops.values()) <= seconds["run_s"][kind] + 1e-6 * len(ops) * 40
+    assert list(tmp_path.iterdir()) == []  # the profile file is read and removed
+    assert all(torch.equal(a, b) for a, b in zip(plain, three_runs(), strict=True))  # plain session again
+    with pytest.raises(RuntimeError, match="without start_op_profile"):
+        trunk.end_op_profile()
+
+
+def test_op_seconds_assigns_nodes_to_their_run():
+    def run(ts, dur):
+        return {"cat": "Session", "name": "model_run", "ts": ts, "dur": dur}
+
+    def node(ts, dur, op):
+        return {"cat": "Node", "name": f"n_{op}_kernel_time", "ts": ts, "dur": dur, "args": {"op_name": op}}
+
+    events = [
+        node(5, 9, "MatMul"),  # before any run (session set-up): no run's
+        run(10, 100),
+        node(20, 30, "MatMul"),
+        node(60, 40, "GroupQueryAttention"),
+        {"cat": "Node", "name": "n_fence_before", "ts": 61, "dur": 1000, "args": {"op_name": "MatMul"}},
+        run(200, 50),
+        node(210, 10, "MatMul"),
+        node(220, 20, "MatMul"),
+    ]
+    seconds = onnx_trunk.op_seconds(events, ["prefill", "decode"])
+    assert seconds["prefill"] == pytest.approx({"GroupQueryAttention": 40e-6, "MatMul": 30e-6})
+    assert seconds["decode"] == pytest.approx({"MatMul": 30e-6})
+    assert seconds["runs"] == {"decode": 1, "prefill": 1}
+    assert seconds["run_s"] == pytest.approx({"decode": 50e-6, "prefill": 100e-6})
+    with pytest.raises(ValueError, match="2 runs, expected 1"):
+        onnx_trunk.op_seconds(events, ["decode"])
 
 
 def test_run_refuses_slots_and_positions_outside_the_cache(model, exports):

@@ -11,13 +11,16 @@ read every weight and every cached key and value it attends to exactly once and 
 (``floor_ratio`` = floor / measured step); ``rtf_floor`` is that floor as a real-time factor the way
 ``rtf`` is one (wall per second of audio of all streams together; times ``streams`` for one stream's).
 ``--trace PATH`` writes the torch.profiler trace (open it in chrome://tracing or
-https://ui.perfetto.dev).
+https://ui.perfetto.dev). ``--ops`` (ort-* precisions) runs the same requests once more under ONNX
+Runtime's profiler and splits the trunk's decode step by op type (``ort_ops``): the matmuls against the
+weights' read floor, attention against the floor of the keys and values it reads, the rest as it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -50,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refine", action="store_true", help="include the refine_text pass")
     p.add_argument("--format", default="mp3", help="response format to encode: pcm, wav, mp3, opus, aac, flac")
     p.add_argument("--trace", default=None, help="write a Chrome trace (JSON) here")
+    p.add_argument(
+        "--ops",
+        action="store_true",
+        help="ort-* precisions: one more pass under ONNX Runtime's profiler, the trunk step by op type, "
+        "matmuls and attention each against its memory floor",
+    )
 
 
 class StageTimer:
@@ -112,6 +121,41 @@ def read_floor_s(nbytes: int, device, repeats: int = 5) -> float:
     return sorted(times[1:])[repeats // 2]
 
 
+def op_class(op: str) -> str:
+    """Which floor an ORT op type answers to: "matmul" (reads the weights), "attention" (reads the
+    cache) or "other" (elementwise, norms, reshapes: no floor of their own)."""
+    if "Attention" in op:
+        return "attention"
+    if "MatMul" in op or op in ("Gemm", "FusedGemm"):
+        return "matmul"
+    return "other"
+
+
+def op_breakdown(seconds: dict[str, dict[str, float]], matmul_floor_ms: float, attention_floor_ms: float) -> dict:
+    """``OnnxTrunk.end_op_profile``'s kernel seconds as ms per decode step: per op type, and per class
+    (``op_class``) with the class's floor and floor / measured; ``decode_run_ms_per_step`` is the whole
+    ORT call (kernels plus ORT's work between them). Prefill stays in seconds (not per step)."""
+    steps = max(1, seconds["runs"]["decode"])
+    per_op = {op: round(1000 * s / steps, 3) for op, s in seconds["decode"].items()}
+    classes: dict[str, dict[str, float | None]] = {}
+    for cls, floor in (("matmul", matmul_floor_ms), ("attention", attention_floor_ms), ("other", None)):
+        ms = sum(v for op, v in per_op.items() if op_class(op) == cls)
+        classes[cls] = {
+            "ms": round(ms, 3),
+            "floor_ms": round(floor, 3) if floor is not None else None,
+            "floor_ratio": round(floor / ms, 3) if floor is not None and ms else None,
+        }
+    return {
+        "decode_steps": seconds["runs"]["decode"],
+        "decode_run_ms_per_step": round(1000 * seconds["run_s"]["decode"] / steps, 3),
+        "decode_kernel_ms_per_step": round(sum(per_op.values()), 3),
+        "decode_classes": classes,
+        "decode_ms_per_step": per_op,
+        "prefill_runs": seconds["runs"]["prefill"],
+        "prefill_s": {op: round(s, 4) for op, s in seconds["prefill"].items()},
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
@@ -132,6 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--batch-size must be >= 1")
     config = engine_config(args, max_num_seqs=slots, max_model_len=args.steps + 512)
     engine = Engine.from_pretrained(args.model, device=args.device, config=config)
+    if args.ops and engine.layout.trunk is None:
+        raise ValueError("--ops splits the ONNX Runtime step: it needs an ort-* precision (--trace shows torch's ops)")
     core, dev = engine.core, engine.device
     engine.synthesize(["你好。"], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -198,6 +244,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cache = core.runner.cache
     kv_bytes = kv_positions_per_step * 2 * cache.k[:, 0, :, 0].numel() * cache.k.element_size()
     step_floor_ms = 1000 * floor_s * (nbytes + kv_bytes) / nbytes
+    ort_ops = None
+    if args.ops:
+        with tempfile.TemporaryDirectory() as tmp:
+            trunk.start_op_profile(tmp)
+            one_pass()
+            ort_ops = op_breakdown(trunk.end_op_profile(), 1000 * floor_s, 1000 * floor_s * kv_bytes / nbytes)
     return {
         "bench": "profile",
         "model": str(args.model),
@@ -224,6 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "real_time_step_ms": round(1000 / TOKENS_PER_SECOND, 2),
         "rtf_floor": round(step_floor_ms / (1000 / TOKENS_PER_SECOND) / args.streams, 3),
         "stages": breakdown,
+        "ort_ops": ort_ops,
         "trace": args.trace,
         "top_ops": top,
         **peak_memory_mb(dev),

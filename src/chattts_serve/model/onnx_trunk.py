@@ -13,7 +13,9 @@ only, so the fp32 graph of this module needs a half-precision export there (not 
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -66,33 +68,66 @@ class OnnxTrunk:
         threads: int | None = None,
     ) -> None:
         require_onnxruntime()
-        import onnxruntime as ort
 
         directory = Path(directory)
+        self.directory = directory
         self.manifest = Manifest.read(directory)
         self.manifest.check(cfg, weights)
         self.cfg = cfg
         self.device = device
+        self.threads = threads or torch.get_num_threads()
+        """The same thread count as torch: the two never run at once (audio decode follows the step)."""
+        self.providers = resolve_providers(provider, device)
+        self.weight_bytes = sum(f.stat().st_size for f in (directory / MODEL_FILE, directory / DATA_FILE) if f.exists())
+        """Bytes of the export's graph and weights: what one step reads, near enough (``profile``)."""
+        self._device_type = "cuda" if device.type == "cuda" else "cpu"
+        self._device_id = (device.index or 0) if device.type == "cuda" else 0
+        self._run_kinds: list[str] | None = None
+        """While ORT's profiler is on: "prefill" or "decode" for each run, in order (``op_profile``)."""
+        self._open_session()
+        logger.info("ONNX trunk %s (%s) on %s", directory, weights, self.session.get_providers())
+
+    def _open_session(self, profile_prefix: str | None = None) -> None:
+        import onnxruntime as ort
+
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        # The same thread count as torch: the two never run at once (audio decode follows the step).
-        so.intra_op_num_threads = threads or torch.get_num_threads()
+        so.intra_op_num_threads = self.threads
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
         # ORT's workers spin between runs by default and then hold both cores while torch runs the heads,
         # sampling and audio decode: off, one stream's step went from ~30 to ~22 ms (BENCHMARKS.md).
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.providers = resolve_providers(provider, device)
-        self.session = ort.InferenceSession(str(directory / MODEL_FILE), so, providers=self.providers)
-        self.weight_bytes = sum(f.stat().st_size for f in (directory / MODEL_FILE, directory / DATA_FILE) if f.exists())
-        """Bytes of the export's graph and weights: what one step reads, near enough (``profile``)."""
-        self._device_type = "cuda" if device.type == "cuda" else "cpu"
-        self._device_id = (device.index or 0) if device.type == "cuda" else 0
+        if profile_prefix is not None:
+            so.enable_profiling = True
+            so.profile_file_prefix = profile_prefix
+        self.session = ort.InferenceSession(str(self.directory / MODEL_FILE), so, providers=self.providers)
         # Binding a block's 4 x layers cache buffers costs ~1-3 ms of Python per step; the cache never
-        # moves, so each (cache, block) keeps its binding and a step rebinds only its inputs.
+        # moves, so each (cache, block) keeps its binding and a step rebinds only its inputs. A binding
+        # belongs to its session.
         self._bindings: dict[tuple, object] = {}
-        logger.info("ONNX trunk %s (%s) on %s", directory, weights, self.session.get_providers())
+
+    def start_op_profile(self, directory: str | Path) -> None:
+        """Reopen the session with ORT's profiler on: every run from now on records each node's kernel
+        time, until ``end_op_profile``. Reopening costs a model load (seconds): for ``profile``, not
+        for serving."""
+        self._open_session(profile_prefix=str(Path(directory) / "ort_profile"))
+        self._run_kinds = []
+
+    def end_op_profile(self) -> dict[str, dict[str, float]]:
+        """Stop the profiler, reopen the session without it, and return ``op_seconds`` of the runs since
+        ``start_op_profile``."""
+        if self._run_kinds is None:
+            raise RuntimeError("end_op_profile without start_op_profile")
+        path = Path(self.session.end_profiling())
+        kinds, self._run_kinds = self._run_kinds, None
+        try:
+            events = json.loads(path.read_text())
+        finally:
+            path.unlink(missing_ok=True)
+        self._open_session()
+        return op_seconds(events, kinds)
 
     @property
     def max_positions(self) -> int:
@@ -134,6 +169,8 @@ class OnnxTrunk:
         io.bind_cpu_input("total_sequence_length", np.array(total, dtype=np.int32))
         io.bind_cpu_input("query_seqlens", np.ascontiguousarray(query_seqlens, dtype=np.int32))
         self._bind(io, "hidden", out, output=True)
+        if self._run_kinds is not None:
+            self._run_kinds.append("decode" if embeds.shape[1] == 1 else "prefill")
         self.session.run_with_iobinding(io)
         return out
 
@@ -169,3 +206,33 @@ def check_export(directory: str | Path, cfg: GPTConfig, weights: str, provider: 
     decode = trunk.run(x[:, :1], cache, 0, np.array([3], np.int32), np.array([1], np.int32))
     if not (torch.isfinite(prefill).all() and torch.isfinite(decode).all()):
         raise ValueError(f"the export in {directory} gives non-finite hidden states on {trunk.providers[0]}")
+
+
+def op_seconds(events: list[dict], kinds: list[str]) -> dict[str, dict[str, float]]:
+    """Kernel seconds per op type from an ORT profile (its JSON event list), summed over the runs of
+    each kind: ``kinds[i]`` names the i-th ``model_run``; a node belongs to the run whose span holds
+    its start. Also ``"runs"`` (runs of each kind) and ``"run_s"`` (their whole spans: kernels plus
+    ORT's own work between them). ValueError when the profile holds another number of runs."""
+    runs = sorted(
+        (e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=lambda e: e["ts"]
+    )
+    if len(runs) != len(kinds):
+        raise ValueError(f"the ORT profile holds {len(runs)} runs, expected {len(kinds)}")
+    nodes = sorted(
+        (e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")),
+        key=lambda e: e["ts"],
+    )
+    out: dict[str, dict[str, float]] = {"decode": defaultdict(float), "prefill": defaultdict(float)}
+    run_s = {"decode": 0.0, "prefill": 0.0}
+    i = 0
+    for run, kind in zip(runs, kinds, strict=True):
+        run_s[kind] += run["dur"] / 1e6
+        while i < len(nodes) and nodes[i]["ts"] < run["ts"]:
+            i += 1
+        while i < len(nodes) and nodes[i]["ts"] <= run["ts"] + run["dur"]:
+            out[kind][nodes[i]["args"]["op_name"]] += nodes[i]["dur"] / 1e6
+            i += 1
+    result = {kind: dict(sorted(ops.items(), key=lambda kv: -kv[1])) for kind, ops in out.items()}
+    result["runs"] = {kind: kinds.count(kind) for kind in ("decode", "prefill")}
+    result["run_s"] = run_s
+    return result
