@@ -111,10 +111,10 @@ def test_profile_splits_the_ort_step_by_op(tiny_ckpt, onnx_cache, capsys):
     ops = r["ort_ops"]
     # The second pass runs the same requests: as many decode steps, one prefill call for both prompts.
     assert ops["decode_steps"] == r["stages"]["decode"]["calls"] and ops["prefill_runs"] == 1
-    assert {"DynamicQuantizeMatMul", "GroupQueryAttention"} <= set(ops["decode_ms_per_step"])
+    assert {"DynamicQuantizeMatMul", "GroupQueryAttention"} <= set(ops["decode_op_ms_per_step"])
     classes = ops["decode_classes"]
     assert sum(c["ms"] for c in classes.values()) == pytest.approx(ops["decode_kernel_ms_per_step"], abs=3e-3)
-    assert classes["matmul"]["ms"] >= ops["decode_ms_per_step"]["DynamicQuantizeMatMul"] > 0
+    assert classes["matmul"]["ms"] >= ops["decode_op_ms_per_step"]["DynamicQuantizeMatMul"] > 0
     assert classes["matmul"]["floor_ms"] == pytest.approx(r["weight_read_floor_ms"], abs=1e-3)
     assert classes["attention"]["floor_ms"] > 0 and classes["other"]["floor_ms"] is None
     assert ops["decode_kernel_ms_per_step"] <= ops["decode_run_ms_per_step"] + 0.05

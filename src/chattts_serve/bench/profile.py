@@ -150,7 +150,7 @@ def op_breakdown(seconds: dict[str, dict[str, float]], matmul_floor_ms: float, a
         "decode_run_ms_per_step": round(1000 * seconds["run_s"]["decode"] / steps, 3),
         "decode_kernel_ms_per_step": round(sum(per_op.values()), 3),
         "decode_classes": classes,
-        "decode_ms_per_step": per_op,
+        "decode_op_ms_per_step": per_op,
         "prefill_runs": seconds["runs"]["prefill"],
         "prefill_s": {op: round(s, 4) for op, s in seconds["prefill"].items()},
     }
