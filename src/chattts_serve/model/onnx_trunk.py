@@ -83,7 +83,8 @@ class OnnxTrunk:
         self._device_type = "cuda" if device.type == "cuda" else "cpu"
         self._device_id = (device.index or 0) if device.type == "cuda" else 0
         self._run_kinds: list[str] | None = None
-        """While ORT's profiler is on: "prefill" or "decode" for each run, in order (``op_profile``)."""
+        """While ORT's profiler is on (``start_op_profile``): each run's kind, in order: "decode" for one
+        position per row, "prefill" for more (a prompt is never one token)."""
         self._open_session()
         logger.info("ONNX trunk %s (%s) on %s", directory, weights, self.session.get_providers())
 
