@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..audio.policy import StreamPolicy
     from ..engine.engine import Engine
     from ..model.config import TOKENS_PER_SECOND
+    from ..model.quant import parse_precision
     from ..sampling_params import SamplingParams
 
     set_threads(args)
@@ -174,10 +175,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     slots = args.batch_size if args.batch_size is not None else args.streams
     if slots < 1:
         raise ValueError("--batch-size must be >= 1")
+    if args.ops and parse_precision(args.precision).onnx is None:  # before the model loads
+        raise ValueError("--ops splits the ONNX Runtime step: it needs an ort-* precision (--trace shows torch's ops)")
     config = engine_config(args, max_num_seqs=slots, max_model_len=args.steps + 512)
     engine = Engine.from_pretrained(args.model, device=args.device, config=config)
-    if args.ops and engine.layout.trunk is None:
-        raise ValueError("--ops splits the ONNX Runtime step: it needs an ort-* precision (--trace shows torch's ops)")
     core, dev = engine.core, engine.device
     engine.synthesize(["你好。"], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -238,18 +239,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / 24000
     trunk = engine.layout.trunk  # ort-* modes: the weights live in the ONNX export
     nbytes = trunk.weight_bytes if trunk is not None else weight_bytes(engine.model.gpt)
-    floor_s = read_floor_s(nbytes, dev)
+    weight_floor_ms = 1000 * read_floor_s(nbytes, dev)
     # The decode step's memory floor: its weights plus the keys and values it reads, at the bandwidth
     # just measured; real time for a stream is one step per 21.3 ms (46.875 steps per audio second).
     cache = core.runner.cache
     kv_bytes = kv_positions_per_step * 2 * cache.k[:, 0, :, 0].numel() * cache.k.element_size()
-    step_floor_ms = 1000 * floor_s * (nbytes + kv_bytes) / nbytes
+    kv_floor_ms = weight_floor_ms * kv_bytes / nbytes
+    step_floor_ms = weight_floor_ms + kv_floor_ms
     ort_ops = None
     if args.ops:
         with tempfile.TemporaryDirectory() as tmp:
             trunk.start_op_profile(tmp)
             one_pass()
-            ort_ops = op_breakdown(trunk.end_op_profile(), 1000 * floor_s, 1000 * floor_s * kv_bytes / nbytes)
+            ort_ops = op_breakdown(trunk.end_op_profile(), weight_floor_ms, kv_floor_ms)
     return {
         "bench": "profile",
         "model": str(args.model),
@@ -269,7 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rtf": round(wall / audio_s, 4) if audio_s else None,
         "decode_ms_per_step": round(decode_ms, 2),
         "weight_mb": round(nbytes / 1e6, 1),
-        "weight_read_floor_ms": round(1000 * floor_s, 4),
+        "weight_read_floor_ms": round(weight_floor_ms, 4),
         "kv_read_mb_per_step": round(kv_bytes / 1e6, 1),
         "decode_floor_ms": round(step_floor_ms, 3),
         "floor_ratio": round(step_floor_ms / decode_ms, 3) if decode_ms else None,

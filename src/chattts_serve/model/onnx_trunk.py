@@ -117,8 +117,8 @@ class OnnxTrunk:
         self._run_kinds = []
 
     def end_op_profile(self) -> dict[str, dict[str, float]]:
-        """Stop the profiler, reopen the session without it, and return ``op_seconds`` of the runs since
-        ``start_op_profile``."""
+        """Stop the profiler (the session runs on without it: no second model load) and return
+        ``op_seconds`` of the runs since ``start_op_profile``."""
         if self._run_kinds is None:
             raise RuntimeError("end_op_profile without start_op_profile")
         path = Path(self.session.end_profiling())
@@ -127,7 +127,6 @@ class OnnxTrunk:
             events = json.loads(path.read_text())
         finally:
             path.unlink(missing_ok=True)
-        self._open_session()
         return op_seconds(events, kinds)
 
     @property
