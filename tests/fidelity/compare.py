@@ -10,9 +10,14 @@ import torch
 from chattts_serve import Engine, RefineParams, SamplingParams
 from chattts_serve.audio.decode import codes_to_mel, hidden_to_mel, mel_to_wav
 from chattts_serve.engine.config import EngineConfig
-from chattts_serve.model.speaker import SpeakerStats, default_speaker_stats, encode_speaker
+from chattts_serve.model.speaker import SpeakerStats, default_speaker_stats, encode_prompt_codes, encode_speaker
 
 TOL = 1e-4
+# An encoder code may differ from the reference's only where the value it rounds lies this close to a
+# rounding boundary (in units of one quantiser level). The encoder's test waveform is well-conditioned:
+# a 1e-6 relative perturbation of it moves those values by < 1e-4 (test_golden.py checks), ten times
+# less than this bound, which excuses only ~0.2 % of codes by chance.
+ENCODER_TIE = 1e-3
 
 
 def params_for(case: dict) -> SamplingParams:
@@ -119,9 +124,11 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
 
     wav = ref["encoder/wav"]
     with torch.inference_mode():
-        codes = model.dvae.encode(torch.from_numpy(wav)).numpy()
-    assert np.array_equal(codes, ref["encoder/codes"]), "DVAE encoder codes differ"
-    assert engine.speaker_from_audio(wav) == str(ref["encoder/string"])
+        codes, margin = model.dvae.encode_with_margin(torch.from_numpy(wav))
+    report["encoder_ties"] = encoder_ties(codes.numpy(), margin.numpy(), ref["encoder/codes"], model.dvae)
+    # Our prompt-codes string of the reference's codes is the reference's; of our own codes, ours.
+    assert encode_prompt_codes(ref["encoder/codes"]) == str(ref["encoder/string"])
+    assert engine.speaker_from_audio(wav) == encode_prompt_codes(codes)
     spk_stat = ckpt / "asset/spk_stat.txt"
     stats = SpeakerStats.from_string(spk_stat.read_text().strip()) if spk_stat.is_file() else default_speaker_stats()
     for s in (0, 1, 2):
@@ -129,3 +136,27 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
         assert encode_speaker(stats.sample()) == str(ref[f"speaker/{s}"]), f"random speaker, seed {s}"
         assert engine.sample_speaker(seed=s) == str(ref[f"speaker/{s}"])
     return report
+
+
+def encoder_ties(codes: np.ndarray, margin: np.ndarray, ref: np.ndarray, dvae) -> int:
+    """Asserts our DVAE encoder codes [G*R, T] are the reference's but for near-ties; returns how many
+    (group, frame) pairs differ on a tie.
+
+    The residual quantiser rounds level r of group g from what levels < r left over, so the first
+    level that differs decides: if it rounded within ``ENCODER_TIE`` of a boundary here, it and the
+    later levels of that group and frame are excused; anything else is a real difference."""
+    residuals = dvae.vq_layer.quantizer.residuals
+    assert codes.shape == ref.shape, f"encoder codes {codes.shape} vs {ref.shape}"
+    ties = 0
+    for row, t in np.argwhere(codes != ref):
+        first = row - row % residuals
+        level = first + int(np.argmax(codes[first : first + residuals, t] != ref[first : first + residuals, t]))
+        if level != row:
+            continue  # the group's first differing level already judged this frame
+        assert margin[row, t] < ENCODER_TIE, (
+            f"DVAE encoder code {row} at frame {t} differs ({codes[row, t]} vs {ref[row, t]}) "
+            f"with rounding margin {margin[row, t]:.2e} >= {ENCODER_TIE}: not a near-tie"
+        )
+        ties += 1
+    assert ties <= max(2, codes.size // 100), f"{ties} encoder near-ties: too many to be float noise"
+    return ties

@@ -59,3 +59,25 @@ def test_golden_matches_reference(golden_ckpt, golden):
     assert report["cases"] == len(build_cases(golden_ckpt))
     assert report["long_cases"] >= 4, "want several cases of >= 100 steps"
     assert report["eos_cases"] >= 2, "want several cases that end on EOS"
+
+
+def test_encoder_wav_is_well_conditioned(golden_ckpt, golden):
+    """Float noise (a 1e-6 relative change of the samples) moves the encoder's rounding margins far less
+    than compare.ENCODER_TIE, so a code that differs with a larger margin is a real difference. A pure
+    tone failed this by four orders of magnitude: its empty mel bins sit at the log floor."""
+    from chattts_serve import Engine
+    from chattts_serve.engine.config import EngineConfig
+
+    from .compare import ENCODER_TIE
+
+    dvae = Engine.from_pretrained(golden_ckpt, device="cpu", config=EngineConfig.with_slots(1)).model.dvae
+    wav = torch.from_numpy(golden["encoder/wav"])
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        codes, margin = dvae.encode_with_margin(wav)
+        for _ in range(3):
+            noisy = wav * (1 + 1e-6 * torch.randn(wav.shape, generator=gen))
+            codes2, margin2 = dvae.encode_with_margin(noisy)
+            moved = float((margin2 - margin)[codes2 == codes].abs().max())
+            assert moved < ENCODER_TIE / 10, f"margins moved {moved} under 1e-6 relative noise"
+            assert bool(((codes2 == codes) | (margin < ENCODER_TIE)).all())

@@ -118,20 +118,33 @@ class GFSQ(nn.Module):
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """features [B, vq_dim, T] -> codes [B, G*R, T] int32."""
+        return self.quantize_with_margin(x)[0]
+
+    def quantize_with_margin(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [B, vq_dim, T] -> (codes [B, G*R, T] int32, margin [B, G*R, T] float).
+
+        ``margin`` is how far the value rounded to each code lies from the nearest rounding boundary
+        (the smallest over the code's dimensions, in units of one level). A code whose margin is
+        within float noise may round the other way on another CPU: tests that compare encoder codes
+        across machines read it to tell a near-tie from a real difference."""
         x = x.transpose(1, 2)
         half_l = (self.levels - 1) * (1 + 1e-3) / 2
         half_width = self.levels // 2
-        group_inds = []
+        group_inds, group_margins = [], []
         for g, chunk in enumerate(x.chunk(self.groups, dim=-1)):
             residual = self.rvqs[g].project_in(chunk)
-            inds = []
+            inds, margins = [], []
             for r in range(self.residuals):
                 scale = self.scales[r]
-                code = torch.round(torch.tanh(residual / scale) * half_l) / half_width
+                value = torch.tanh(residual / scale) * half_l
+                margins.append((value - value.floor() - 0.5).abs().amin(-1))
+                code = torch.round(value) / half_width
                 inds.append(((code * half_width + half_width) * self.basis).sum(-1).round().to(torch.int32))
                 residual = residual - code * scale
             group_inds.append(torch.stack(inds, dim=-1))  # [B, T, R]
-        return torch.cat(group_inds, dim=-1).transpose(1, 2)
+            group_margins.append(torch.stack(margins, dim=-1))
+        codes = torch.cat(group_inds, dim=-1).transpose(1, 2)
+        return codes, torch.cat(group_margins, dim=-1).transpose(1, 2)
 
 
 class _ResidualFSQ(nn.Module):
@@ -166,9 +179,14 @@ class DVAE(nn.Module):
 
     def encode(self, wav: torch.Tensor) -> torch.Tensor:
         """1-D 24 kHz waveform -> codes [4, floor((1 + len // 256) / 2)] int32."""
+        return self.encode_with_margin(wav)[0]
+
+    def encode_with_margin(self, wav: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``encode`` plus each code's rounding margin (see ``GFSQ.quantize_with_margin``)."""
         if wav.dim() != 1:
             raise ValueError(f"expected a 1-D waveform, got shape {tuple(wav.shape)}")
         spec = self.preprocessor_mel.mel_spec
         mel = log_mel_spectrogram(wav, spec.spectrogram.window, spec.mel_scale.fb, floor=1e-5)
         x = self.downsample_conv(mel / self.coef.view(NUM_MELS, 1)).unsqueeze(0)
-        return self.vq_layer.quantizer.quantize(self.encoder(x))[0]
+        codes, margin = self.vq_layer.quantizer.quantize_with_margin(self.encoder(x))
+        return codes[0], margin[0]
