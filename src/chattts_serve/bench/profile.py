@@ -242,8 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weight_floor_ms = 1000 * read_floor_s(nbytes, dev)
     # The decode step's memory floor: its weights plus the keys and values it reads, at the bandwidth
     # just measured; real time for a stream is one step per 21.3 ms (46.875 steps per audio second).
-    cache = core.runner.cache
-    kv_bytes = kv_positions_per_step * 2 * cache.k[:, 0, :, 0].numel() * cache.k.element_size()
+    kv_bytes = kv_positions_per_step * core.runner.kv_bytes_per_position
     kv_floor_ms = weight_floor_ms * kv_bytes / nbytes
     step_floor_ms = weight_floor_ms + kv_floor_ms
     ort_ops = None

@@ -149,6 +149,18 @@ class ModelRunner:
         if self.decode_mode == "static":
             self.static = StaticDecoder(model.gpt, self.cache, self.config.cuda_graphs, self.config.compile)
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache holds keys and values in (``eval`` replays the trunk in it)."""
+        return self.cache.k.dtype
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """Bytes of keys and values one cached position of one slot holds, all layers together: what a
+        decode step reads per position it attends to (``profile``'s memory floor)."""
+        k = self.cache.k  # [layers, slots, kv_heads, positions, head_dim]
+        return 2 * k.shape[0] * k.shape[2] * k.shape[4] * k.element_size()
+
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device; on CUDA through pinned memory without blocking the host."""
         if self._pin:
