@@ -12,7 +12,7 @@ import pytest
 from chattts_serve import Engine, RefineParams, SamplingParams
 from chattts_serve.audio.policy import StreamPolicy
 from chattts_serve.engine.config import EngineConfig
-from chattts_serve.engine.core import EngineCore, RequestOutput
+from chattts_serve.engine.core import EngineCore, EngineStats, RequestOutput
 from chattts_serve.engine.scheduler import QueueFullError, SchedulerConfig
 
 TEXT = "今天天气真不错，我们一起去公园散步吧。"
@@ -308,7 +308,9 @@ def test_queue_full(engine):
     with pytest.raises(QueueFullError):
         run.add("c", TEXTS[4], pc)
     assert not core.has_request("c") and core.scheduler.num_waiting == 2
+    assert not core.can_accept(1) and core.stats() == EngineStats(0, 2, 1, 0)
     run.step()  # a admitted: one place free in the queue
+    assert core.can_accept(1) and not core.can_accept(2) and core.stats() == EngineStats(1, 1, 1, 1)
     with pytest.raises(QueueFullError):  # two segments do not fit in one place; nothing is left behind
         run.add("multi", TEXTS[2], replace(pc, first_sentence_voice=False))
     assert not core.has_request("multi") and core.scheduler.num_waiting == 1

@@ -543,8 +543,10 @@ def test_failed_request_leaves_through_abort():
 
 def test_queue_bound():
     sched, d = make(max_num_seqs=1, max_waiting=2)
+    assert sched.can_accept(2) and not sched.can_accept(3)
     sched.add(seq("a"))
     sched.add(seq("b"))
+    assert not sched.can_accept(1) and sched.can_accept(0)
     with pytest.raises(QueueFullError, match="full"):
         sched.add(seq("c"))
     assert sched.num_waiting == 2

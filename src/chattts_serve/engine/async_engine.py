@@ -32,6 +32,7 @@ from ..audio.policy import StreamPolicy
 from ..model.config import DEFAULT_MODEL, SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from .config import EngineConfig
+from .core import EngineStats
 from .engine import Engine
 from .input_processor import PreparedRequest
 from .outputs import RequestOutput, Result, build_result
@@ -252,13 +253,12 @@ class AsyncEngine:
             raise EngineDeadError("engine is shutting down")
         self.start()
         rid = request_id or f"req-{uuid.uuid4().hex[:12]}"
-        sched = self.core.scheduler
         with self._lock:
             if rid in self._collectors:
                 raise ValueError(f"request id {rid!r} is already in use")
-            waiting = sched.num_waiting + self._pending_adds + len(prepared.segments)
-            if waiting > sched.config.max_waiting:
-                raise QueueFullError(f"waiting queue is full ({sched.config.max_waiting} sequences)")
+            if not self.core.can_accept(self._pending_adds + len(prepared.segments)):
+                max_waiting = self.core.config.scheduler.max_waiting
+                raise QueueFullError(f"waiting queue is full ({max_waiting} sequences)")
             collector = _Collector(asyncio.get_running_loop())
             self._collectors[rid] = collector
             self._pending_adds += len(prepared.segments)
@@ -355,23 +355,4 @@ class AsyncEngine:
         return await asyncio.to_thread(self.engine.speaker_from_audio, wav)
 
     def stats(self) -> EngineStats:
-        sched = self.core.scheduler
-        return EngineStats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            kv_slots=sched.config.max_num_seqs,
-            kv_slots_used=sched.config.max_num_seqs - sched.slots.num_free,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine's load (read without locks: each number is current, together they may
-    be one step apart)."""
-
-    num_running: int
-    """Sequences decoding."""
-    num_waiting: int
-    """Sequences queued for a KV slot."""
-    kv_slots: int
-    kv_slots_used: int
+        return self.core.stats()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,19 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load (read without locks: each number is current, together they may
+    be one step apart)."""
+
+    num_running: int
+    """Sequences decoding."""
+    num_waiting: int
+    """Sequences queued for a KV slot."""
+    kv_slots: int
+    kv_slots_used: int
 
 
 class EngineCore:
@@ -84,6 +98,21 @@ class EngineCore:
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.pipeline.requests
+
+    def can_accept(self, num_seqs: int) -> bool:
+        """Whether the waiting queue has room for ``num_seqs`` more sequences (a prepared request
+        queues at most ``len(prepared.segments)``). Thread-safe read: the answer may be one step old."""
+        return self.scheduler.can_accept(num_seqs)
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler  # one read: ``reset`` may replace it from the engine thread
+        slots = sched.config.max_num_seqs
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_slots=slots,
+            kv_slots_used=slots - sched.num_free_slots,
+        )
 
     # ------------------------------------------------------------------ one step
 

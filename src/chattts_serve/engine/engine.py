@@ -175,10 +175,10 @@ class Engine:
         try:
             while pending or self.core.has_unfinished():
                 # Feed the queue up to its bound (sequences = sentences); admission follows this order.
-                sched = self.core.scheduler
+                # An empty queue takes any text (one longer than the bound is then refused by add).
                 while pending:
                     rid, prep = next(iter(pending.items()))
-                    if sched.num_waiting and sched.num_waiting + len(prep.segments) > sched.config.max_waiting:
+                    if self.core.stats().num_waiting and not self.core.can_accept(len(prep.segments)):
                         break
                     self.core.add_request(rid, pending.pop(rid), policy)
                 for out in self.core.step():

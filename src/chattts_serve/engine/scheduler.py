@@ -85,11 +85,16 @@ class Scheduler:
                 f"exceeds max_model_len ({self.config.max_model_len})"
             )
 
+    def can_accept(self, num_seqs: int) -> bool:
+        """Whether the waiting queue has room for ``num_seqs`` more sequences (the one bound every
+        submission path checks: ``add``, ``Engine.synthesize``, ``AsyncEngine``)."""
+        return len(self.waiting) + num_seqs <= self.config.max_waiting
+
     def add(self, seq: Sequence, continuation: bool = False) -> None:
         """Queue a sequence. ``continuation``: the next pass of an already accepted request (the audio
         pass after refine), which is never refused for a full queue."""
         self.check_fits(seq)
-        if not continuation and len(self.waiting) >= self.config.max_waiting:
+        if not continuation and not self.can_accept(1):
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} sequences)")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -179,6 +184,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots.num_free
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
