@@ -53,6 +53,23 @@ class ShutdownError(EngineError):
     """The server is stopping and ended this request before it was done (its audio is incomplete)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _AddRequest:
+    """To the engine loop: queue this prepared request (its room was reserved in ``_pending_adds``)."""
+
+    request_id: str
+    prepared: PreparedRequest
+    policy: StreamPolicy
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class _AbortRequest:
+    """To the engine loop: stop this request."""
+
+    request_id: str
+
+
 @dataclass(eq=False)
 class _Collector:
     """One request's outputs. The engine thread puts; one consumer takes. If the consumer is slow,
@@ -181,7 +198,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ requests
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_AbortRequest(request_id))
         self._wakeup.set()
 
     async def stream(
@@ -263,7 +280,7 @@ class AsyncEngine:
             self._collectors[rid] = collector
             self._pending_adds += len(prepared.segments)
         t0 = time.monotonic()
-        self._inbox.put(("add", rid, prepared, policy, priority))
+        self._inbox.put(_AddRequest(rid, prepared, policy, priority))
         self._wakeup.set()
         return rid, collector, t0
 
@@ -320,17 +337,19 @@ class AsyncEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item[0] == "abort":
-                self.core.abort(item[1])
-                continue
-            _, rid, prepared, policy, priority = item
-            with self._lock:
-                self._pending_adds -= len(prepared.segments)
-            try:
-                self.core.add_request(rid, prepared, policy, priority)
-            except Exception as exc:  # queue full after all, duplicate id, too long: this request only
-                if (c := self._collectors.get(rid)) is not None:
-                    c.fail(exc)
+            match item:
+                case _AbortRequest(rid):
+                    self.core.abort(rid)
+                case _AddRequest(rid, prepared, policy, priority):
+                    with self._lock:
+                        self._pending_adds -= len(prepared.segments)
+                    try:
+                        self.core.add_request(rid, prepared, policy, priority)
+                    except Exception as exc:  # queue full after all, duplicate id, too long: this request only
+                        if (c := self._collectors.get(rid)) is not None:
+                            c.fail(exc)
+                case _:
+                    raise TypeError(f"unknown engine loop message {item!r}")
 
     # ------------------------------------------------------------------ what the server needs
 
