@@ -1,5 +1,6 @@
-"""The ONNX export of the GPT trunk (model/onnx_export.py) and its ORT step over the KV slot cache
-(model/onnx_trunk.py), against the torch trunk on the tiny checkpoint."""
+"""The ONNX export of the GPT trunk (model/onnx_export.py with onnx_graph.py, onnx_quant.py and
+onnx_cache.py) and its ORT step over the KV slot cache (model/onnx_trunk.py), against the torch trunk
+on the tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 
 pytest.importorskip("onnxruntime", reason="the ort-* precisions need the [onnx] extra")
 
-from chattts_serve.model import checkpoint, onnx_export, onnx_trunk  # noqa: E402
-from chattts_serve.model.onnx_export import Manifest, cached_export, export  # noqa: E402
+from chattts_serve.model import checkpoint, onnx_cache, onnx_export, onnx_trunk  # noqa: E402
+from chattts_serve.model.onnx_cache import Manifest  # noqa: E402
+from chattts_serve.model.onnx_export import cached_export, export  # noqa: E402
+from chattts_serve.model.onnx_quant import int8_reduce_range  # noqa: E402
 from chattts_serve.model.onnx_trunk import OnnxTrunk  # noqa: E402
 from chattts_serve.model.quant import check_supported, parse_precision  # noqa: E402
 
@@ -33,7 +36,7 @@ def model(tiny_ckpt):
 @pytest.fixture(scope="module")
 def exports(model, tmp_path_factory):
     base = tmp_path_factory.mktemp("onnx")
-    out = {w: export(model, base / w, w, reduce_range=False) for w in onnx_export.WEIGHT_KINDS}
+    out = {w: export(model, base / w, w, reduce_range=False) for w in onnx_cache.WEIGHT_KINDS}
     out["int8r7"] = export(model, base / "int8r7", "int8", reduce_range=True)  # as on x86 without VNNI
     return out
 
@@ -122,7 +125,7 @@ def test_idle_rows_leave_their_cache_alone(model, exports):
     assert changed[:, 0].sum() == changed[:, 0, :, 10].sum()  # nothing else of slot 0 either
 
 
-@pytest.mark.parametrize("weights", onnx_export.WEIGHT_KINDS)
+@pytest.mark.parametrize("weights", onnx_cache.WEIGHT_KINDS)
 def test_batch_invariance_per_mode(model, exports, weights):
     """What each mode promises: fp32 and 4-bit compute a row the same whatever else is in the call
     (MLAS's GEMMs and the 4-bit kernel's per-row activation blocks); int8 quantises the activations with
@@ -150,7 +153,7 @@ def test_batch_invariance_per_mode(model, exports, weights):
         assert all(torch.equal(alone, h) for h in with_neighbours)
 
 
-@pytest.mark.parametrize("weights", onnx_export.WEIGHT_KINDS)
+@pytest.mark.parametrize("weights", onnx_cache.WEIGHT_KINDS)
 def test_batched_prefill_right_padded(model, exports, weights):
     """Prompts of consecutive slots prefilled in one call (the runner's burst of admissions): each row's
     hidden states and cache are what it gets alone (fp32, 4-bit: exactly; int8, whose activation scale
@@ -271,7 +274,7 @@ def test_export_is_checked_against_the_model(model, exports, tmp_path):
 
 def test_cache_reuses_an_export_and_keys_it_by_checkpoint_and_mode(model, tmp_path, monkeypatch):
     first = cached_export(model, "fp32", tmp_path)
-    assert (first / onnx_export.MODEL_FILE).exists()
+    assert (first / onnx_cache.MODEL_FILE).exists()
 
     def no_export(*_a, **_k):
         raise AssertionError("exported again")
@@ -288,24 +291,24 @@ def test_checkpoint_digest_follows_the_trunk_files(tiny_ckpt, tmp_path):
     import shutil
 
     copy = shutil.copytree(tiny_ckpt, tmp_path / "ckpt")
-    assert onnx_export.checkpoint_digest(copy) == onnx_export.checkpoint_digest(tiny_ckpt)
+    assert onnx_cache.checkpoint_digest(copy) == onnx_cache.checkpoint_digest(tiny_ckpt)
     config = copy / checkpoint.GPT_CONFIG
     config.write_text(config.read_text() + "\n")
-    assert onnx_export.checkpoint_digest(copy) != onnx_export.checkpoint_digest(tiny_ckpt)
+    assert onnx_cache.checkpoint_digest(copy) != onnx_cache.checkpoint_digest(tiny_ckpt)
 
 
 def test_int8_keeps_to_7_bits_where_the_kernel_can_saturate(monkeypatch):
     import platform
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    assert onnx_export.int8_reduce_range("flags\t: fpu sse avx2 fma\n")  # AVX2 only: vpmaddubsw (int16 sums)
-    assert not onnx_export.int8_reduce_range("flags\t: avx2 avx512f avx512_vnni\n")
-    assert not onnx_export.int8_reduce_range("flags\t: avx2 avx_vnni\n")
+    assert int8_reduce_range("flags\t: fpu sse avx2 fma\n")  # AVX2 only: vpmaddubsw (int16 sums)
+    assert not int8_reduce_range("flags\t: avx2 avx512f avx512_vnni\n")
+    assert not int8_reduce_range("flags\t: avx2 avx_vnni\n")
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    assert not onnx_export.int8_reduce_range("")
+    assert not int8_reduce_range("")
     digest = "0" * 64
-    assert onnx_export.cache_key(digest, "int8", True) != onnx_export.cache_key(digest, "int8", False)
-    assert onnx_export.cache_key(digest, "int4", True) == onnx_export.cache_key(digest, "int4", False)
+    assert onnx_cache.cache_key(digest, "int8", True) != onnx_cache.cache_key(digest, "int8", False)
+    assert onnx_cache.cache_key(digest, "int4", True) == onnx_cache.cache_key(digest, "int4", False)
 
 
 def test_missing_onnxruntime_is_a_clear_error(monkeypatch):
@@ -327,9 +330,9 @@ def test_export_cli_writes_a_checked_export(tiny_ckpt, tmp_path, capsys):
     assert main([*argv, "--reduce-range", "on"]) == 0
     assert "checked on ORT's cpu" in capsys.readouterr().out
     assert Manifest.read(out).weights == "int8" and Manifest.read(out).int8_reduce_range
-    size = (out / onnx_export.DATA_FILE).stat().st_size
+    size = (out / onnx_cache.DATA_FILE).stat().st_size
     assert main(argv) == 0  # again into the same directory: replaced, not appended to
-    assert (out / onnx_export.DATA_FILE).stat().st_size == size
+    assert (out / onnx_cache.DATA_FILE).stat().st_size == size
     capsys.readouterr()
     assert main([*argv, "--provider", "cuda"]) == 2  # this ONNX Runtime build has no CUDA provider
     assert "CUDAExecutionProvider" in capsys.readouterr().err

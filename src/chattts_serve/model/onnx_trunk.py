@@ -23,7 +23,7 @@ import torch
 
 from .config import GPTConfig
 from .gpt import KVCache
-from .onnx_export import DATA_FILE, MODEL_FILE, Manifest, require_onnxruntime
+from .onnx_cache import DATA_FILE, MODEL_FILE, Manifest, require_onnxruntime
 
 logger = logging.getLogger(__name__)
 
