@@ -188,24 +188,3 @@ def test_profile_weight_bytes_per_mode(tiny_ckpt, precision, slots, per_weight):
         + 3 * g.hidden_size * g.intermediate_size
     )
     assert weight_bytes(e.model.gpt) == n * per_weight
-
-
-def test_profile_op_classes_name_each_ort_op_by_its_floor():
-    from chattts_serve.bench.profile import op_breakdown, op_class
-
-    assert [op_class(op) for op in ("DynamicQuantizeMatMul", "MatMulNBits", "MatMul", "Gemm")] == ["matmul"] * 4
-    assert op_class("GroupQueryAttention") == op_class("MultiHeadAttention") == "attention"
-    assert op_class("SkipSimplifiedLayerNormalization") == op_class("Where") == "other"
-    seconds = {
-        "decode": {"MatMulNBits": 0.2, "GroupQueryAttention": 0.1, "Where": 0.02},
-        "prefill": {"MatMulNBits": 0.5},
-        "runs": {"decode": 10, "prefill": 1},
-        "run_s": {"decode": 0.4, "prefill": 0.6},
-    }
-    r = op_breakdown(seconds, matmul_floor_ms=10.0, attention_floor_ms=2.0)
-    assert r["decode_op_ms_per_step"] == {"MatMulNBits": 20.0, "GroupQueryAttention": 10.0, "Where": 2.0}
-    assert r["decode_classes"]["matmul"] == {"ms": 20.0, "floor_ms": 10.0, "floor_ratio": 0.5}
-    assert r["decode_classes"]["attention"] == {"ms": 10.0, "floor_ms": 2.0, "floor_ratio": 0.2}
-    assert r["decode_classes"]["other"] == {"ms": 2.0, "floor_ms": None, "floor_ratio": None}
-    assert r["decode_run_ms_per_step"] == 40.0 and r["decode_kernel_ms_per_step"] == 32.0
-    assert r["prefill_runs"] == 1 and r["prefill_s"] == {"MatMulNBits": 0.5}

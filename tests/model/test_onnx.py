@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("onnxruntime", reason="the ort-* precisions need the [onnx] extra")
 
-from chattts_serve.model import checkpoint, onnx_cache, onnx_export, onnx_trunk  # noqa: E402
+from chattts_serve.bench.ort_ops import op_seconds  # noqa: E402
+from chattts_serve.model import checkpoint, onnx_cache, onnx_export  # noqa: E402
 from chattts_serve.model.onnx_cache import Manifest  # noqa: E402
 from chattts_serve.model.onnx_export import cached_export, export  # noqa: E402
 from chattts_serve.model.onnx_quant import int8_reduce_range  # noqa: E402
@@ -208,7 +209,9 @@ def test_op_profile_splits_the_runs_by_kind_and_changes_nothing(model, exports, 
     plain = three_runs()
     trunk.start_op_profile(tmp_path)
     profiled = three_runs()
-    seconds = trunk.end_op_profile()
+    recorded = trunk.end_op_profile()
+    assert recorded.kinds == ["prefill", "decode", "decode"]
+    seconds = op_seconds(recorded.events, recorded.kinds)
     assert all(torch.equal(a, b) for a, b in zip(plain, profiled, strict=True))
     assert seconds["runs"] == {"decode": 2, "prefill": 1}
     for kind in ("decode", "prefill"):
@@ -221,32 +224,6 @@ def test_op_profile_splits_the_runs_by_kind_and_changes_nothing(model, exports, 
     assert trunk.session.end_profiling() == ""  # nothing was being recorded any more
     with pytest.raises(RuntimeError, match="without start_op_profile"):
         trunk.end_op_profile()
-
-
-def test_op_seconds_assigns_nodes_to_their_run():
-    def run(ts, dur):
-        return {"cat": "Session", "name": "model_run", "ts": ts, "dur": dur}
-
-    def node(ts, dur, op):
-        return {"cat": "Node", "name": f"n_{op}_kernel_time", "ts": ts, "dur": dur, "args": {"op_name": op}}
-
-    events = [
-        node(5, 9, "MatMul"),  # before any run (session set-up): no run's
-        run(10, 100),
-        node(20, 30, "MatMul"),
-        node(60, 40, "GroupQueryAttention"),
-        {"cat": "Node", "name": "n_fence_before", "ts": 61, "dur": 1000, "args": {"op_name": "MatMul"}},
-        run(200, 50),
-        node(210, 10, "MatMul"),
-        node(220, 20, "MatMul"),
-    ]
-    seconds = onnx_trunk.op_seconds(events, ["prefill", "decode"])
-    assert seconds["prefill"] == pytest.approx({"GroupQueryAttention": 40e-6, "MatMul": 30e-6})
-    assert seconds["decode"] == pytest.approx({"MatMul": 30e-6})
-    assert seconds["runs"] == {"decode": 1, "prefill": 1}
-    assert seconds["run_s"] == pytest.approx({"decode": 50e-6, "prefill": 100e-6})
-    with pytest.raises(ValueError, match="2 runs, expected 1"):
-        onnx_trunk.op_seconds(events, ["decode"])
 
 
 def test_run_refuses_slots_and_positions_outside_the_cache(model, exports):

@@ -32,6 +32,7 @@ import torch
 
 from . import stats
 from .common import TEXTS, add_runner_arguments, engine_config, fail, peak_memory_mb, set_threads
+from .ort_ops import op_breakdown, op_seconds
 
 STAGES = ("normalise", "tokenise", "prefill", "decode", "sampling", "decoder", "vocoder", "encode")
 
@@ -119,41 +120,6 @@ def read_floor_s(nbytes: int, device, repeats: int = 5) -> float:
         times.append(time.perf_counter() - t0)
     del buf
     return sorted(times[1:])[repeats // 2]
-
-
-def op_class(op: str) -> str:
-    """Which floor an ORT op type answers to: "matmul" (reads the weights), "attention" (reads the
-    cache) or "other" (elementwise, norms, reshapes: no floor of their own)."""
-    if "Attention" in op:
-        return "attention"
-    if "MatMul" in op or op in ("Gemm", "FusedGemm"):
-        return "matmul"
-    return "other"
-
-
-def op_breakdown(seconds: dict[str, dict[str, float]], matmul_floor_ms: float, attention_floor_ms: float) -> dict:
-    """``OnnxTrunk.end_op_profile``'s kernel seconds as ms per decode step: per op type, and per class
-    (``op_class``) with the class's floor and floor / measured; ``decode_run_ms_per_step`` is the whole
-    ORT call (kernels plus ORT's work between them). Prefill stays in seconds (not per step)."""
-    steps = max(1, seconds["runs"]["decode"])
-    per_op = {op: round(1000 * s / steps, 3) for op, s in seconds["decode"].items()}
-    classes: dict[str, dict[str, float | None]] = {}
-    for cls, floor in (("matmul", matmul_floor_ms), ("attention", attention_floor_ms), ("other", None)):
-        ms = sum(v for op, v in per_op.items() if op_class(op) == cls)
-        classes[cls] = {
-            "ms": round(ms, 3),
-            "floor_ms": round(floor, 3) if floor is not None else None,
-            "floor_ratio": round(floor / ms, 3) if floor is not None and ms else None,
-        }
-    return {
-        "decode_steps": seconds["runs"]["decode"],
-        "decode_run_ms_per_step": round(1000 * seconds["run_s"]["decode"] / steps, 3),
-        "decode_kernel_ms_per_step": round(sum(per_op.values()), 3),
-        "decode_classes": classes,
-        "decode_op_ms_per_step": per_op,
-        "prefill_runs": seconds["runs"]["prefill"],
-        "prefill_s": {op: round(s, 4) for op, s in seconds["prefill"].items()},
-    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -250,7 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             trunk.start_op_profile(tmp)
             one_pass()
-            ort_ops = op_breakdown(trunk.end_op_profile(), weight_floor_ms, kv_floor_ms)
+            recorded = trunk.end_op_profile()
+            ort_ops = op_breakdown(op_seconds(recorded.events, recorded.kinds), weight_floor_ms, kv_floor_ms)
     return {
         "bench": "profile",
         "model": str(args.model),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,17 @@ def resolve_providers(provider: str, device: torch.device) -> list[str]:
             "install the onnxruntime build for it (e.g. onnxruntime-gpu)"
         )
     return names
+
+
+@dataclass(frozen=True, slots=True)
+class OpProfile:
+    """What ORT's profiler recorded between ``start_op_profile`` and ``end_op_profile``; summed by op
+    type in ``bench.ort_ops.op_seconds`` (reading it is the profiler's business, not the trunk's)."""
+
+    events: list[dict]
+    """ORT's profile: its JSON event list."""
+    kinds: list[str]
+    """Each run's kind, in order: "decode" (one position per row) or "prefill" (more)."""
 
 
 class OnnxTrunk:
@@ -116,9 +127,9 @@ class OnnxTrunk:
         self._open_session(profile_prefix=str(Path(directory) / "ort_profile"))
         self._run_kinds = []
 
-    def end_op_profile(self) -> dict[str, dict[str, float]]:
-        """Stop the profiler (the session runs on without it: no second model load) and return
-        ``op_seconds`` of the runs since ``start_op_profile``."""
+    def end_op_profile(self) -> OpProfile:
+        """Stop the profiler (the session runs on without it: no second model load) and return what it
+        recorded of the runs since ``start_op_profile``."""
         if self._run_kinds is None:
             raise RuntimeError("end_op_profile without start_op_profile")
         path = Path(self.session.end_profiling())
@@ -127,7 +138,7 @@ class OnnxTrunk:
             events = json.loads(path.read_text())
         finally:
             path.unlink(missing_ok=True)
-        return op_seconds(events, kinds)
+        return OpProfile(events, kinds)
 
     @property
     def max_positions(self) -> int:
@@ -206,33 +217,3 @@ def check_export(directory: str | Path, cfg: GPTConfig, weights: str, provider: 
     decode = trunk.run(x[:, :1], cache, 0, np.array([3], np.int32), np.array([1], np.int32))
     if not (torch.isfinite(prefill).all() and torch.isfinite(decode).all()):
         raise ValueError(f"the export in {directory} gives non-finite hidden states on {trunk.providers[0]}")
-
-
-def op_seconds(events: list[dict], kinds: list[str]) -> dict[str, dict[str, float]]:
-    """Kernel seconds per op type from an ORT profile (its JSON event list), summed over the runs of
-    each kind: ``kinds[i]`` names the i-th ``model_run``; a node belongs to the run whose span holds
-    its start. Also ``"runs"`` (runs of each kind) and ``"run_s"`` (their whole spans: kernels plus
-    ORT's own work between them). ValueError when the profile holds another number of runs."""
-    runs = sorted(
-        (e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=lambda e: e["ts"]
-    )
-    if len(runs) != len(kinds):
-        raise ValueError(f"the ORT profile holds {len(runs)} runs, expected {len(kinds)}")
-    nodes = sorted(
-        (e for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")),
-        key=lambda e: e["ts"],
-    )
-    out: dict[str, dict[str, float]] = {"decode": defaultdict(float), "prefill": defaultdict(float)}
-    run_s = {"decode": 0.0, "prefill": 0.0}
-    i = 0
-    for run, kind in zip(runs, kinds, strict=True):
-        run_s[kind] += run["dur"] / 1e6
-        while i < len(nodes) and nodes[i]["ts"] < run["ts"]:
-            i += 1
-        while i < len(nodes) and nodes[i]["ts"] <= run["ts"] + run["dur"]:
-            out[kind][nodes[i]["args"]["op_name"]] += nodes[i]["dur"] / 1e6
-            i += 1
-    result = {kind: dict(sorted(ops.items(), key=lambda kv: -kv[1])) for kind, ops in out.items()}
-    result["runs"] = {kind: kinds.count(kind) for kind in ("decode", "prefill")}
-    result["run_s"] = run_s
-    return result
