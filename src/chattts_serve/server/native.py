@@ -12,15 +12,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..audio.encode import encode_whole
+from .errors import ClientGone, TimedStreamingResponse, check_length
 from .openapi import audio_responses, errors
 from .protocol import MEDIA_TYPES, TTSRequest
 from .service import (
     AudioResponse,
-    ClientGone,
-    TimedStreamingResponse,
     build_params,
     build_policy,
-    check_length,
     request_defaults,
     resolve_voice,
 )

@@ -9,16 +9,12 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
 from .openapi import audio_responses, errors
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
 from .service import (
-    APIError,
     AudioResponse,
-    ResponseCut,
-    StreamFailed,
-    TimedStreamingResponse,
     build_params,
-    check_length,
     request_defaults,
     resolve_voice,
     speed_prompt,

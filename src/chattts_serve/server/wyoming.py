@@ -58,13 +58,12 @@ from ..audio.encode import to_pcm16
 from ..engine.async_engine import EngineDeadError, EngineError
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
+from .errors import APIError, check_length
 from .protocol import ChatTTSOptions
 from .service import (
     BUILTIN_VOICES,
-    APIError,
     AudioResponse,
     build_params,
-    check_length,
     request_defaults,
     resolve_voice,
 )
