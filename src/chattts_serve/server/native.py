@@ -12,11 +12,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..audio.encode import encode_whole
+from .audio_response import AudioResponse
 from .errors import ClientGone, TimedStreamingResponse, check_length
 from .openapi import audio_responses, errors
 from .protocol import MEDIA_TYPES, TTSRequest
 from .service import (
-    AudioResponse,
     build_params,
     build_policy,
     request_defaults,

@@ -9,11 +9,11 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from .audio_response import AudioResponse
 from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
 from .openapi import audio_responses, errors
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
 from .service import (
-    AudioResponse,
     build_params,
     request_defaults,
     resolve_voice,

@@ -58,11 +58,11 @@ from ..audio.encode import to_pcm16
 from ..engine.async_engine import EngineDeadError, EngineError
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
+from .audio_response import AudioResponse
 from .errors import APIError, check_length
 from .protocol import ChatTTSOptions
 from .service import (
     BUILTIN_VOICES,
-    AudioResponse,
     build_params,
     request_defaults,
     resolve_voice,
