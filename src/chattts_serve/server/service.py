@@ -15,7 +15,7 @@ from ..audio.policy import StreamPolicy
 from ..sampling_params import SamplingParams
 from .errors import APIError, storage_error
 from .protocol import ChatTTSOptions, StreamOptions, parse_options
-from .voices import VoiceStore, VoiceStoreError
+from .voices import BUILTIN_VOICES, VoiceStore, VoiceStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -33,31 +33,6 @@ class Voice:
     speaker: str | None = None
     sample: str | None = None
     sample_text: str = ""
-
-
-# OpenAI's voice names, so unmodified clients work (Pipecat refuses any other name): each is a fixed random
-# speaker (seeded sample from the checkpoint's speaker statistics), unless a saved voice of that name exists.
-# New names go at the end: a name's seed is its position, and a voice must not change under its users.
-BUILTIN_VOICES = {
-    name: 1000 + i
-    for i, name in enumerate(
-        (
-            "alloy",
-            "ash",
-            "ballad",
-            "coral",
-            "echo",
-            "fable",
-            "nova",
-            "onyx",
-            "sage",
-            "shimmer",
-            "verse",
-            "cedar",
-            "marin",
-        )
-    )
-}
 
 
 def resolve_voice(store: VoiceStore, engine, name_or_speaker: str | None, default: str | None, param: str) -> Voice:

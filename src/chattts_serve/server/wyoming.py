@@ -62,13 +62,12 @@ from .audio_response import AudioResponse
 from .errors import APIError, check_length
 from .protocol import ChatTTSOptions
 from .service import (
-    BUILTIN_VOICES,
     build_params,
     request_defaults,
     resolve_voice,
 )
 from .text_parts import Segmenter, speakable, voice_from_first_part, with_first_part_voice
-from .voices import VoiceStoreError
+from .voices import BUILTIN_VOICES, VoiceStoreError
 
 logger = logging.getLogger(__name__)
 
