@@ -15,13 +15,8 @@ from ..audio.encode import encode_whole
 from .audio_response import AudioResponse
 from .errors import ClientGone, TimedStreamingResponse, check_length
 from .openapi import audio_responses, errors
+from .params import build_params, build_policy, request_defaults, resolve_voice
 from .protocol import MEDIA_TYPES, TTSRequest
-from .service import (
-    build_params,
-    build_policy,
-    request_defaults,
-    resolve_voice,
-)
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
