@@ -17,34 +17,39 @@ from .voices import BUILTIN_VOICES, VoiceStore, VoiceStoreError
 
 
 @dataclass(frozen=True, slots=True)
-class Voice:
+class ResolvedVoice:
+    """What a request's voice resolves to: the speaker and voice-sample fields of ``SamplingParams``.
+    (``protocol.Voice`` is a saved voice as the API lists it.)"""
+
     speaker: str | None = None
     sample: str | None = None
     sample_text: str = ""
 
 
-def resolve_voice(store: VoiceStore, engine, name_or_speaker: str | None, default: str | None, param: str) -> Voice:
+def resolve_voice(
+    store: VoiceStore, engine, name_or_speaker: str | None, default: str | None, param: str
+) -> ResolvedVoice:
     """A saved voice's name, a built-in (OpenAI) voice name, or a speaker string; anything else is a
     400 (speaker strings are validated when the request is prepared)."""
     if name_or_speaker is None:
         if default is None:
-            return Voice()
+            return ResolvedVoice()
         name_or_speaker = default
     try:
         rec = store.get(name_or_speaker)
     except VoiceStoreError as exc:
         raise storage_error(exc) from None
     if rec is not None:
-        return Voice(rec.speaker, rec.sample_codes, rec.sample_text or "")
+        return ResolvedVoice(rec.speaker, rec.sample_codes, rec.sample_text or "")
     if name_or_speaker in BUILTIN_VOICES:
         try:
-            return Voice(speaker=engine.sample_speaker(BUILTIN_VOICES[name_or_speaker]))
+            return ResolvedVoice(speaker=engine.sample_speaker(BUILTIN_VOICES[name_or_speaker]))
         except ValueError:
-            return Voice()  # a checkpoint without speaker statistics: no speaker embedding
+            return ResolvedVoice()  # a checkpoint without speaker statistics: no speaker embedding
     if len(name_or_speaker) >= 16 and all(
         0x3D00 <= ord(c) <= 0x3D07 or 0x4E00 <= ord(c) <= 0x8DFF for c in name_or_speaker
     ):
-        return Voice(speaker=name_or_speaker)  # looks like base16384: a speaker string
+        return ResolvedVoice(speaker=name_or_speaker)  # looks like base16384: a speaker string
     raise APIError(
         400,
         f"unknown voice {name_or_speaker!r}: not a saved voice and not a speaker string",
@@ -75,7 +80,7 @@ def request_defaults(default_options: str) -> ChatTTSOptions | None:
 
 
 def build_params(
-    opts: ChatTTSOptions, voice: Voice, prompt: str | None = None, defaults: ChatTTSOptions | None = None
+    opts: ChatTTSOptions, voice: ResolvedVoice, prompt: str | None = None, defaults: ChatTTSOptions | None = None
 ) -> SamplingParams:
     """A request's options on top of the server's ``defaults`` (``request_defaults``), on top of
     SamplingParams' own; ``prompt``: the prompt the request implies (an OpenAI ``speed`` other than 1),
