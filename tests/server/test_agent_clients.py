@@ -113,7 +113,7 @@ async def _pipecat_speak(base: str, voice: str, texts: list[str]) -> _Collect:
 
 
 def test_pipecat_voice_names_are_ours():
-    from chattts_serve.server.service import BUILTIN_VOICES
+    from chattts_serve.server.voices import BUILTIN_VOICES
 
     assert set(VALID_VOICES) <= set(BUILTIN_VOICES)  # every name Pipecat accepts is a speaker here
 

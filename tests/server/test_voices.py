@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from chattts_serve.model.speaker import decode_prompt_codes
-from chattts_serve.server.voices import VoiceStore
+from chattts_serve.server.voices import BUILTIN_VOICES, VoiceStore
 from chattts_serve.server.voices_routes import decode_upload
 
 from .conftest import (
@@ -38,6 +38,9 @@ TEXT = "今天天气真不错。"
 TOKENS = 40
 FIXED = {"seed": 1, "refine_text": False, "min_new_tokens": TOKENS, "max_new_tokens": TOKENS}
 PCM_BYTES = 2 * expected_samples(TOKENS)
+OPENAI_VOICES = (
+    "alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage", "shimmer", "verse"
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +213,13 @@ def test_saved_voice_shadows_builtin_name(http):
     finally:
         assert http.delete("/v1/voices/nova").status_code == 200
     assert speech_pcm(http, "nova") == builtin
+
+
+def test_every_openai_voice_name_is_a_speaker():
+    assert set(OPENAI_VOICES) == set(BUILTIN_VOICES)
+    assert len(set(BUILTIN_VOICES.values())) == len(BUILTIN_VOICES)  # each its own speaker
+    # a name's seed is its place: the eleven older names keep the voices they had
+    assert BUILTIN_VOICES["alloy"] == 1000 and BUILTIN_VOICES["verse"] == 1010
 
 
 def test_list_pages(http):

@@ -30,8 +30,6 @@ from wyoming.tts import (
     SynthesizeVoice,
 )
 
-from chattts_serve.server.service import BUILTIN_VOICES
-
 from .conftest import HTTP_TIMEOUT, STARTUP_TIMEOUT, expected_samples, free_port, metric, start_server, wait_until
 
 TOKENS = 40
@@ -120,13 +118,6 @@ def test_describe_lists_one_tts_program_with_every_voice(wy):
     assert len(names) == len(set(names))
     assert all(v.languages == ["zh", "en"] and v.installed for v in program.voices)
     assert next(v for v in program.voices if v.name == "narrator").description == "a saved voice"
-
-
-def test_every_openai_voice_name_is_a_speaker():
-    assert set(OPENAI_VOICES) == set(BUILTIN_VOICES)
-    assert len(set(BUILTIN_VOICES.values())) == len(BUILTIN_VOICES)  # each its own speaker
-    # a name's seed is its place: the eleven older names keep the voices they had
-    assert BUILTIN_VOICES["alloy"] == 1000 and BUILTIN_VOICES["verse"] == 1010
 
 
 def test_synthesize_matches_the_same_request_over_http(wy):

@@ -23,10 +23,12 @@ from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
 from . import native, openai_routes, openapi, voices_routes, websocket
 from .config import ServerConfig
+from .errors import APIError, ClientGone, ResponseCut
+from .limits import Limits
 from .logs import REQUEST_ID
 from .metrics import Metrics
 from .openapi import error_response
-from .service import APIError, ClientGone, Limits, ResponseCut, key_matches
+from .service import key_matches
 from .timeouts import BodyReader
 from .voices import VoiceStore
 from .wyoming import WyomingServer

@@ -12,18 +12,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..audio.encode import encode_whole
+from .audio_response import AudioResponse
+from .errors import ClientGone, TimedStreamingResponse, check_length
 from .openapi import audio_responses, errors
+from .params import build_params, build_policy, request_defaults, resolve_voice
 from .protocol import MEDIA_TYPES, TTSRequest
-from .service import (
-    AudioResponse,
-    ClientGone,
-    TimedStreamingResponse,
-    build_params,
-    build_policy,
-    check_length,
-    request_defaults,
-    resolve_voice,
-)
 
 router = APIRouter()
 logger = logging.getLogger(__name__)

@@ -9,20 +9,11 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from .audio_response import AudioResponse
+from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
 from .openapi import audio_responses, errors
+from .params import build_params, request_defaults, resolve_voice, speed_prompt
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
-from .service import (
-    APIError,
-    AudioResponse,
-    ResponseCut,
-    StreamFailed,
-    TimedStreamingResponse,
-    build_params,
-    check_length,
-    request_defaults,
-    resolve_voice,
-    speed_prompt,
-)
 
 router = APIRouter()
 MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")

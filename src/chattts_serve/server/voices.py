@@ -1,7 +1,9 @@
-"""Saved voices in an embedded SQLite database (survives restarts).
+"""Saved voices in an embedded SQLite database (survives restarts), and the built-in voice names.
 
 A voice is either a speaker embedding (a speaker string, given or sampled from a seed) or a voice
 sample: the DVAE codes of an uploaded recording plus its transcript, used as a zero-shot prompt.
+A built-in voice (``BUILTIN_VOICES``) is a speaker sampled from a fixed seed; a saved voice of the same
+name shadows it.
 
 Durability: the database runs in WAL mode with ``synchronous=FULL`` and every write is its own
 transaction, committed before ``add``/``delete`` return; so a voice the server has answered 201 for
@@ -32,6 +34,30 @@ CREATE TABLE IF NOT EXISTS voices (
 
 BUSY_TIMEOUT_S = 5.0
 """How long a write waits for another writer (another process on the same file) before giving up."""
+
+# OpenAI's voice names, so unmodified clients work (Pipecat refuses any other name): each is a fixed random
+# speaker (seeded sample from the checkpoint's speaker statistics), unless a saved voice of that name exists.
+# New names go at the end: a name's seed is its position, and a voice must not change under its users.
+BUILTIN_VOICES = {
+    name: 1000 + i
+    for i, name in enumerate(
+        (
+            "alloy",
+            "ash",
+            "ballad",
+            "coral",
+            "echo",
+            "fable",
+            "nova",
+            "onyx",
+            "sage",
+            "shimmer",
+            "verse",
+            "cedar",
+            "marin",
+        )
+    )
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,9 +24,9 @@ from starlette.datastructures import UploadFile
 
 from ..model.config import SAMPLE_RATE
 from ..model.speaker import decode_speaker
+from .errors import APIError, check_length, storage_error
 from .openapi import VOICE_UPLOAD_BODY, errors
 from .protocol import Voice, VoiceCreate
-from .service import APIError, check_length, storage_error
 from .voices import VoiceExistsError, VoiceLimitError, VoiceRecord, VoiceStoreError
 
 logger = logging.getLogger(__name__)

@@ -57,13 +57,11 @@ from pydantic import ValidationError
 from ..audio.encode import StreamingEncoder
 from ..engine.async_engine import EngineDeadError, EngineError
 from ..model.config import SAMPLE_RATE
+from .audio_response import AudioResponse
+from .errors import APIError
 from .native import _voice_and_params
 from .protocol import TTSRequest
-from .service import (
-    APIError,
-    AudioResponse,
-    key_matches,
-)
+from .service import key_matches
 from .text_parts import Segmenter, speakable, voice_from_first_part, with_first_part_voice
 
 router = APIRouter()

@@ -58,18 +58,12 @@ from ..audio.encode import to_pcm16
 from ..engine.async_engine import EngineDeadError, EngineError
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
+from .audio_response import AudioResponse
+from .errors import APIError, check_length
+from .params import build_params, request_defaults, resolve_voice
 from .protocol import ChatTTSOptions
-from .service import (
-    BUILTIN_VOICES,
-    APIError,
-    AudioResponse,
-    build_params,
-    check_length,
-    request_defaults,
-    resolve_voice,
-)
 from .text_parts import Segmenter, speakable, voice_from_first_part, with_first_part_voice
-from .voices import VoiceStoreError
+from .voices import BUILTIN_VOICES, VoiceStoreError
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,193 @@
+"""``AudioResponse``: one synthesis request from submission to its last encoded byte, with its metrics.
+
+The routes (HTTP, WebSocket, Wyoming) build the request's text, ``SamplingParams`` and ``StreamPolicy``;
+this starts it on the engine, waits for the first chunk (so capacity problems are still proper status
+codes), then streams PCM or encoded bytes and translates engine failures into ``errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from ..audio.encode import StreamingEncoder
+from ..audio.policy import StreamPolicy
+from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineError, ShutdownError
+from ..engine.outputs import RequestOutput
+from ..engine.scheduler import QueueFullError
+from ..model.config import SAMPLE_RATE
+from ..sampling_params import SamplingParams
+from .errors import APIError, ClientGone, StreamEndedByShutdown, StreamFailed, busy
+from .limits import Limits
+from .metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class AudioResponse:
+    """Starts a request on the engine and waits for its first chunk before the HTTP response begins,
+    so capacity problems and request errors are still proper status codes. Then streams the rest."""
+
+    def __init__(
+        self, engine: AsyncEngine, metrics: Metrics, limits: Limits, endpoint: str, max_queue_wait_s: float
+    ) -> None:
+        self.engine, self.metrics, self.limits = engine, metrics, limits
+        self.endpoint, self.max_queue_wait_s = endpoint, max_queue_wait_s
+        self.t0 = time.monotonic()
+        self._stream: AsyncIterator[RequestOutput] | None = None
+        self._first: RequestOutput | None = None
+        self._status = "error"
+        self.request_id = ""
+        self.final: RequestOutput | None = None
+        """The last output once the request has finished (usage: text tokens, audio tokens)."""
+        self._audio_samples = 0
+        self._metrics_done = False
+
+    async def start(
+        self, text: str, params: SamplingParams, policy: StreamPolicy, request_id: str, request: Request | None = None
+    ) -> None:
+        """Submit and wait for the first chunk (at most ``max_queue_wait_s``; a client that disconnects
+        meanwhile aborts the request at once)."""
+        try:
+            self.limits.acquire()
+        except APIError:
+            self._metrics_done = True  # nothing acquired, nothing to release
+            self.metrics.rejected.labels("concurrency").inc()
+            self.metrics.requests.labels(self.endpoint, "rejected").inc()
+            raise
+        self.metrics.in_flight.inc()
+        self.request_id = request_id
+        try:
+            self._stream = self.engine.stream(text, params, request_id=request_id, policy=policy)
+            self._first = await self._first_chunk(request)
+        except BaseException as exc:
+            await self._close()
+            if isinstance(exc, (QueueFullError, TimeoutError)):
+                self._finish_metrics("rejected")
+            else:  # cancelled: the caller went away while the request was queued (a Wyoming client did)
+                self._finish_metrics("aborted" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
+            raise self._translate(exc) from None
+
+    async def _first_chunk(self, request: Request | None) -> RequestOutput:
+        first = asyncio.ensure_future(anext(self._stream))
+        deadline = asyncio.get_running_loop().time() + self.max_queue_wait_s
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=0.25)
+                if done:
+                    return first.result()
+                if request is not None and await request.is_disconnected():
+                    raise ClientGone()
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError()
+        finally:
+            if not first.done():
+                first.cancel()  # the generator's cleanup aborts the engine request
+                with contextlib.suppress(BaseException):  # let it finish before the stream is closed
+                    await first
+
+    def _translate(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, ClientGone):  # nobody reads this answer; it only ends the request cleanly
+            return APIError(499, "client closed the request", code="client_closed")
+        if isinstance(exc, ValueError):
+            return APIError(400, str(exc))
+        if isinstance(exc, QueueFullError):
+            self.metrics.rejected.labels("queue_full").inc()
+            return busy(str(exc))
+        if isinstance(exc, TimeoutError):
+            self.metrics.rejected.labels("queue_wait").inc()
+            return busy(f"no capacity within {self.max_queue_wait_s:g} s; retry later", status=503)
+        if isinstance(exc, EngineDeadError):
+            logger.error("request %s: engine unavailable: %s", self.request_id, exc)
+            return APIError(
+                503, "the engine has stopped; retry on another replica", "server_error", code="engine_unavailable"
+            )
+        if isinstance(exc, ShutdownError):
+            return StreamEndedByShutdown(self.request_id)
+        if isinstance(exc, EngineError):
+            logger.error("request %s failed: %s", self.request_id, exc)
+            return StreamFailed(self.request_id)
+        return exc
+
+    async def chunks(self) -> AsyncIterator[RequestOutput]:
+        """The chunks (the first one already fetched). Closing this early aborts the request."""
+        try:
+            chunk = self._first
+            while chunk is not None:
+                if len(chunk.audio) and self._audio_samples == 0:
+                    self.metrics.ttfb.labels(self.endpoint).observe(time.monotonic() - self.t0)
+                self._audio_samples += len(chunk.audio)
+                yield chunk
+                if chunk.finished:
+                    self._status = chunk.finish_reason or "stop"
+                    self.final = chunk
+                    break
+                chunk = await anext(self._stream)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away, or stopped reading
+            self._status = "aborted"
+            raise
+        except ShutdownError:
+            logger.warning("request %s ended by the shutdown before it was done", self.request_id)
+            self._status = "error"
+            raise StreamEndedByShutdown(self.request_id) from None
+        except (EngineError, EngineDeadError) as exc:
+            logger.error("request %s failed mid-stream: %s", self.request_id, exc)
+            self._status = "error"
+            raise StreamFailed(self.request_id) from None
+        finally:
+            await self._close()
+            self._finish_metrics(self._status)
+
+    async def encoded(self, fmt: str) -> AsyncIterator[bytes]:
+        """The response body in ``fmt``, encoded in a worker thread (never on the event loop)."""
+        encoder = StreamingEncoder(fmt)
+        done = False
+        work: asyncio.Future | None = None
+
+        async def in_thread(fn, *args):
+            nonlocal work
+            work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            return await asyncio.shield(work)
+
+        try:
+            async for chunk in self.chunks():
+                data = await in_thread(encoder.write, chunk.audio)
+                if chunk.finished:
+                    data += await in_thread(encoder.finish)
+                    done = True
+                if data:
+                    yield data
+        finally:
+            if not done:
+                if work is not None and not work.done():
+                    # Cancelled (the client left) while the worker thread still encodes: a thread keeps
+                    # running when its awaiter is cancelled, so free the codec only once it is done with it.
+                    work.add_done_callback(lambda f: (f.cancelled() or f.exception(), encoder.close()))
+                else:
+                    encoder.close()
+
+    async def _close(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.aclose()  # aborts the request in the engine if it is still running
+
+    def _finish_metrics(self, status: str) -> None:
+        if self._metrics_done:
+            return
+        self._metrics_done = True
+        self.limits.release()
+        self.metrics.in_flight.dec()
+        self.metrics.requests.labels(self.endpoint, status).inc()
+        if status == "aborted":
+            self.metrics.aborted.inc()
+        elapsed = time.monotonic() - self.t0
+        self.metrics.latency.labels(self.endpoint).observe(elapsed)
+        if self._audio_samples:
+            audio_s = self._audio_samples / SAMPLE_RATE
+            self.metrics.audio_seconds.inc(audio_s)
+            self.metrics.rtf.observe(elapsed / audio_s)

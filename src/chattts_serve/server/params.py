@@ -1,0 +1,114 @@
+"""What a request asks for, as the engine takes it: its voice (a saved or built-in name, or a speaker
+string) and its options on top of the server's defaults -> ``SamplingParams``; its chunking ->
+``StreamPolicy``. The same for every transport (HTTP routes, WebSocket, Wyoming). Bad options are 400s
+here; speaker strings are checked later, when the engine prepares the request."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+from ..audio.policy import StreamPolicy
+from ..sampling_params import SamplingParams
+from .errors import APIError, storage_error
+from .protocol import ChatTTSOptions, StreamOptions, parse_options
+from .voices import BUILTIN_VOICES, VoiceStore, VoiceStoreError
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedVoice:
+    """What a request's voice resolves to: the speaker and voice-sample fields of ``SamplingParams``.
+    (``protocol.Voice`` is a saved voice as the API lists it.)"""
+
+    speaker: str | None = None
+    sample: str | None = None
+    sample_text: str = ""
+
+
+def resolve_voice(
+    store: VoiceStore, engine, name_or_speaker: str | None, default: str | None, param: str
+) -> ResolvedVoice:
+    """A saved voice's name, a built-in (OpenAI) voice name, or a speaker string; anything else is a
+    400 (speaker strings are validated when the request is prepared)."""
+    if name_or_speaker is None:
+        if default is None:
+            return ResolvedVoice()
+        name_or_speaker = default
+    try:
+        rec = store.get(name_or_speaker)
+    except VoiceStoreError as exc:
+        raise storage_error(exc) from None
+    if rec is not None:
+        return ResolvedVoice(rec.speaker, rec.sample_codes, rec.sample_text or "")
+    if name_or_speaker in BUILTIN_VOICES:
+        try:
+            return ResolvedVoice(speaker=engine.sample_speaker(BUILTIN_VOICES[name_or_speaker]))
+        except ValueError:
+            return ResolvedVoice()  # a checkpoint without speaker statistics: no speaker embedding
+    if len(name_or_speaker) >= 16 and all(
+        0x3D00 <= ord(c) <= 0x3D07 or 0x4E00 <= ord(c) <= 0x8DFF for c in name_or_speaker
+    ):
+        return ResolvedVoice(speaker=name_or_speaker)  # looks like base16384: a speaker string
+    raise APIError(
+        400,
+        f"unknown voice {name_or_speaker!r}: not a saved voice and not a speaker string",
+        param=param,
+        code="unknown_voice",
+    )
+
+
+def speed_prompt(speed: float) -> str:
+    """OpenAI speed (0.25..4, 1 = normal) -> ChatTTS [speed_0]..[speed_9] (1.0 -> 5, x2 -> +2.5)."""
+    level = min(9, max(0, round(5 + 2.5 * math.log2(speed))))
+    return f"[speed_{level}]"
+
+
+def _given(**values):
+    """The options a request set (None means: keep the default)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+# The request fields that are sampling options (the same names as SamplingParams.from_options).
+_SAMPLING_OPTIONS = tuple(name for name in ChatTTSOptions.model_fields if name != "prompt")
+
+
+@functools.lru_cache(maxsize=4)
+def request_defaults(default_options: str) -> ChatTTSOptions | None:
+    """``ServerConfig.default_options``, parsed once (validated when the config was made)."""
+    return parse_options(default_options)
+
+
+def build_params(
+    opts: ChatTTSOptions, voice: ResolvedVoice, prompt: str | None = None, defaults: ChatTTSOptions | None = None
+) -> SamplingParams:
+    """A request's options on top of the server's ``defaults`` (``request_defaults``), on top of
+    SamplingParams' own; ``prompt``: the prompt the request implies (an OpenAI ``speed`` other than 1),
+    which wins over the defaults' but not over a prompt the request sets itself."""
+
+    def given(name: str):
+        value = getattr(opts, name)
+        return getattr(defaults, name) if value is None and defaults is not None else value
+
+    if opts.prompt is None and prompt is None and defaults is not None:
+        prompt = defaults.prompt
+    try:
+        return SamplingParams.from_options(
+            **{name: given(name) for name in _SAMPLING_OPTIONS},
+            prompt=opts.prompt if opts.prompt is not None else prompt,
+            speaker=voice.speaker,
+            speaker_sample=voice.sample,
+            speaker_sample_text=voice.sample_text,
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def build_policy(default: StreamPolicy, opts: StreamOptions | None) -> StreamPolicy:
+    if opts is None:
+        return default
+    changes = _given(**opts.model_dump())
+    try:
+        return replace(default, **changes)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="chunking") from None
