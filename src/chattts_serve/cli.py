@@ -254,8 +254,9 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .engine.config import FLAT_OPTIONS
-    from .server.app import create_app, install_log_redaction
+    from .server.app import create_app
     from .server.config import ServerConfig
+    from .server.logs import install_log_redaction
     from .server.timeouts import protocol_with_header_timeout
 
     names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
@@ -349,8 +350,7 @@ def _end_streams_before_the_deadline(app, grace_s: float) -> None:
 def _server_logging(config) -> None:
     """The root handler (``main``'s) gets the level, the format (text or JSON lines) and the secret
     redaction: a filter on a handler sees every record that propagates to it, from any logger."""
-    from .server.app import RedactSecrets
-    from .server.logs import JsonFormatter
+    from .server.logs import JsonFormatter, RedactSecrets
 
     root = logging.getLogger()
     root.setLevel(config.log_level.upper())

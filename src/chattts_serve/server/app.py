@@ -177,28 +177,6 @@ def _authorized(request: Request, config: ServerConfig) -> bool:
     return auth.lower().startswith("bearer ") and key_matches(auth[7:].strip(), config.api_keys)
 
 
-_SECRET_QUERY = re.compile(r"((?:api_key|key|token)=)[^&\s\"']+", re.IGNORECASE)
-
-
-class RedactSecrets(logging.Filter):
-    """Masks ``api_key=...`` (and key=, token=) in log records: uvicorn logs each WebSocket handshake
-    with its full path, query string included."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str):
-            record.msg = _SECRET_QUERY.sub(r"\1***", record.msg)
-        if record.args:
-            args = record.args if isinstance(record.args, tuple) else (record.args,)
-            record.args = tuple(_SECRET_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in args)
-        return True
-
-
-def install_log_redaction() -> None:
-    """Call after uvicorn configured its loggers (``uvicorn.Config``)."""
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "chattts_serve"):
-        logging.getLogger(name).addFilter(RedactSecrets())
-
-
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: no spaces, no line breaks
 
 
