@@ -4,6 +4,7 @@ command runs (the base install has no ray; ``pip install 'chattts-serve[ray]'``)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -20,9 +21,10 @@ def add_arguments(
     server_args: Callable[[argparse.ArgumentParser], None],
     model_args: Callable[[argparse.ArgumentParser], None],
     sampling_args: Callable[[argparse.ArgumentParser], None],
+    sampling_flags: tuple[str, ...],
 ) -> None:
     """``ray``'s subcommands; the flag groups they share with ``serve`` and ``synthesize`` come in as the
-    functions that add them there."""
+    functions that add them there (``sampling_flags``: the names ``sampling_args`` adds)."""
     sub = p.add_subparsers(dest="ray_command", required=True)
     srv = sub.add_parser("serve", help="serve on Ray Serve: N replicas of the server, one engine each")
     server_args(srv)
@@ -48,6 +50,7 @@ def add_arguments(
     )
     srv.add_argument("--health-check-period-s", type=float, default=5.0)
     srv.add_argument("--metrics-period-s", type=float, default=5.0, help="how often replicas export to Ray metrics")
+    srv.set_defaults(func=_serve)
 
     bat = sub.add_parser("batch", help="offline synthesis on Ray Data: one WAV per text + manifest.jsonl")
     bat.add_argument("--input", required=True, help="texts: .txt (one per line), .jsonl or .parquet (text, id, seed)")
@@ -60,17 +63,12 @@ def add_arguments(
     model_args(bat)
     bat.set_defaults(device="auto")
     sampling_args(bat)
+    bat.set_defaults(func=functools.partial(_batch, sampling_flags=sampling_flags))
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="join this Ray cluster ('auto': the one on this machine); default: start one")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local cluster this command starts (default: all)")
-
-
-def main(args: argparse.Namespace, sampling_flags: tuple[str, ...]) -> int:
-    if args.ray_command == "serve":
-        return _serve(args)
-    return _batch(args, sampling_flags)
 
 
 def serve_settings(args: argparse.Namespace):

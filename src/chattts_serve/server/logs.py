@@ -1,7 +1,7 @@
 """What the server tells its operator: log records as JSON lines (``--log-format json``), the request id
 they carry, secrets masked in every record, and the start-up banner (where it listens, what it runs).
 
-Logging is configured in ``cli.py`` only; this module holds the pieces it plugs in.
+Logging is configured in ``cli.py`` and ``run.py`` only; this module holds the pieces they plug in.
 """
 
 from __future__ import annotations
