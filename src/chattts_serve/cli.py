@@ -140,14 +140,14 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(syn)
     syn.set_defaults(func=_synthesize)
 
+    from .server.config import WYOMING_URI, add_server_arguments
+
     srv = sub.add_parser("serve", help="run the HTTP/WebSocket server (OpenAI-compatible + native API)")
-    _add_server_args(srv)
+    add_server_arguments(srv)
     srv.set_defaults(func=_serve)
 
-    from .server.run import WYOMING_URI
-
     wy = sub.add_parser("wyoming", help="run only the Wyoming protocol server (Home Assistant), no HTTP API")
-    _add_server_args(wy)
+    add_server_arguments(wy)
     wy.add_argument("--uri", dest="wyoming_uri", help=f"where to listen (default: {WYOMING_URI}); = --wyoming-uri")
     wy.set_defaults(func=_wyoming)
 
@@ -155,7 +155,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_ray_arguments(
         sub.add_parser("ray", help="scale out on Ray: Serve replicas, Data batch jobs (needs the .[ray] extra)"),
-        server_args=_add_server_args,
+        server_args=add_server_arguments,
         model_args=_add_model_args,
         sampling_args=_add_sampling_args,
         sampling_flags=_SAMPLING_FLAGS,
@@ -227,49 +227,18 @@ def _bench_command(p: argparse.ArgumentParser, name: str) -> None:
     p.set_defaults(func=module.main)
 
 
-def _add_server_args(p: argparse.ArgumentParser) -> None:
-    """One flag per ServerConfig field and per engine option (defaults None: then CHATTTS_SERVE_* or the
-    dataclass default)."""
-    from .server.config import ENV_PREFIX, ServerConfig
-
-    for f in ServerConfig.server_fields():
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default
-        doc = f"(default: {default!r}; env {ENV_PREFIX}{f.name.upper()})"
-        if isinstance(default, bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=doc)
-        elif isinstance(default, tuple):
-            p.add_argument(
-                flag,
-                dest=f.name,
-                default=None,
-                help="comma-separated " + doc,
-                type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
-            )
-        else:
-            kind = type(default) if default is not None else str
-            p.add_argument(flag, dest=f.name, type=kind, default=None, help=doc)
-    add_engine_arguments(p, none_defaults=True)
-
-
-def _server_config(args: argparse.Namespace):
-    from .engine.config import FLAT_OPTIONS
-    from .server.config import ServerConfig
-
-    names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
-    return ServerConfig.from_env(**{name: getattr(args, name) for name in names})
-
-
 def _serve(args: argparse.Namespace) -> int:
+    from .server.config import ServerConfig
     from .server.run import run_server
 
-    return run_server(_server_config(args))
+    return run_server(ServerConfig.from_args(args))
 
 
 def _wyoming(args: argparse.Namespace) -> int:
+    from .server.config import ServerConfig
     from .server.run import run_wyoming
 
-    return run_wyoming(_server_config(args))
+    return run_wyoming(ServerConfig.from_args(args))
 
 
 def _synthesize(args: argparse.Namespace) -> int:

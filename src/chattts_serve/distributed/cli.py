@@ -74,17 +74,14 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 def serve_settings(args: argparse.Namespace):
     """The ServeSettings of ``ray serve``'s flags; the server options resolved here (flags, then this
     machine's CHATTTS_SERVE_*, then defaults) and sent to every replica as they are."""
-    from ..engine.config import FLAT_OPTIONS, flat_defaults
     from ..server.config import ServerConfig
     from .recycling import RecyclePolicy
     from .settings import ServeSettings, parse_autoscale
     from .tenants import TenantsConfig
 
-    names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
-    config = ServerConfig.from_env(**{name: getattr(args, name) for name in names})
-    server: dict[str, Any] = {f.name: getattr(config, f.name) for f in ServerConfig.server_fields()}
-    server |= flat_defaults(config.engine)
-    server["voices_db"] = config.voices_path  # one file for every replica (see docs/ray.md for clusters)
+    config = ServerConfig.from_args(args)
+    server: dict[str, Any] = config.to_flat()
+    server["voices_db"] = config.voices.path  # one file for every replica (see docs/ray.md for clusters)
     if args.tenants:
         server.pop("api_keys")
     mb = 2**20

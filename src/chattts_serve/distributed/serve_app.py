@@ -103,7 +103,7 @@ class ChatTTSReplica:
         tenants = self.settings.served_tenants
         middleware = []
         if tenants is not None:
-            middleware.append(Middleware(TenantLimits, config=tenants, max_wait_s=self.config.max_queue_wait_s))
+            middleware.append(Middleware(TenantLimits, config=tenants, max_wait_s=self.config.timeouts.queue_wait_s))
         self.asgi = create_app(self.config, middleware=middleware)
         self.asgi.add_middleware(ReplicaContext, replica=self.replica, recycler=self.recycler)
         self._mirror = asyncio.get_running_loop().create_task(self._export_metrics())

@@ -69,12 +69,12 @@ def create_app(
         app.state.engine = eng
         app.state.loop = asyncio.get_running_loop()  # for the shutdown signal handler (cli)
         app.state.metrics = Metrics(eng)
-        app.state.voices = VoiceStore(config.voices_path)
+        app.state.voices = VoiceStore(config.voices.path)
         app.state.limits = Limits(config.max_concurrent_streams)
         if config.warmup:
             await eng.generate("你好。", SamplingParams(seed=0, max_new_tokens=4, refine_text=False))
         # Home Assistant's protocol, on the same engine, voices and limits as the HTTP API.
-        wyoming = WyomingServer(app.state) if config.wyoming_uri is not None else None
+        wyoming = WyomingServer(app.state) if config.wyoming.uri is not None else None
         try:
             if wyoming is not None:
                 await wyoming.start()
@@ -91,7 +91,7 @@ def create_app(
     app = FastAPI(title="chattts-serve", version="0.1.0", lifespan=lifespan)
     for extra in reversed(middleware):
         app.add_middleware(extra.cls, *extra.args, **extra.kwargs)
-    app.add_middleware(BodyReader, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(BodyReader, max_bytes=config.max_body_bytes, timeout_s=config.timeouts.body_s)
     app.add_middleware(RequestContext, config=config)
     app.state.config = config
     app.state.ready = False

@@ -21,12 +21,9 @@ import logging
 import signal
 from dataclasses import replace
 
-from .config import ServerConfig
+from .config import WYOMING_URI, ServerConfig
 
 logger = logging.getLogger("chattts_serve.server")
-
-WYOMING_URI = "tcp://127.0.0.1:10200"
-"""Where ``chattts-serve wyoming`` listens when no Wyoming URI is configured."""
 
 
 def run_server(config: ServerConfig) -> int:
@@ -54,16 +51,16 @@ def run_server(config: ServerConfig) -> int:
             log_level=config.log_level,
             # JSON: uvicorn's loggers get no handlers of their own and reach the root's JSON one.
             log_config=None if config.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-            timeout_graceful_shutdown=config.shutdown_timeout_s,
+            timeout_graceful_shutdown=config.timeouts.shutdown_s,
             # Our middleware logs every request without its query string (which may carry a key).
             access_log=False,
             # Connections beyond this get 503 at once (slowloris and floods stay bounded).
             limit_concurrency=config.max_connections,
             timeout_keep_alive=5,
-            http=protocol_with_header_timeout(config.header_timeout_s),  # uvicorn has no header deadline
+            http=protocol_with_header_timeout(config.timeouts.header_s),  # uvicorn has no header deadline
             # Twice the app's own limit: a message just over it still gets the app's error event; far
             # over it, uvicorn refuses it (1009) before buffering it whole.
-            ws_max_size=2 * config.ws_max_message_bytes,
+            ws_max_size=2 * config.ws.max_message_bytes,
         )
     )
     install_log_redaction()
@@ -72,7 +69,7 @@ def run_server(config: ServerConfig) -> int:
     def handle_exit(sig, frame) -> None:
         if app.state.ready:  # the first signal
             app.state.ready = False  # /ready answers 503 from now on: balancers stop routing here
-            _end_streams_before_the_deadline(app, config.shutdown_timeout_s)
+            _end_streams_before_the_deadline(app, config.timeouts.shutdown_s)
         exit_handler(sig, frame)
 
     server.handle_exit = handle_exit
@@ -88,8 +85,8 @@ def run_wyoming(config: ServerConfig) -> int:
 
     from .app import create_app
 
-    if config.wyoming_uri is None:
-        config = replace(config, wyoming_uri=WYOMING_URI)
+    if config.wyoming.uri is None:
+        config = replace(config, wyoming=replace(config.wyoming, uri=WYOMING_URI))
     _configure_logging(config)
     app = create_app(config)
 
@@ -98,7 +95,7 @@ def run_wyoming(config: ServerConfig) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         async with app.router.lifespan_context(app):
-            print(f"chattts-serve wyoming: {config.wyoming_uri} (model {config.model})", flush=True)
+            print(f"chattts-serve wyoming: {config.wyoming.uri} (model {config.model})", flush=True)
             await stop.wait()
 
     asyncio.run(run())
