@@ -14,6 +14,7 @@ from chattts_serve.server.config import (
     TimeoutConfig,
     WebSocketConfig,
     add_server_arguments,
+    resolve_device,
 )
 
 # The names users rely on (flags, environment variables, deploy/ray-serve.yaml, docs): a rename breaks them.
@@ -78,3 +79,8 @@ def test_environment_then_flags():
 def test_errors_name_the_flat_option(option, value, message):
     with pytest.raises(ValueError, match=message):
         ServerConfig.from_flat(**{option: value})
+
+
+def test_resolve_device():
+    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
+    assert resolve_device("auto") in ("cpu", "cuda")

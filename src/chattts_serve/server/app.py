@@ -22,7 +22,7 @@ from starlette.middleware import Middleware
 from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
 from . import native, openai_routes, openapi, voices_routes, websocket
-from .config import ServerConfig
+from .config import ServerConfig, resolve_device
 from .logs import REQUEST_ID
 from .metrics import Metrics
 from .openapi import error_response
@@ -34,14 +34,6 @@ from .wyoming import WyomingServer
 logger = logging.getLogger("chattts_serve.server")
 
 PUBLIC_PATHS = ("/health", "/")  # the playground page is static HTML; it sends the key with its requests
-
-
-def _device(name: str) -> str:
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def create_app(
@@ -62,12 +54,12 @@ def create_app(
             eng = await asyncio.to_thread(
                 AsyncEngine.from_pretrained,
                 config.model,
-                _device(config.device),
+                resolve_device(config.device),
                 config.engine,
                 max_buffered_audio_s=config.max_buffered_audio_s,
             )
         app.state.engine = eng
-        app.state.loop = asyncio.get_running_loop()  # for the shutdown signal handler (cli)
+        app.state.loop = asyncio.get_running_loop()  # for the shutdown signal handler (run.py)
         app.state.metrics = Metrics(eng)
         app.state.voices = VoiceStore(config.voices.path)
         app.state.limits = Limits(config.max_concurrent_streams)

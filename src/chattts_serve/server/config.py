@@ -170,7 +170,7 @@ class ServerConfig:
     model: str = DEFAULT_MODEL
     """Checkpoint directory or Hugging Face repo id."""
     device: str = "auto"
-    """auto (CUDA if available, else CPU), cpu, cuda, cuda:1, ..."""
+    """auto (CUDA if available, else CPU; see ``resolve_device``), cpu, cuda, cuda:1, ..."""
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()
@@ -308,6 +308,15 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
             kind = type(default) if default is not None else str
             p.add_argument(flag, dest=name, type=kind, default=None, help=doc)
     add_engine_arguments(p, none_defaults=True)
+
+
+def resolve_device(name: str) -> str:
+    """``ServerConfig.device`` as a torch device name: "auto" is CUDA when available, else CPU."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_wyoming_uri(uri: str) -> None:
