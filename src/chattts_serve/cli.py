@@ -12,12 +12,8 @@ chattts-serve bench offline|streams|serve ...   chattts-serve profile ...   chat
 from __future__ import annotations
 
 import argparse
-import contextlib
-import faulthandler
-import io
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import fields, replace
@@ -142,21 +138,27 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(syn)
     _add_sampling_args(syn)
+    syn.set_defaults(func=_synthesize)
+
+    from .server.config import WYOMING_URI, add_server_arguments
 
     srv = sub.add_parser("serve", help="run the HTTP/WebSocket server (OpenAI-compatible + native API)")
-    _add_server_args(srv)
+    add_server_arguments(srv)
+    srv.set_defaults(func=_serve)
 
     wy = sub.add_parser("wyoming", help="run only the Wyoming protocol server (Home Assistant), no HTTP API")
-    _add_server_args(wy)
+    add_server_arguments(wy)
     wy.add_argument("--uri", dest="wyoming_uri", help=f"where to listen (default: {WYOMING_URI}); = --wyoming-uri")
+    wy.set_defaults(func=_wyoming)
 
     from .distributed.cli import add_arguments as add_ray_arguments  # no ray import until a ray command runs
 
     add_ray_arguments(
         sub.add_parser("ray", help="scale out on Ray: Serve replicas, Data batch jobs (needs the .[ray] extra)"),
-        server_args=_add_server_args,
+        server_args=add_server_arguments,
         model_args=_add_model_args,
         sampling_args=_add_sampling_args,
+        sampling_flags=_SAMPLING_FLAGS,
     )
 
     spk = sub.add_parser("speaker", help="speaker strings")
@@ -164,6 +166,7 @@ def _build_parser() -> argparse.ArgumentParser:
     new = spk_sub.add_parser("new", help="print a random speaker string")
     new.add_argument("--model", default=_model_default())
     new.add_argument("--seed", type=int, default=None)
+    new.set_defaults(func=_speaker_new)
 
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, in-process streams, HTTP load")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -172,11 +175,9 @@ def _build_parser() -> argparse.ArgumentParser:
         ("streams", "concurrent streams in one process: first chunk, RTF, underruns (vs the reference)"),
         ("serve", "drive a running server over HTTP: concurrency sweep or Poisson arrivals"),
     ):
-        _bench_module(name).add_arguments(bench_sub.add_parser(name, help=help_))
-    _bench_module("profile").add_arguments(
-        sub.add_parser("profile", help="per-stage time of a request and a Chrome trace")
-    )
-    _bench_module("eval").add_arguments(sub.add_parser("eval", help="quality cost of each precision vs fp32"))
+        _bench_command(bench_sub.add_parser(name, help=help_), name)
+    _bench_command(sub.add_parser("profile", help="per-stage time of a request and a Chrome trace"), "profile")
+    _bench_command(sub.add_parser("eval", help="quality cost of each precision vs fp32"), "eval")
 
     ck = sub.add_parser("checkpoint", help="checkpoint tools")
     ck_sub = ck.add_subparsers(dest="checkpoint_command", required=True)
@@ -184,6 +185,7 @@ def _build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("directory")
     rnd.add_argument("--size", choices=("tiny", "full"), default="tiny")
     rnd.add_argument("--seed", type=int, default=0)
+    rnd.set_defaults(func=_checkpoint_random)
 
     exp = sub.add_parser("export", help="export the model for other runtimes")
     exp_sub = exp.add_subparsers(dest="export_command", required=True)
@@ -212,180 +214,31 @@ def _build_parser() -> argparse.ArgumentParser:
         help="int8: 7-bit weights, for x86 CPUs without VNNI whose u8 x s8 kernel can saturate (auto: probe "
         "this CPU, as the engine does)",
     )
+    onnx.set_defaults(func=_export_onnx)
     return ap
 
 
-def _bench_module(name: str):
+def _bench_command(p: argparse.ArgumentParser, name: str) -> None:
+    """A command whose flags and ``main`` live in ``bench/<name>.py``."""
     import importlib
 
-    return importlib.import_module(f".bench.{name}", __package__)
-
-
-def _add_server_args(p: argparse.ArgumentParser) -> None:
-    """One flag per ServerConfig field and per engine option (defaults None: then CHATTTS_SERVE_* or the
-    dataclass default)."""
-    from .server.config import ENV_PREFIX, ServerConfig
-
-    for f in ServerConfig.server_fields():
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default
-        doc = f"(default: {default!r}; env {ENV_PREFIX}{f.name.upper()})"
-        if isinstance(default, bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=doc)
-        elif isinstance(default, tuple):
-            p.add_argument(
-                flag,
-                dest=f.name,
-                default=None,
-                help="comma-separated " + doc,
-                type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()),
-            )
-        else:
-            kind = type(default) if default is not None else str
-            p.add_argument(flag, dest=f.name, type=kind, default=None, help=doc)
-    add_engine_arguments(p, none_defaults=True)
+    module = importlib.import_module(f".bench.{name}", __package__)
+    module.add_arguments(p)
+    p.set_defaults(func=module.main)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    with contextlib.suppress(io.UnsupportedOperation, AttributeError, ValueError):  # stderr without a file
-        # A crash in native code (torch, ONNX Runtime, PyAV) then leaves every thread's Python stack in the
-        # log instead of a server that is simply gone.
-        faulthandler.enable()
-    import uvicorn
-
-    from .engine.config import FLAT_OPTIONS
-    from .server.app import create_app, install_log_redaction
     from .server.config import ServerConfig
-    from .server.timeouts import protocol_with_header_timeout
+    from .server.run import run_server
 
-    names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
-    config = ServerConfig.from_env(**{name: getattr(args, name) for name in names})
-    _server_logging(config)
-    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a no-op handler lets a clean
-    # shutdown end with exit code 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    app = create_app(config)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            # JSON: uvicorn's loggers get no handlers of their own and reach the root's JSON one.
-            log_config=None if config.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-            timeout_graceful_shutdown=config.shutdown_timeout_s,
-            # Our middleware logs every request without its query string (which may carry a key).
-            access_log=False,
-            # Connections beyond this get 503 at once (slowloris and floods stay bounded).
-            limit_concurrency=config.max_connections,
-            timeout_keep_alive=5,
-            http=protocol_with_header_timeout(config.header_timeout_s),  # uvicorn has no header deadline
-            # Twice the app's own limit: a message just over it still gets the app's error event; far
-            # over it, uvicorn refuses it (1009) before buffering it whole.
-            ws_max_size=2 * config.ws_max_message_bytes,
-        )
-    )
-    install_log_redaction()
-    exit_handler = server.handle_exit
-
-    def handle_exit(sig, frame) -> None:
-        if app.state.ready:  # the first signal
-            app.state.ready = False  # /ready answers 503 from now on: balancers stop routing here
-            _end_streams_before_the_deadline(app, config.shutdown_timeout_s)
-        exit_handler(sig, frame)
-
-    server.handle_exit = handle_exit
-    _banner_on_start(server, app, config)
-    server.run()
-    return 0
-
-
-WYOMING_URI = "tcp://127.0.0.1:10200"
+    return run_server(ServerConfig.from_args(args))
 
 
 def _wyoming(args: argparse.Namespace) -> int:
-    """The Wyoming server alone: the app's start-up (engine, warm-up, voices, limits) without uvicorn."""
-    import asyncio
-
-    from .engine.config import FLAT_OPTIONS
-    from .server.app import create_app
     from .server.config import ServerConfig
+    from .server.run import run_wyoming
 
-    names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
-    config = ServerConfig.from_env(**{name: getattr(args, name) for name in names})
-    if config.wyoming_uri is None:
-        config = replace(config, wyoming_uri=WYOMING_URI)
-    _server_logging(config)
-    app = create_app(config)
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        async with app.router.lifespan_context(app):
-            print(f"chattts-serve wyoming: {config.wyoming_uri} (model {config.model})", flush=True)
-            await stop.wait()
-
-    asyncio.run(run())
-    return 0
-
-
-def _end_streams_before_the_deadline(app, grace_s: float) -> None:
-    """Streams still running shortly before uvicorn's grace period ends are ended by the engine, so they
-    fail the way their clients can see (``AudioResponse``: an error event, an unfinished chunked body)
-    rather than being cancelled mid-write when uvicorn gives up on them."""
-    loop, engine = getattr(app.state, "loop", None), getattr(app.state, "engine", None)
-    if loop is None or engine is None:
-        return
-
-    def end_all() -> None:
-        if ended := engine.end_all("the server is shutting down"):
-            logging.getLogger("chattts_serve.server").warning("shutdown: ended %d unfinished request(s)", ended)
-
-    delay = grace_s - min(2.0, grace_s / 2)  # time left for the error events to go out
-    loop.call_soon_threadsafe(loop.call_later, delay, end_all)
-
-
-def _server_logging(config) -> None:
-    """The root handler (``main``'s) gets the level, the format (text or JSON lines) and the secret
-    redaction: a filter on a handler sees every record that propagates to it, from any logger."""
-    from .server.app import RedactSecrets
-    from .server.logs import JsonFormatter
-
-    root = logging.getLogger()
-    root.setLevel(config.log_level.upper())
-    for handler in root.handlers:
-        handler.addFilter(RedactSecrets())
-        if config.log_format == "json":
-            handler.setFormatter(JsonFormatter())
-
-
-def _banner_on_start(server, app, config) -> None:
-    """Print where the server listens and what it runs, on stdout, once the model is loaded and warmed up
-    and the socket is bound (after uvicorn's startup: the address is the one it really listens on)."""
-    from .server.logs import Banner, listen_url
-
-    startup = server.startup
-
-    async def startup_then_banner(sockets=None) -> None:
-        await startup(sockets=sockets)
-        if not server.started:
-            return
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
-        url = listen_url(config.host or host, port)
-        engine = app.state.engine
-        banner = Banner(
-            url=url,
-            playground=url + "/",
-            model=config.model,
-            device=str(engine.device),
-            precision=config.engine.precision,
-            slots=engine.stats().kv_slots,
-            auth=bool(config.api_keys),
-        )
-        print(banner.json() if config.log_format == "json" else banner.text(), flush=True)
-
-    server.startup = startup_then_banner
+    return run_wyoming(ServerConfig.from_args(args))
 
 
 def _synthesize(args: argparse.Namespace) -> int:
@@ -486,25 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     from .model.checkpoint import CheckpointError
 
     try:
-        if args.command == "synthesize":
-            return _synthesize(args)
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "wyoming":
-            return _wyoming(args)
-        if args.command == "ray":
-            from .distributed.cli import main as ray_main
-
-            return ray_main(args, _SAMPLING_FLAGS)
-        if args.command == "bench":
-            return _bench_module(args.bench_command).main(args)
-        if args.command in ("profile", "eval"):
-            return _bench_module(args.command).main(args)
-        if args.command == "speaker":
-            return _speaker_new(args)
-        if args.command == "export":
-            return _export_onnx(args)
-        return _checkpoint_random(args)
+        return args.func(args)
     except (ValueError, CheckpointError) as exc:
         print(f"chattts-serve: error: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from chattts_serve.engine.config import FLAT_OPTIONS
 from chattts_serve.server.config import ENV_PREFIX, ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,9 +74,7 @@ def test_recipe_facts(kind):
     assert _args(text, "EXPOSE") == ["8000"]
     assert _args(text, "ENTRYPOINT") == ['["chattts-serve"]'] and _args(text, "CMD") == ['["serve"]']
     # Every CHATTTS_SERVE_* variable set is one the server reads (a typo would be silently ignored).
-    known = {ENV_PREFIX + f.name.upper() for f in ServerConfig.server_fields()} | {
-        ENV_PREFIX + name.upper() for name in FLAT_OPTIONS
-    }
+    known = {ENV_PREFIX + name.upper() for name in ServerConfig.flat_defaults()}
     env = " ".join(_args(text, "ENV"))
     names = set(re.findall(r"\b(CHATTTS_SERVE_[A-Z_]+)=", env))
     assert {"CHATTTS_SERVE_HOST", "CHATTTS_SERVE_PORT"} <= names and names <= known, names - known

@@ -39,8 +39,8 @@ BODY = {
 @contextmanager
 def in_process_server(engine: AsyncEngine, tmp: Path, log_level: str = "warning", **settings) -> Iterator[str]:
     """``create_app`` around ``engine`` under uvicorn in a thread on 127.0.0.1; yields the base URL.
-    ``settings``: more ``ServerConfig`` fields."""
-    config = ServerConfig(voices_db=str(tmp / "voices.sqlite3"), warmup=False, port=free_port(), **settings)
+    ``settings``: more ``ServerConfig`` options (flat names, as the flags)."""
+    config = ServerConfig.from_flat(voices_db=str(tmp / "voices.sqlite3"), warmup=False, port=free_port(), **settings)
     app = create_app(config, engine)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level=log_level))
     thread = threading.Thread(target=server.run, daemon=True)

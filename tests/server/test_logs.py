@@ -12,9 +12,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from chattts_serve.server.app import RedactSecrets
 from chattts_serve.server.config import ServerConfig
-from chattts_serve.server.logs import REQUEST_ID, Banner, JsonFormatter, listen_url
+from chattts_serve.server.logs import REQUEST_ID, Banner, JsonFormatter, RedactSecrets, listen_url
 
 from .conftest import HTTP_TIMEOUT, start_server, ws_url
 

@@ -479,7 +479,7 @@ def inproc(tiny_ckpt, tmp_path_factory):
     from chattts_serve.server.config import ServerConfig
 
     db = tmp_path_factory.mktemp("voices-inproc") / "voices.sqlite3"
-    app = create_app(ServerConfig(model=str(tiny_ckpt), device="cpu", voices_db=str(db), warmup=False))
+    app = create_app(ServerConfig.from_flat(model=str(tiny_ckpt), device="cpu", voices_db=str(db), warmup=False))
     with TestClient(app) as client:
         yield app, client, db
 

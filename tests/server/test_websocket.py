@@ -292,7 +292,7 @@ def inproc(tiny_ckpt, tmp_path_factory):
     from chattts_serve.server.app import create_app
     from chattts_serve.server.config import ServerConfig
 
-    config = ServerConfig(
+    config = ServerConfig.from_flat(
         model=str(tiny_ckpt),
         device="cpu",
         voices_db=str(tmp_path_factory.mktemp("ws-inproc") / "voices.sqlite3"),
@@ -454,7 +454,7 @@ def test_websocket_idle_clock_stops_while_speaking(ws_app):
         _start(ws)
         ws.send(json.dumps({"type": "text", "text": "你好。"}))
         assert wait_until(lambda: ws_app.plan.calls == 1, timeout=HTTP_TIMEOUT)
-        time.sleep(ws_app.app.state.config.ws_idle_timeout_s + 1)  # past the idle timeout while speaking
+        time.sleep(ws_app.app.state.config.ws.idle_timeout_s + 1)  # past the idle timeout while speaking
         ws_app.plan.gate.set()
         ws.send(json.dumps({"type": "end"}))
         events, code = _ws_all(ws)

@@ -424,10 +424,10 @@ def test_wyoming_uri_is_checked_at_start():
 
     for bad in ("10200", "tcp://127.0.0.1", "http://127.0.0.1:10200", "stdio://"):
         with pytest.raises(ValueError, match="wyoming_uri"):
-            ServerConfig(wyoming_uri=bad)
+            ServerConfig.from_flat(wyoming_uri=bad)
     with pytest.raises(ValueError, match="wyoming_zeroconf"):
-        ServerConfig(wyoming_uri="unix:///tmp/wyoming.sock", wyoming_zeroconf="chattts")
-    assert ServerConfig(wyoming_uri="tcp://0.0.0.0:10200").wyoming_uri == "tcp://0.0.0.0:10200"
+        ServerConfig.from_flat(wyoming_uri="unix:///tmp/wyoming.sock", wyoming_zeroconf="chattts")
+    assert ServerConfig.from_flat(wyoming_uri="tcp://0.0.0.0:10200").wyoming.uri == "tcp://0.0.0.0:10200"
 
 
 def test_pcm_of_a_chunk_is_little_endian_int16(wy):

@@ -4,6 +4,7 @@ command runs (the base install has no ray; ``pip install 'chattts-serve[ray]'``)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -20,9 +21,10 @@ def add_arguments(
     server_args: Callable[[argparse.ArgumentParser], None],
     model_args: Callable[[argparse.ArgumentParser], None],
     sampling_args: Callable[[argparse.ArgumentParser], None],
+    sampling_flags: tuple[str, ...],
 ) -> None:
     """``ray``'s subcommands; the flag groups they share with ``serve`` and ``synthesize`` come in as the
-    functions that add them there."""
+    functions that add them there (``sampling_flags``: the names ``sampling_args`` adds)."""
     sub = p.add_subparsers(dest="ray_command", required=True)
     srv = sub.add_parser("serve", help="serve on Ray Serve: N replicas of the server, one engine each")
     server_args(srv)
@@ -48,6 +50,7 @@ def add_arguments(
     )
     srv.add_argument("--health-check-period-s", type=float, default=5.0)
     srv.add_argument("--metrics-period-s", type=float, default=5.0, help="how often replicas export to Ray metrics")
+    srv.set_defaults(func=_serve)
 
     bat = sub.add_parser("batch", help="offline synthesis on Ray Data: one WAV per text + manifest.jsonl")
     bat.add_argument("--input", required=True, help="texts: .txt (one per line), .jsonl or .parquet (text, id, seed)")
@@ -60,6 +63,7 @@ def add_arguments(
     model_args(bat)
     bat.set_defaults(device="auto")
     sampling_args(bat)
+    bat.set_defaults(func=functools.partial(_batch, sampling_flags=sampling_flags))
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
@@ -67,26 +71,17 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-cpus", type=int, help="CPUs of the local cluster this command starts (default: all)")
 
 
-def main(args: argparse.Namespace, sampling_flags: tuple[str, ...]) -> int:
-    if args.ray_command == "serve":
-        return _serve(args)
-    return _batch(args, sampling_flags)
-
-
 def serve_settings(args: argparse.Namespace):
     """The ServeSettings of ``ray serve``'s flags; the server options resolved here (flags, then this
     machine's CHATTTS_SERVE_*, then defaults) and sent to every replica as they are."""
-    from ..engine.config import FLAT_OPTIONS, flat_defaults
     from ..server.config import ServerConfig
     from .recycling import RecyclePolicy
     from .settings import ServeSettings, parse_autoscale
     from .tenants import TenantsConfig
 
-    names = [f.name for f in ServerConfig.server_fields()] + list(FLAT_OPTIONS)
-    config = ServerConfig.from_env(**{name: getattr(args, name) for name in names})
-    server: dict[str, Any] = {f.name: getattr(config, f.name) for f in ServerConfig.server_fields()}
-    server |= flat_defaults(config.engine)
-    server["voices_db"] = config.voices_path  # one file for every replica (see docs/ray.md for clusters)
+    config = ServerConfig.from_args(args)
+    server: dict[str, Any] = config.to_flat()
+    server["voices_db"] = config.voices.path  # one file for every replica (see docs/ray.md for clusters)
     if args.tenants:
         server.pop("api_keys")
     mb = 2**20

@@ -20,6 +20,7 @@ from ray.data import ActorPoolStrategy
 
 from ..engine.config import EngineConfig
 from ..sampling_params import SamplingParams
+from ..server.config import resolve_device
 from .jobs import Item, ManifestEntry, append_manifest, pending
 from .offline import synthesize_items
 
@@ -39,10 +40,8 @@ class SynthesizeBatch:
 
         from ..engine.engine import Engine
 
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         torch.set_num_threads(threads)
-        self.engine = Engine.from_pretrained(model, device=device, config=config)
+        self.engine = Engine.from_pretrained(model, device=resolve_device(device), config=config)
         self.base, self.out_dir = base, Path(out_dir)
 
     def __call__(self, batch: dict) -> dict:

@@ -30,6 +30,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.middleware import Middleware
 
 from ..server.app import create_app
+from ..server.config import resolve_device
 from .cluster import connect
 from .memory import cap_device_memory
 from .metrics_export import RayMetricsMirror
@@ -72,14 +73,6 @@ class ReplicaContext:
                 self.recycler.finished()
 
 
-def _device(name: str) -> str:
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 @serve.deployment
 @serve.ingress()
 class ChatTTSReplica:
@@ -92,7 +85,7 @@ class ChatTTSReplica:
         config = self.settings.server_config()
         threads = threads_per_replica(self.settings)
         torch.set_num_threads(threads)
-        device = _device(config.device)
+        device = resolve_device(config.device)
         engine = await asyncio.to_thread(
             cap_device_memory, config.model, config.engine, device, self.settings.max_memory_fraction
         )
@@ -103,7 +96,7 @@ class ChatTTSReplica:
         tenants = self.settings.served_tenants
         middleware = []
         if tenants is not None:
-            middleware.append(Middleware(TenantLimits, config=tenants, max_wait_s=self.config.max_queue_wait_s))
+            middleware.append(Middleware(TenantLimits, config=tenants, max_wait_s=self.config.timeouts.queue_wait_s))
         self.asgi = create_app(self.config, middleware=middleware)
         self.asgi.add_middleware(ReplicaContext, replica=self.replica, recycler=self.recycler)
         self._mirror = asyncio.get_running_loop().create_task(self._export_metrics())

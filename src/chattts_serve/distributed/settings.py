@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ..engine.config import FLAT_OPTIONS
 from ..server.config import ServerConfig
 from .recycling import RecyclePolicy
 from .tenants import TenantsConfig
@@ -42,7 +41,8 @@ def parse_autoscale(value: str) -> tuple[int, int]:
 @dataclass(frozen=True, slots=True)
 class ServeSettings:
     server: dict[str, Any] = field(default_factory=dict)
-    """ServerConfig fields and flat engine options (the names of ``chattts-serve serve``'s flags)."""
+    """ServerConfig's flat options, server and engine (the names of ``chattts-serve serve``'s flags with
+    underscores: ``port``, ``send_timeout_s``, ``ws_max_text_chars``, ``max_num_seqs``, ...)."""
     name: str = DEFAULT_NAME
     """Deployment name (and application name)."""
     route_prefix: str = "/"
@@ -85,13 +85,13 @@ class ServeSettings:
         for name in ("num_cpus", "health_check_period_s", "metrics_period_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        unknown = set(self.server) - {f.name for f in ServerConfig.server_fields()} - set(FLAT_OPTIONS)
+        unknown = set(self.server) - set(ServerConfig.flat_defaults())
         if unknown:
             raise ValueError(f"unknown server option(s): {', '.join(sorted(unknown))}")
         if self.tenants is not None and self.server.get("api_keys"):
             raise ValueError("give API keys either as api_keys or in the tenants config, not both")
         # Every server option is checked here, in the driver, not in each replica.
-        ServerConfig.from_env(environ={}, **self._server_options())
+        ServerConfig.from_flat(**self._server_options())
 
     # ------------------------------------------------------------------ from and to plain data
 
@@ -158,7 +158,7 @@ class ServeSettings:
             if not served.tenants:
                 raise ValueError(f"application {self.name!r} serves no tenant (every tenant has its own)")
             options["api_keys"] = served.api_keys
-        return ServerConfig.from_env(environ={}, **options)
+        return ServerConfig.from_flat(**options)
 
     def _server_options(self) -> dict[str, Any]:
         return {k: tuple(v) if isinstance(v, list) else v for k, v in self.server.items()}

@@ -22,7 +22,7 @@ from starlette.middleware import Middleware
 from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
 from . import native, openai_routes, openapi, voices_routes, websocket
-from .config import ServerConfig
+from .config import ServerConfig, resolve_device
 from .errors import APIError, ClientGone, ResponseCut
 from .limits import Limits
 from .logs import REQUEST_ID
@@ -36,14 +36,6 @@ from .wyoming import WyomingServer
 logger = logging.getLogger("chattts_serve.server")
 
 PUBLIC_PATHS = ("/health", "/")  # the playground page is static HTML; it sends the key with its requests
-
-
-def _device(name: str) -> str:
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def create_app(
@@ -64,19 +56,19 @@ def create_app(
             eng = await asyncio.to_thread(
                 AsyncEngine.from_pretrained,
                 config.model,
-                _device(config.device),
+                resolve_device(config.device),
                 config.engine,
                 max_buffered_audio_s=config.max_buffered_audio_s,
             )
         app.state.engine = eng
-        app.state.loop = asyncio.get_running_loop()  # for the shutdown signal handler (cli)
+        app.state.loop = asyncio.get_running_loop()  # for the shutdown signal handler (run.py)
         app.state.metrics = Metrics(eng)
-        app.state.voices = VoiceStore(config.voices_path)
+        app.state.voices = VoiceStore(config.voices.path)
         app.state.limits = Limits(config.max_concurrent_streams)
         if config.warmup:
             await eng.generate("你好。", SamplingParams(seed=0, max_new_tokens=4, refine_text=False))
         # Home Assistant's protocol, on the same engine, voices and limits as the HTTP API.
-        wyoming = WyomingServer(app.state) if config.wyoming_uri is not None else None
+        wyoming = WyomingServer(app.state) if config.wyoming.uri is not None else None
         try:
             if wyoming is not None:
                 await wyoming.start()
@@ -93,7 +85,7 @@ def create_app(
     app = FastAPI(title="chattts-serve", version="0.1.0", lifespan=lifespan)
     for extra in reversed(middleware):
         app.add_middleware(extra.cls, *extra.args, **extra.kwargs)
-    app.add_middleware(BodyReader, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(BodyReader, max_bytes=config.max_body_bytes, timeout_s=config.timeouts.body_s)
     app.add_middleware(RequestContext, config=config)
     app.state.config = config
     app.state.ready = False
@@ -177,28 +169,6 @@ def _authorized(request: Request, config: ServerConfig) -> bool:
     only the WebSocket, which browsers cannot give headers, accepts ``?api_key=``)."""
     auth = request.headers.get("authorization", "")
     return auth.lower().startswith("bearer ") and key_matches(auth[7:].strip(), config.api_keys)
-
-
-_SECRET_QUERY = re.compile(r"((?:api_key|key|token)=)[^&\s\"']+", re.IGNORECASE)
-
-
-class RedactSecrets(logging.Filter):
-    """Masks ``api_key=...`` (and key=, token=) in log records: uvicorn logs each WebSocket handshake
-    with its full path, query string included."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str):
-            record.msg = _SECRET_QUERY.sub(r"\1***", record.msg)
-        if record.args:
-            args = record.args if isinstance(record.args, tuple) else (record.args,)
-            record.args = tuple(_SECRET_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in args)
-        return True
-
-
-def install_log_redaction() -> None:
-    """Call after uvicorn configured its loggers (``uvicorn.Config``)."""
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "chattts_serve"):
-        logging.getLogger(name).addFilter(RedactSecrets())
 
 
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: no spaces, no line breaks

@@ -1,13 +1,14 @@
 """What the server tells its operator: log records as JSON lines (``--log-format json``), the request id
-they carry, and the start-up banner (where it listens, what it runs).
+they carry, secrets masked in every record, and the start-up banner (where it listens, what it runs).
 
-Logging is configured in ``cli.py`` only; this module holds the pieces it plugs in.
+Logging is configured in ``cli.py`` and ``run.py`` only; this module holds the pieces they plug in.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -47,6 +48,28 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             out["stack_info"] = self.formatStack(record.stack_info)
         return json.dumps(out, ensure_ascii=False, default=str)
+
+
+_SECRET_QUERY = re.compile(r"((?:api_key|key|token)=)[^&\s\"']+", re.IGNORECASE)
+
+
+class RedactSecrets(logging.Filter):
+    """Masks ``api_key=...`` (and key=, token=) in log records: uvicorn logs each WebSocket handshake
+    with its full path, query string included."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = _SECRET_QUERY.sub(r"\1***", record.msg)
+        if record.args:
+            args = record.args if isinstance(record.args, tuple) else (record.args,)
+            record.args = tuple(_SECRET_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in args)
+        return True
+
+
+def install_log_redaction() -> None:
+    """Call after uvicorn configured its loggers (``uvicorn.Config``)."""
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "chattts_serve"):
+        logging.getLogger(name).addFilter(RedactSecrets())
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 def _voice_and_params(st, body: TTSRequest):
     cfg = st.config
     check_length(body.text, cfg.max_input_chars, "text")
-    voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.default_voice, "voice")
+    voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.voices.default, "voice")
     params = build_params(body, voice, defaults=request_defaults(cfg.default_options))
     return params, build_policy(st.engine.stream_policy, body.chunking)
 
@@ -34,11 +34,11 @@ def _voice_and_params(st, body: TTSRequest):
 async def tts(body: TTSRequest, request: Request):
     st = request.app.state
     params, policy = _voice_and_params(st, body)
-    resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.max_queue_wait_s)
+    resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.timeouts.queue_wait_s)
     await resp.start(body.text, params, policy, request.state.request_id, request)
     if body.stream:
         return TimedStreamingResponse(
-            resp.encoded(body.format), st.config.send_timeout_s, media_type=MEDIA_TYPES[body.format]
+            resp.encoded(body.format), st.config.timeouts.send_s, media_type=MEDIA_TYPES[body.format]
         )
     parts = []
     async with aclosing(resp.chunks()) as chunks:

@@ -37,12 +37,12 @@ async def speech(body: SpeechRequest, request: Request):
             code="model_not_found",
         )
     check_length(body.input, cfg.max_input_chars, "input")
-    voice = resolve_voice(st.voices, st.engine, body.voice, cfg.default_voice, "voice")
+    voice = resolve_voice(st.voices, st.engine, body.voice, cfg.voices.default, "voice")
     implied = speed_prompt(body.speed) if body.speed != 1.0 else None  # 1.0 (normal) leaves the defaults' prompt
     params = build_params(body, voice, prompt=implied, defaults=request_defaults(cfg.default_options))
-    resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.max_queue_wait_s)
+    resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.timeouts.queue_wait_s)
     await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id, request)
-    timeout = cfg.send_timeout_s
+    timeout = cfg.timeouts.send_s
     if body.stream_format == "sse":
         return TimedStreamingResponse(_sse(resp, body.response_format), timeout, media_type="text/event-stream")
     fmt = body.response_format

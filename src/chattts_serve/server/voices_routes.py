@@ -148,7 +148,7 @@ def _invalid(exc: ValidationError) -> APIError:
 
 async def _add(st, name: str, **kw) -> Voice:
     try:
-        return _public(await _store(st.voices.add, name, max_voices=st.config.max_voices, **kw))
+        return _public(await _store(st.voices.add, name, max_voices=st.config.voices.max_count, **kw))
     except VoiceExistsError as exc:
         raise APIError(409, str(exc), code="voice_exists") from None
     except VoiceLimitError as exc:
@@ -167,12 +167,12 @@ async def _create_from_upload(request: Request) -> Voice:
         name = _form_name(name)
         if not isinstance(text, str):
             raise APIError(400, "'text' (the sample's transcript) must be a text field, not a file", param="text")
-        check_length(text, cfg.max_voice_text_chars, "text")
+        check_length(text, cfg.voices.max_text_chars, "text")
         if not isinstance(upload, UploadFile):
             raise APIError(400, "a voice sample needs its audio as a file part named 'file'", param="file")
         await _check_room(st, name)  # before the costly part: decoding and encoding the sample
         data = await upload.read()
-    wav = await asyncio.to_thread(decode_upload, data, cfg.max_upload_seconds)
+    wav = await asyncio.to_thread(decode_upload, data, cfg.voices.max_upload_seconds)
     codes = await st.engine.speaker_from_audio(wav)
     return await _add(st, name, sample_codes=codes, sample_text=text)
 
@@ -190,8 +190,8 @@ async def _check_room(st, name: str) -> None:
     """Refuse early what ``_add`` would refuse anyway (which stays the authoritative check)."""
     if await _store(st.voices.get, name) is not None:
         raise APIError(409, f"voice {name!r} already exists", code="voice_exists")
-    if await _store(st.voices.count) >= st.config.max_voices:
-        limit = st.config.max_voices
+    if await _store(st.voices.count) >= st.config.voices.max_count:
+        limit = st.config.voices.max_count
         raise APIError(
             409, f"the server holds its maximum of {limit} voices; delete one first", code="voice_limit_reached"
         )

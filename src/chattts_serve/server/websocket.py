@@ -159,7 +159,7 @@ class _Session:
         self.cfg = self.st.config
         self.id = uuid.uuid4().hex[:12]
         # Bounded: a full queue stops the reader, which is the backpressure on a client that outruns synthesis.
-        self.parts: asyncio.Queue[str | None] = asyncio.Queue(maxsize=self.cfg.ws_max_pending_sentences)
+        self.parts: asyncio.Queue[str | None] = asyncio.Queue(maxsize=self.cfg.ws.max_pending_sentences)
         self.segmenter = Segmenter(self.cfg.max_input_chars)
         # One sender at a time: a chunk event and its binary frame must never have an error event between them.
         self.send_lock = asyncio.Lock()
@@ -219,8 +219,8 @@ class _Session:
 
     async def _take_text(self, text: str) -> None:
         self.text_chars += len(text)
-        if self.text_chars > self.cfg.ws_max_text_chars:
-            raise _Close(f"the session's text exceeds {self.cfg.ws_max_text_chars} characters", "text_limit", 1008)
+        if self.text_chars > self.cfg.ws.max_text_chars:
+            raise _Close(f"the session's text exceeds {self.cfg.ws.max_text_chars} characters", "text_limit", 1008)
         for part in self.segmenter.feed(text):
             await self._queue(part)
 
@@ -242,7 +242,7 @@ class _Session:
             await self._guard(self.ws.close())
 
     async def _speak_part(self, text: str) -> None:
-        resp = AudioResponse(self.st.engine, self.st.metrics, self.st.limits, "ws", self.cfg.max_queue_wait_s)
+        resp = AudioResponse(self.st.engine, self.st.metrics, self.st.limits, "ws", self.cfg.timeouts.queue_wait_s)
         try:
             await resp.start(text, self.params, self.policy, f"{self.id}-{self.part}")
         except APIError as exc:
@@ -310,7 +310,7 @@ class _Session:
         text = msg.get("text")
         if text is None:
             raise _Close("binary frames are not accepted: send JSON text messages", "binary_frame", 1003)
-        limit = self.cfg.ws_max_message_bytes
+        limit = self.cfg.ws.max_message_bytes
         if _utf8_longer_than(text, limit):
             raise _Close(f"message larger than {limit} bytes", "message_too_big", 1009)
         return text
@@ -320,7 +320,7 @@ class _Session:
         while True:
             wait = self._idle_left()
             if wait <= 0:
-                idle = self.cfg.ws_idle_timeout_s
+                idle = self.cfg.ws.idle_timeout_s
                 raise _Close(f"no message for {idle:g} s while nothing was being spoken", "idle_timeout", 1001)
             try:
                 msg = await asyncio.wait_for(self.ws.receive(), wait)
@@ -330,7 +330,7 @@ class _Session:
             return msg
 
     def _idle_left(self) -> float:
-        timeout = self.cfg.ws_idle_timeout_s
+        timeout = self.cfg.ws.idle_timeout_s
         if self.speaking or not self.parts.empty():
             return timeout  # the clock does not run while audio is being made
         return self.last_activity + timeout - time.monotonic()

@@ -157,16 +157,16 @@ class WyomingServer:
         self.state = state
         self.config = state.config
         self.connections: set[asyncio.Task] = set()
-        self._server = AsyncServer.from_uri(self.config.wyoming_uri)
+        self._server = AsyncServer.from_uri(self.config.wyoming.uri)
         self._zeroconf = None
 
     async def start(self) -> None:
-        uri = self.config.wyoming_uri
+        uri = self.config.wyoming.uri
         await self._server.start(lambda reader, writer: Connection(reader, writer, self))
         if self.config.api_keys:
             logger.warning("the Wyoming protocol has no authentication: api_keys do not protect %s", uri)
-        if self.config.wyoming_zeroconf is not None:
-            self._zeroconf = await _announce(self.config.wyoming_zeroconf, urlsplit(uri))
+        if self.config.wyoming.zeroconf is not None:
+            self._zeroconf = await _announce(self.config.wyoming.zeroconf, urlsplit(uri))
         logger.info("wyoming: listening on %s", uri)
 
     async def stop(self) -> None:
@@ -265,7 +265,7 @@ class Connection(AsyncEventHandler):
         self.server, self.st, self.cfg = server, server.state, server.config
         self.id = uuid.uuid4().hex[:12]
         # Bounded: a full queue stops the reader, the backpressure on a client that outruns synthesis.
-        self.jobs: asyncio.Queue[_Job] = asyncio.Queue(maxsize=self.cfg.ws_max_pending_sentences)
+        self.jobs: asyncio.Queue[_Job] = asyncio.Queue(maxsize=self.cfg.ws.max_pending_sentences)
         self.stream: _Stream | None = None
         self.send_lock = asyncio.Lock()
         self.speaking = False
@@ -322,11 +322,11 @@ class Connection(AsyncEventHandler):
         """The next event; ``_Fail`` once the client has been idle for ``ws_idle_timeout_s``. The read itself is
         never cancelled by the idle check (that would lose half an event)."""
         if self._next is None:
-            self._next = asyncio.ensure_future(read_event(self.reader, self.cfg.ws_max_message_bytes))
+            self._next = asyncio.ensure_future(read_event(self.reader, self.cfg.ws.max_message_bytes))
         while True:
             wait = self._idle_left()
             if wait <= 0:
-                idle = self.cfg.ws_idle_timeout_s
+                idle = self.cfg.ws.idle_timeout_s
                 raise _Fail(f"no event for {idle:g} s while nothing was being spoken", "idle_timeout")
             done, _ = await asyncio.wait({self._next}, timeout=wait)
             if done:
@@ -335,7 +335,7 @@ class Connection(AsyncEventHandler):
                 return reading.result()
 
     def _idle_left(self) -> float:
-        timeout = self.cfg.ws_idle_timeout_s
+        timeout = self.cfg.ws.idle_timeout_s
         if self.speaking or not self.jobs.empty():
             return timeout  # the clock does not run while audio is being made
         return self.last_activity + timeout - time.monotonic()
@@ -344,7 +344,7 @@ class Connection(AsyncEventHandler):
         """One event to the client, within ``send_timeout_s`` (a client that stopped reading is cut off)."""
         async with self.send_lock:
             try:
-                await asyncio.wait_for(async_write_event(event, self.writer), self.cfg.send_timeout_s)
+                await asyncio.wait_for(async_write_event(event, self.writer), self.cfg.timeouts.send_s)
             except (TimeoutError, ConnectionError, OSError, RuntimeError):
                 raise _Gone from None
 
@@ -392,8 +392,8 @@ class Connection(AsyncEventHandler):
         if not isinstance(text, str):
             raise _Fail("synthesize-chunk needs a text", "invalid_event")
         stream.text_chars += len(text)
-        if stream.text_chars > self.cfg.ws_max_text_chars:
-            raise _Fail(f"the stream's text exceeds {self.cfg.ws_max_text_chars} characters", "text_limit")
+        if stream.text_chars > self.cfg.ws.max_text_chars:
+            raise _Fail(f"the stream's text exceeds {self.cfg.ws.max_text_chars} characters", "text_limit")
         for part in stream.segmenter.feed(text):
             await self._queue_part(stream, part)
 
@@ -416,7 +416,7 @@ class Connection(AsyncEventHandler):
             lang = (language or "").split("-")[0].split("_")[0].lower()
             if opts.lang is None and lang in LANGUAGES:
                 opts = opts.model_copy(update={"lang": lang})
-            chosen = resolve_voice(self.st.voices, self.st.engine, name, self.cfg.default_voice, "voice")
+            chosen = resolve_voice(self.st.voices, self.st.engine, name, self.cfg.voices.default, "voice")
             return build_params(opts, chosen, defaults=request_defaults(self.cfg.default_options))
         except ValidationError as exc:
             first = exc.errors()[0]
@@ -427,7 +427,7 @@ class Connection(AsyncEventHandler):
 
     def _info(self) -> Info:
         try:
-            saved = self.st.voices.list(limit=self.cfg.max_voices)
+            saved = self.st.voices.list(limit=self.cfg.voices.max_count)
         except VoiceStoreError as exc:  # describe still answers, with the built-in voices
             logger.error("wyoming describe: voices database: %s", exc)
             saved = []
@@ -481,7 +481,7 @@ class Connection(AsyncEventHandler):
     async def _synthesize(self, text: str, params: SamplingParams, out: _AudioOut, stream: _Stream | None = None):
         """One engine request, its audio sent as it comes. In a stream, the first part's audio becomes every later
         part's voice (as over the WebSocket: text that arrives in pieces keeps one voice)."""
-        resp = AudioResponse(self.st.engine, self.st.metrics, self.st.limits, "wyoming", self.cfg.max_queue_wait_s)
+        resp = AudioResponse(self.st.engine, self.st.metrics, self.st.limits, "wyoming", self.cfg.timeouts.queue_wait_s)
         self.num_requests += 1
         await resp.start(text, params, self.st.engine.stream_policy, f"wyoming-{self.id}-{self.num_requests}")
         first_part_audio = [] if stream is not None and voice_from_first_part(params) else None
