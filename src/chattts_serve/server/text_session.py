@@ -29,15 +29,18 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
+
+import numpy as np
 
 from ..audio.policy import StreamPolicy
 from ..engine.async_engine import EngineDeadError, EngineError
 from ..engine.outputs import RequestOutput
+from ..model.speaker import MIN_VOICE_SAMPLES
 from ..sampling_params import SamplingParams
 from .service import APIError, AudioResponse
-from .text_parts import Segmenter, speakable, voice_from_first_part, with_first_part_voice
+from .text_parts import Segmenter, speakable
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -269,7 +272,7 @@ class TextSession:
             await stream.sink.refused(stream.num_parts, text, error)  # this part only: the stream goes on
             return
         part, stream.num_parts = stream.num_parts, stream.num_parts + 1
-        first_part_audio = [] if stream.keep_first_voice and voice_from_first_part(stream.params) else None
+        first_part_audio = [] if stream.keep_first_voice and _voice_from_first_part(stream.params) else None
         try:
             async with aclosing(resp.chunks()) as chunks:  # closing it (cancelled, failed) aborts the request
                 async for chunk in chunks:
@@ -277,7 +280,7 @@ class TextSession:
                     if first_part_audio is not None:
                         first_part_audio.append(chunk.audio)
                         if chunk.finished and chunk.finish_reason in ("stop", "length"):
-                            stream.params = await with_first_part_voice(st, stream.params, chunk, first_part_audio)
+                            stream.params = await _first_part_voice(st.engine, stream.params, chunk, first_part_audio)
         except (APIError, EngineError, EngineDeadError) as exc:  # StreamFailed: it failed after it started
             raise _failure(exc) from None
         finally:
@@ -301,3 +304,23 @@ def _failure(exc: Exception) -> SessionError:
         return error_from_api(exc)
     logger.error("synthesis failed: %s", exc)
     return SessionError(ErrorKind.INTERNAL, "synthesis failed; the server log has the cause", "synthesis_failed")
+
+
+def _voice_from_first_part(params: SamplingParams) -> bool:
+    """Split text with the first-sentence voice step and no voice sample given: the first part sets the voice."""
+    return params.split_text and params.first_sentence_voice and params.speaker_sample is None
+
+
+async def _first_part_voice(engine, params: SamplingParams, final: RequestOutput, audio: list[np.ndarray]):
+    """The stream's voice, kept from its first part on: every later part is spoken with a voice sample of the
+    first part's audio and its text as transcript (the engine's voice step, for text that arrives in pieces;
+    the first part itself has already been heard as it was)."""
+    if not final.segments:
+        return params
+    sample = final.voice_sample
+    if sample is None:
+        wav = np.concatenate(audio) if audio else np.zeros(0, np.float32)
+        if len(wav) < MIN_VOICE_SAMPLES:
+            return params
+        sample = await engine.speaker_from_audio(wav)
+    return replace(params, speaker_sample=sample, speaker_sample_text=final.segments[0].text)

@@ -6,12 +6,13 @@ WebSocket protocol: the client sends ``{"type": "start", ...options}`` (the opti
 server answers ``{"type": "start", ...}``, then for each audio piece a ``{"type": "chunk", "bytes": n, ...}``
 event followed by exactly one binary frame of n bytes (none when n is 0), and finally ``{"type": "end"}`` and a
 close with 1000. Text is spoken a part at a time: everything up to the last sentence end (。！？!?.\\n) received
-so far is one part.
+so far is one part. This module is the WebSocket framing of the streaming-text session that Wyoming shares
+(``server.text_session``: the reader and speaker tasks, backpressure, the idle clock, the text limit).
 
 Every session ends with ``end`` + 1000, or with an error event ``{"type": "error", "message", "code",
 "fatal": true}`` and a close with one of the codes below. The one error event that is not the end (``"fatal":
-false``, with ``part`` and ``text``) reports a part the engine refused (400, e.g. text it cannot speak); that
-part is skipped and the session goes on. Error messages are short (at most 300 characters) and quote at most
+false``, with ``part`` and ``text``) reports a part the engine refused (bad input, e.g. text it cannot speak);
+that part is skipped and the session goes on. Error messages are short (at most 300 characters) and quote at most
 100 characters of the client's message at fault.
 
 What happens at each limit (``ServerConfig``):
@@ -37,7 +38,7 @@ What happens at each limit (``ServerConfig``):
 * Binary frames are not part of the protocol: error ``binary_frame`` + 1003.
 * A message that is not JSON, a start message that does not validate, an unknown message type: error + 1008.
 * Synthesis that fails once started (``StreamFailed``, engine errors, the engine stopped): error + 1011 (never an
-  ``end``); no capacity (429/503 ``capacity``): error + 1013, try again later; the server stopping before the
+  ``end``); no capacity (``capacity``): error + 1013, try again later; the server stopping before the
   audio was done: error ``server_shutdown`` + 1012.
 """
 
