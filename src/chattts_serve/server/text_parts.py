@@ -1,19 +1,12 @@
-"""Text that arrives in pieces (an LLM writing it) as parts to speak, and the voice kept from the first part.
+"""Text that arrives in pieces (an LLM writing it) as parts to speak: each sentence as soon as it is complete.
 
-Shared by the WebSocket session (``server.websocket``) and the Wyoming server (``server.wyoming``): both speak
-each sentence as soon as it is complete, and both give every later part the first part's voice (the engine's
-first-sentence voice step, for text that arrives in pieces).
+Used by the streaming-text session (``server.text_session``) that the WebSocket and Wyoming servers share.
 """
 
 from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import replace
-
-import numpy as np
-
-from ..model.speaker import MIN_VOICE_SAMPLES
 
 SENTENCE_END = re.compile(r"[。！？!?.\n]")
 _SOFT_BREAK = re.compile(r"[\s,，、;；:：]")
@@ -59,25 +52,6 @@ def _soft_break(text: str, start: int, limit: int) -> int:
     for m in _SOFT_BREAK.finditer(text, start + limit // 2, start + limit):
         best = m.end()
     return best or start + limit
-
-
-def voice_from_first_part(params) -> bool:
-    return params.split_text and params.first_sentence_voice and params.speaker_sample is None
-
-
-async def with_first_part_voice(st, params, final, audio: list[np.ndarray]):
-    """The session's voice, kept from its first part on: every later part is spoken with a voice sample
-    of the first part's audio and its text as transcript (the engine's voice step, for text that
-    arrives in pieces; the first part itself has already been heard as it was)."""
-    if not final.segments:
-        return params
-    sample = final.voice_sample
-    if sample is None:
-        wav = np.concatenate(audio) if audio else np.zeros(0, np.float32)
-        if len(wav) < MIN_VOICE_SAMPLES:
-            return params
-        sample = await st.engine.speaker_from_audio(wav)
-    return replace(params, speaker_sample=sample, speaker_sample_text=final.segments[0].text)
 
 
 def speakable(text: str) -> bool:

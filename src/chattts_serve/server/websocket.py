@@ -6,12 +6,13 @@ WebSocket protocol: the client sends ``{"type": "start", ...options}`` (the opti
 server answers ``{"type": "start", ...}``, then for each audio piece a ``{"type": "chunk", "bytes": n, ...}``
 event followed by exactly one binary frame of n bytes (none when n is 0), and finally ``{"type": "end"}`` and a
 close with 1000. Text is spoken a part at a time: everything up to the last sentence end (。！？!?.\\n) received
-so far is one part.
+so far is one part. This module is the WebSocket framing of the streaming-text session that Wyoming shares
+(``server.text_session``: the reader and speaker tasks, backpressure, the idle clock, the text limit).
 
 Every session ends with ``end`` + 1000, or with an error event ``{"type": "error", "message", "code",
 "fatal": true}`` and a close with one of the codes below. The one error event that is not the end (``"fatal":
-false``, with ``part`` and ``text``) reports a part the engine refused (400, e.g. text it cannot speak); that
-part is skipped and the session goes on. Error messages are short (at most 300 characters) and quote at most
+false``, with ``part`` and ``text``) reports a part the engine refused (bad input, e.g. text it cannot speak);
+that part is skipped and the session goes on. Error messages are short (at most 300 characters) and quote at most
 100 characters of the client's message at fault.
 
 What happens at each limit (``ServerConfig``):
@@ -37,7 +38,7 @@ What happens at each limit (``ServerConfig``):
 * Binary frames are not part of the protocol: error ``binary_frame`` + 1003.
 * A message that is not JSON, a start message that does not validate, an unknown message type: error + 1008.
 * Synthesis that fails once started (``StreamFailed``, engine errors, the engine stopped): error + 1011 (never an
-  ``end``); no capacity (429/503 ``capacity``): error + 1013, try again later; the server stopping before the
+  ``end``); no capacity (``capacity``): error + 1013, try again later; the server stopping before the
   audio was done: error ``server_shutdown`` + 1012.
 """
 
@@ -45,45 +46,36 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import time
-import uuid
-from contextlib import aclosing
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from ..audio.encode import StreamingEncoder
-from ..engine.async_engine import EngineDeadError, EngineError
+from ..engine.outputs import RequestOutput
 from ..model.config import SAMPLE_RATE
-from .audio_response import AudioResponse
 from .errors import APIError
 from .native import _voice_and_params
 from .protocol import TTSRequest
 from .service import key_matches
-from .text_parts import Segmenter, speakable, voice_from_first_part, with_first_part_voice
+from .text_session import MAX_ERROR_CHARS, ErrorKind, Gone, SessionError, TextSession, TextStream, excerpt
 
 router = APIRouter()
-logger = logging.getLogger(__name__)
 _NO_INITIAL_TEXT = "-"
 """Stands in for the required ``text`` when a WebSocket start message has none; only validated, never spoken."""
-_ECHO_CHARS = 100
-_MAX_ERROR_CHARS = 300
 MAX_FRAME_SAMPLES = 5 * SAMPLE_RATE  # at most 240 KB of 16-bit PCM per binary frame
 _DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
-
-
-class _Close(Exception):
-    """Ends the session: an error event with ``code``, then a close with ``close_code``."""
-
-    def __init__(self, message: str, code: str, close_code: int) -> None:
-        super().__init__(message)
-        self.message, self.code, self.close_code = message, code, close_code
-
-
-class _Gone(Exception):
-    """The client has closed the connection: nothing more can be sent."""
+_CLOSE_CODES = {
+    ErrorKind.BAD_INPUT: 1008,  # Policy Violation
+    ErrorKind.UNSUPPORTED: 1003,  # Unsupported Data
+    ErrorKind.TOO_LARGE: 1009,  # Message Too Big
+    ErrorKind.OVER_LIMIT: 1008,
+    ErrorKind.IDLE: 1001,  # Going Away
+    ErrorKind.OVERLOADED: 1013,  # Try Again Later
+    ErrorKind.SHUTDOWN: 1012,  # Service Restart: the client may reconnect elsewhere
+    ErrorKind.INTERNAL: 1011,  # Internal Error
+}
+"""The close code for each kind of session error (an end event closes with 1000)."""
 
 
 @router.websocket("/v1/tts/stream")
@@ -95,19 +87,12 @@ async def tts_stream(ws: WebSocket):
         return
     await ws.accept()
     if cfg.api_keys and not key_matches(_ws_api_key(ws), cfg.api_keys):
-        await _send_error(ws, _Close("missing or invalid API key", "invalid_api_key", 1008))
+        await _send_error(ws, "missing or invalid API key", "invalid_api_key", 1008)
         return
-    session = _Session(ws)
-    try:
-        await session.open()
-        await session.run()
-    except _Gone:
-        pass
-    except _Close as close:
-        await session.close_with(close)
-    except Exception:  # a bug must still end the session as a failure, never hang or look like success
-        logger.exception("websocket session %s failed", session.id)
-        await session.close_with(_Close("internal server error", "server_error", 1011))
+    framing = _Framing(ws)
+    failure = await framing.session.run(framing.read)
+    if failure is not None:
+        await framing.close_with(failure)
 
 
 def _ws_api_key(ws: WebSocket) -> str:
@@ -149,32 +134,36 @@ def _same_origin(origin: str, host: str) -> bool:
         return False
 
 
-class _Session:
-    """One WebSocket session: a reader task turns messages into parts (``text_parts.Segmenter``) and queues them, a
-    speaker task synthesizes them in order. Either may end the session (``_Close``); the other is cancelled
-    (cancelling the speaker aborts its engine request)."""
+class _Framing:
+    """One WebSocket session: the framing of a ``TextSession`` (``server.text_session``) with one text stream.
+    Reads the start message, then text and end messages; sends the audio as chunk events, each followed by its
+    binary frame."""
 
     def __init__(self, ws: WebSocket) -> None:
         self.ws, self.st = ws, ws.app.state
         self.cfg = self.st.config
-        self.id = uuid.uuid4().hex[:12]
-        # Bounded: a full queue stops the reader, which is the backpressure on a client that outruns synthesis.
-        self.parts: asyncio.Queue[str | None] = asyncio.Queue(maxsize=self.cfg.ws.max_pending_sentences)
-        self.segmenter = Segmenter(self.cfg.max_input_chars)
+        self.session = TextSession(self.st, "ws")
         # One sender at a time: a chunk event and its binary frame must never have an error event between them.
         self.send_lock = asyncio.Lock()
-        self.speaking = False
-        self.last_activity = time.monotonic()
-        self.text_chars = 0
-        self.part = 0
+        self.format = "pcm"
+        self.encoder: StreamingEncoder | None = None
         self.chunks = 0
         self.samples = 0
-        self.initial = ""
 
-    # ------------------------------------------------------------------ start
+    # ------------------------------------------------------------------ reading
 
-    async def open(self) -> None:
-        """Reads and validates the start message, answers with the start event."""
+    async def read(self) -> None:
+        stream, initial = await self._open()
+        await stream.feed(initial)
+        while True:
+            msg = _parse(await self._receive_text())
+            if msg["type"] == "end":
+                await stream.end(last=True)
+                return
+            await stream.feed(msg["text"])
+
+    async def _open(self) -> tuple[TextStream, str]:
+        """Reads and validates the start message, answers with the start event; the stream and its initial text."""
         raw = await self._receive_text()
         try:
             first = json.loads(raw)
@@ -186,113 +175,72 @@ class _Session:
             has_initial_text = "text" in first
             first.setdefault("text", _NO_INITIAL_TEXT)
             first.setdefault("format", "pcm")
-            self.body = TTSRequest(**first)
-            self.params, self.policy = _voice_and_params(self.st, self.body)
+            body = TTSRequest(**first)
+            params, policy = _voice_and_params(self.st, body)
         except (ValueError, ValidationError, APIError, RecursionError, TypeError) as exc:
-            raise _Close(str(getattr(exc, "detail", exc)), "invalid_request", 1008) from None
-        self.initial = self.body.text if has_initial_text else ""
-        start = {"type": "start", "session_id": self.id, "format": self.body.format, "sample_rate": SAMPLE_RATE}
+            raise SessionError(ErrorKind.BAD_INPUT, str(getattr(exc, "detail", exc)), "invalid_request") from None
+        self.format = body.format
+        start = {"type": "start", "session_id": self.session.id, "format": body.format, "sample_rate": SAMPLE_RATE}
         await self._send(start)
+        return self.session.stream(params, policy, self), body.text if has_initial_text else ""
 
-    # ------------------------------------------------------------------ the two tasks
+    async def _receive_text(self) -> str:
+        msg = await self.session.receive(self.ws.receive)
+        if msg["type"] == "websocket.disconnect":
+            raise Gone
+        text = msg.get("text")
+        if text is None:
+            message = "binary frames are not accepted: send JSON text messages"
+            raise SessionError(ErrorKind.UNSUPPORTED, message, "binary_frame")
+        limit = self.cfg.ws.max_message_bytes
+        if _utf8_longer_than(text, limit):
+            raise SessionError(ErrorKind.TOO_LARGE, f"message larger than {limit} bytes", "message_too_big")
+        return text
 
-    async def run(self) -> None:
-        reading = asyncio.create_task(self._read())
-        speaking = asyncio.create_task(self._speak())
-        try:
-            await _until_done(reading, speaking)
-        finally:
-            for task in (reading, speaking):
-                task.cancel()
-            await asyncio.gather(reading, speaking, return_exceptions=True)
+    # ------------------------------------------------------------------ the stream's sink
 
-    async def _read(self) -> None:
-        await self._take_text(self.initial)
-        while True:
-            msg = _parse(await self._receive_text())
-            if msg["type"] == "end":
-                for part in self.segmenter.flush():
-                    await self._queue(part)
-                await self.parts.put(None)
-                return
-            await self._take_text(msg["text"])
+    async def audio(self, part: int, chunk: RequestOutput) -> None:
+        if self.encoder is None:
+            self.encoder = StreamingEncoder(self.format)
+        # Audio that piled up while the client read slowly arrives as one delta: sent in frames of at most
+        # MAX_FRAME_SAMPLES, under the 1 MiB message limit of common clients (websockets' default).
+        pieces = range(0, max(len(chunk.audio), 1), MAX_FRAME_SAMPLES)
+        for i, start in enumerate(pieces):
+            piece = chunk.audio[start : start + MAX_FRAME_SAMPLES]
+            last = chunk.finished and i == len(pieces) - 1
+            data = self.encoder.write(piece) + (self.encoder.finish() if last else b"")
+            await self._send_chunk(part, len(piece), chunk.elapsed_s, data)
 
-    async def _take_text(self, text: str) -> None:
-        self.text_chars += len(text)
-        if self.text_chars > self.cfg.ws.max_text_chars:
-            raise _Close(f"the session's text exceeds {self.cfg.ws.max_text_chars} characters", "text_limit", 1008)
-        for part in self.segmenter.feed(text):
-            await self._queue(part)
+    def part_done(self) -> None:
+        if self.encoder is not None:
+            self.encoder.close()
+            self.encoder = None
 
-    async def _queue(self, part: str) -> None:
-        if part.strip() and speakable(part):
-            await self.parts.put(part)  # blocks while the queue is full: backpressure
+    async def refused(self, part: int, text: str, error: SessionError) -> None:
+        await self._send(_error_event(error.message, error.code, fatal=False, part=part, text=excerpt(text)))
 
-    async def _speak(self) -> None:
-        while (text := await self.parts.get()) is not None:
-            self.speaking = True
-            try:
-                await self._speak_part(text)
-            finally:
-                self.speaking = False
-                self.last_activity = time.monotonic()  # the idle clock starts when the audio is out
+    async def end(self) -> None:
         end = {"type": "end", "chunks": self.chunks, "audio_seconds": self.samples / SAMPLE_RATE}
         async with self.send_lock:
             await self._guard(self.ws.send_text(json.dumps(end)))
             await self._guard(self.ws.close())
 
-    async def _speak_part(self, text: str) -> None:
-        resp = AudioResponse(self.st.engine, self.st.metrics, self.st.limits, "ws", self.cfg.timeouts.queue_wait_s)
-        try:
-            await resp.start(text, self.params, self.policy, f"{self.id}-{self.part}")
-        except APIError as exc:
-            if exc.status_code != 400:
-                raise _failure(exc) from None
-            # This part only (the engine refused its text): say so and go on with the next one.
-            refused = {"fatal": False, "part": self.part, "text": _excerpt(text)}
-            await self._send(_error_event(str(exc.detail), exc.code or "invalid_request", **refused))
-            return
-        self.part += 1
-        try:
-            await self._stream_part(resp)
-        except (APIError, EngineError, EngineDeadError) as exc:  # StreamFailed: it failed after it started
-            raise _failure(exc) from None
+    # ------------------------------------------------------------------ sending
 
-    async def _stream_part(self, resp: AudioResponse) -> None:
-        encoder = StreamingEncoder(self.body.format)
-        first_part_audio = [] if voice_from_first_part(self.params) else None
-        try:
-            async with aclosing(resp.chunks()) as chunks:  # closing it (cancelled, failed) aborts the request
-                async for chunk in chunks:
-                    if first_part_audio is not None:
-                        first_part_audio.append(chunk.audio)
-                        if chunk.finished and chunk.finish_reason in ("stop", "length"):
-                            self.params = await with_first_part_voice(self.st, self.params, chunk, first_part_audio)
-                    # Audio that piled up while the client read slowly arrives as one delta: sent in frames of at
-                    # most MAX_FRAME_SAMPLES, under the 1 MiB message limit of common clients (websockets' default).
-                    pieces = range(0, max(len(chunk.audio), 1), MAX_FRAME_SAMPLES)
-                    for i, start in enumerate(pieces):
-                        piece = chunk.audio[start : start + MAX_FRAME_SAMPLES]
-                        last = chunk.finished and i == len(pieces) - 1
-                        data = encoder.write(piece) + (encoder.finish() if last else b"")
-                        await self._send_chunk(len(piece), chunk.elapsed_s, data)
-        finally:
-            encoder.close()
-
-    async def _send_chunk(self, samples: int, elapsed_s: float, data: bytes) -> None:
+    async def _send_chunk(self, part: int, samples: int, elapsed_s: float, data: bytes) -> None:
         event = {
             "type": "chunk",
             "index": self.chunks,
             "samples": samples,
             "bytes": len(data),
             "elapsed_s": round(elapsed_s, 4),
-            "part": self.part - 1,
+            "part": part,
         }
         self.chunks += 1
         self.samples += samples
         # Shielded: a cancelled speaker still sends the frame its event announced (the lock keeps others out).
         sending = asyncio.ensure_future(self._send_pair(event, data))
-        sending.add_done_callback(_retrieve)  # if nobody awaits it any more, its _Gone is not "never retrieved"
+        sending.add_done_callback(_retrieve)  # if nobody awaits it any more, its Gone is not "never retrieved"
         await asyncio.shield(sending)
 
     async def _send_pair(self, event: dict, data: bytes) -> None:
@@ -301,65 +249,21 @@ class _Session:
             if data:
                 await self._guard(self.ws.send_bytes(data))
 
-    # ------------------------------------------------------------------ receiving and sending
-
-    async def _receive_text(self) -> str:
-        msg = await self._receive()
-        if msg["type"] == "websocket.disconnect":
-            raise _Gone
-        text = msg.get("text")
-        if text is None:
-            raise _Close("binary frames are not accepted: send JSON text messages", "binary_frame", 1003)
-        limit = self.cfg.ws.max_message_bytes
-        if _utf8_longer_than(text, limit):
-            raise _Close(f"message larger than {limit} bytes", "message_too_big", 1009)
-        return text
-
-    async def _receive(self) -> dict:
-        """The next message; ``_Close`` once the client has been idle for ``ws_idle_timeout_s``."""
-        while True:
-            wait = self._idle_left()
-            if wait <= 0:
-                idle = self.cfg.ws.idle_timeout_s
-                raise _Close(f"no message for {idle:g} s while nothing was being spoken", "idle_timeout", 1001)
-            try:
-                msg = await asyncio.wait_for(self.ws.receive(), wait)
-            except asyncio.TimeoutError:
-                continue  # check again: speech may have started or ended meanwhile
-            self.last_activity = time.monotonic()
-            return msg
-
-    def _idle_left(self) -> float:
-        timeout = self.cfg.ws.idle_timeout_s
-        if self.speaking or not self.parts.empty():
-            return timeout  # the clock does not run while audio is being made
-        return self.last_activity + timeout - time.monotonic()
-
     async def _send(self, event: dict) -> None:
         async with self.send_lock:
             await self._guard(self.ws.send_text(json.dumps(event)))
 
     @staticmethod
     async def _guard(sending) -> None:
-        """Awaits a send or close; a client that has gone away becomes ``_Gone``."""
+        """Awaits a send or close; a client that has gone away becomes ``Gone``."""
         try:
             await sending
         except (WebSocketDisconnect, RuntimeError, OSError):
-            raise _Gone from None
+            raise Gone from None
 
-    async def close_with(self, close: _Close) -> None:
+    async def close_with(self, error: SessionError) -> None:
         async with self.send_lock:
-            await _send_error(self.ws, close)
-
-
-async def _until_done(reading: asyncio.Task, speaking: asyncio.Task) -> None:
-    """Returns when the speaker has finished (the end was sent); raises what ended either task first."""
-    pending = {reading, speaking}
-    while speaking in pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            if task.exception() is not None:
-                raise task.exception()
+            await _send_error(self.ws, error.message, error.code, _CLOSE_CODES[error.kind])
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -367,28 +271,16 @@ def _retrieve(task: asyncio.Task) -> None:
         task.exception()
 
 
-def _failure(exc: Exception) -> _Close:
-    """A synthesis that could not run or failed midway ends the session (it must not look like success)."""
-    if isinstance(exc, APIError):
-        if exc.code == "capacity":
-            return _Close(str(exc.detail), "capacity", 1013)
-        if exc.code == "server_shutdown":  # 1012 Service Restart: the client may reconnect elsewhere
-            return _Close(str(exc.detail), "server_shutdown", 1012)
-        return _Close(str(exc.detail), exc.code or "server_error", 1011)
-    logger.error("websocket synthesis failed: %s", exc)
-    return _Close("synthesis failed; the server log has the cause", "synthesis_failed", 1011)
-
-
 def _parse(raw: str) -> dict:
     """A later message: ``{"type": "text", "text": str}`` or ``{"type": "end"}``; anything else ends the session."""
     try:
         msg = json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
-        raise _Close(f"bad message: not JSON: {_excerpt(raw)}", "invalid_message", 1008) from None
+        raise SessionError(ErrorKind.BAD_INPUT, f"bad message: not JSON: {excerpt(raw)}", "invalid_message") from None
     kind = msg.get("type") if isinstance(msg, dict) else None
     if (kind == "text" and isinstance(msg.get("text"), str)) or kind == "end":
         return msg
-    raise _Close(f"bad message: unexpected message {_excerpt(raw)}", "invalid_message", 1008)
+    raise SessionError(ErrorKind.BAD_INPUT, f"bad message: unexpected message {excerpt(raw)}", "invalid_message")
 
 
 def _utf8_longer_than(text: str, limit: int) -> bool:
@@ -400,18 +292,13 @@ def _utf8_longer_than(text: str, limit: int) -> bool:
     return len(text.encode("utf-8", "surrogatepass")) > limit
 
 
-def _excerpt(text: str, limit: int = _ECHO_CHARS) -> str:
-    """At most ``limit`` characters of what the client sent (an error must not echo a whole message back)."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
 def _error_event(message: str, code: str, **extra) -> dict:
-    return {"type": "error", "message": _excerpt(message, _MAX_ERROR_CHARS), "code": code, "fatal": True, **extra}
+    return {"type": "error", "message": excerpt(message, MAX_ERROR_CHARS), "code": code, "fatal": True, **extra}
 
 
-async def _send_error(ws: WebSocket, close: _Close) -> None:
+async def _send_error(ws: WebSocket, message: str, code: str, close_code: int) -> None:
     try:
-        await ws.send_text(json.dumps(_error_event(close.message, close.code)))
-        await ws.close(code=close.close_code)
+        await ws.send_text(json.dumps(_error_event(message, code)))
+        await ws.close(code=close_code)
     except (WebSocketDisconnect, RuntimeError, OSError):
         pass

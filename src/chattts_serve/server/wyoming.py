@@ -37,13 +37,8 @@ import contextlib
 import ipaddress
 import json
 import logging
-import time
-import uuid
-from contextlib import aclosing
-from dataclasses import dataclass
 from urllib.parse import SplitResult, urlsplit
 
-import numpy as np
 from pydantic import ValidationError
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
@@ -55,14 +50,22 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 from .. import __version__
 from ..audio.encode import to_pcm16
-from ..engine.async_engine import EngineDeadError, EngineError
+from ..engine.outputs import RequestOutput
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
-from .audio_response import AudioResponse
 from .errors import APIError, check_length
 from .params import build_params, request_defaults, resolve_voice
 from .protocol import ChatTTSOptions
-from .text_parts import Segmenter, speakable, voice_from_first_part, with_first_part_voice
+from .text_session import (
+    MAX_ERROR_CHARS,
+    ErrorKind,
+    Gone,
+    SessionError,
+    TextSession,
+    TextStream,
+    error_from_api,
+    excerpt,
+)
 from .voices import BUILTIN_VOICES, VoiceStoreError
 
 logger = logging.getLogger(__name__)
@@ -76,23 +79,14 @@ SAMPLES_PER_CHUNK = 1024
 starts on the first small one instead of waiting for a whole engine chunk (up to seconds)."""
 _CHATTTS = Attribution(name="2noise", url="https://github.com/2noise/ChatTTS")
 _SERVER = Attribution(name="chattts-serve", url="https://github.com/2noise/ChatTTS")
-_MAX_ERROR_CHARS = 300
 
 
-class _Fail(Exception):
-    """Ends the connection: an ``error`` event with ``code``, then the close."""
-
-    def __init__(self, text: str, code: str) -> None:
-        super().__init__(text)
-        self.text, self.code = text, code
+def _bad(message: str, code: str = "invalid_event") -> SessionError:
+    return SessionError(ErrorKind.BAD_INPUT, message, code)
 
 
-class _Gone(Exception):
-    """The client has gone (or stopped reading): nothing more can be sent."""
-
-
-def _fail_from(exc: APIError) -> _Fail:
-    return _Fail(str(exc.detail), exc.code or "invalid_request")
+def _too_large(message: str) -> SessionError:
+    return SessionError(ErrorKind.TOO_LARGE, message, "event_too_big")
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -102,34 +96,34 @@ async def read_event(reader: asyncio.StreamReader, max_bytes: int) -> Event | No
     """The next event (the protocol's framing: a JSON header line, then ``data_length`` bytes of JSON data and
     ``payload_length`` bytes of payload); None at the end of the stream. The library's own reader turns a
     malformed event into the end of the stream and reads any length a header announces; this one says what is
-    wrong (``_Fail``) and refuses an event larger than ``max_bytes`` before reading it."""
+    wrong (``SessionError``) and refuses an event larger than ``max_bytes`` before reading it."""
     try:
         line = await reader.readline()
     except ValueError:  # a line past the reader's buffer limit (asyncio's LimitOverrunError)
-        raise _Fail(f"event header larger than {max_bytes} bytes", "event_too_big") from None
+        raise _too_large(f"event header larger than {max_bytes} bytes") from None
     if not line:
         return None
     try:
         header = json.loads(line)
     except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
-        raise _Fail(f"not a Wyoming event: {_excerpt(line)}", "invalid_event") from None
+        raise _bad(f"not a Wyoming event: {excerpt(line)}") from None
     if not isinstance(header, dict) or not isinstance(header.get("type"), str):
-        raise _Fail(f"an event is a JSON object with a string type, got {_excerpt(line)}", "invalid_event")
+        raise _bad(f"an event is a JSON object with a string type, got {excerpt(line)}")
     data = header.get("data") or {}
     data_length, payload_length = header.get("data_length") or 0, header.get("payload_length") or 0
     if not isinstance(data, dict) or not all(_is_size(n) for n in (data_length, payload_length)):
-        raise _Fail(f"bad event header: {_excerpt(line)}", "invalid_event")
+        raise _bad(f"bad event header: {excerpt(line)}")
     if len(line) + data_length + payload_length > max_bytes:
-        raise _Fail(f"event larger than {max_bytes} bytes", "event_too_big")
+        raise _too_large(f"event larger than {max_bytes} bytes")
     try:
         if data_length:
             raw = await reader.readexactly(data_length)
             try:
                 extra = json.loads(raw)
             except (ValueError, RecursionError):
-                raise _Fail(f"event data is not JSON: {_excerpt(raw)}", "invalid_event") from None
+                raise _bad(f"event data is not JSON: {excerpt(raw)}") from None
             if not isinstance(extra, dict):
-                raise _Fail("event data must be a JSON object", "invalid_event")
+                raise _bad("event data must be a JSON object")
             data = {**data, **extra}
         payload = await reader.readexactly(payload_length) if payload_length else None
     except asyncio.IncompleteReadError:  # the client left in the middle of an event
@@ -139,12 +133,6 @@ async def read_event(reader: asyncio.StreamReader, max_bytes: int) -> Event | No
 
 def _is_size(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
-
-
-def _excerpt(raw: bytes | str, limit: int = 100) -> str:
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-    text = text.strip()
-    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 # ---------------------------------------------------------------------------------------------------- server
@@ -204,49 +192,44 @@ async def _announce(name: str, where: SplitResult):
 # ---------------------------------------------------------------------------------------------------- a connection
 
 
-@dataclass(slots=True)
-class _Stream:
-    """A streaming synthesis (``synthesize-start`` .. ``synthesize-stop``)."""
-
-    params: SamplingParams
-    segmenter: Segmenter
-    out: _AudioOut
-    text_chars: int = 0
-
-
-@dataclass(slots=True)
-class _Job:
-    """One item for the speaker, in order: a ``synthesize`` (``stream`` None), a part of a stream, or the end
-    of a stream (``text`` None)."""
-
-    text: str | None
-    params: SamplingParams | None = None
-    stream: _Stream | None = None
-
-
-@dataclass(slots=True)
 class _AudioOut:
-    """One audio stream to the client: ``audio-start`` before the first samples, ``audio-stop`` at the end."""
+    """A stream's sink: one audio stream to the client, ``audio-start`` before the first samples and
+    ``audio-stop`` at the end. ``streaming`` (``synthesize-start`` .. ``synthesize-stop``): then
+    ``synthesize-stopped``, and a sentence the engine refuses is skipped; a ``synthesize`` it refuses fails."""
 
-    connection: Connection
-    started: bool = False
-    samples: int = 0
+    def __init__(self, connection: Connection, streaming: bool) -> None:
+        self.connection, self.streaming = connection, streaming
+        self.started = False
+        self.samples = 0
 
-    async def write(self, audio: np.ndarray) -> None:
+    async def audio(self, part: int, chunk: RequestOutput) -> None:
+        if not len(chunk.audio):
+            return
         if not self.started:
             await self._start()
-        pcm = to_pcm16(audio)
+        pcm = to_pcm16(chunk.audio)
         step = SAMPLES_PER_CHUNK * SAMPLE_WIDTH
         for i in range(0, len(pcm), step):
             piece = pcm[i : i + step]
-            chunk = AudioChunk(SAMPLE_RATE, SAMPLE_WIDTH, CHANNELS, piece, timestamp=self._ms())
-            await self.connection.send(chunk.event())
+            event = AudioChunk(SAMPLE_RATE, SAMPLE_WIDTH, CHANNELS, piece, timestamp=self._ms()).event()
+            await self.connection.send(event)
             self.samples += len(piece) // SAMPLE_WIDTH
 
-    async def stop(self) -> None:
+    def part_done(self) -> None:
+        pass
+
+    async def refused(self, part: int, text: str, error: SessionError) -> None:
+        if not self.streaming:
+            raise error
+        skipped = excerpt(f"skipped {excerpt(text)}: {error.message}", MAX_ERROR_CHARS)
+        await self.connection.send(Error(text=skipped).event())
+
+    async def end(self) -> None:
         if not self.started:  # nothing to say still makes one (empty) audio stream
             await self._start()
         await self.connection.send(AudioStop(timestamp=self._ms()).event())
+        if self.streaming:
+            await self.connection.send(SynthesizeStopped().event())
 
     async def _start(self) -> None:
         self.started = True
@@ -257,88 +240,52 @@ class _AudioOut:
 
 
 class Connection(AsyncEventHandler):
-    """One client. A reader task turns events into jobs, a speaker task runs them in order; the library's own
-    loop (one event at a time, synthesis included) would not notice a client leaving while it speaks."""
+    """One client: the Wyoming framing of a ``TextSession`` (``server.text_session``), whose reader task turns
+    events into streams and whose speaker speaks them in order; the library's own loop (one event at a time,
+    synthesis included) would not notice a client leaving while it speaks."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: WyomingServer) -> None:
         super().__init__(reader, writer)
         self.server, self.st, self.cfg = server, server.state, server.config
-        self.id = uuid.uuid4().hex[:12]
-        # Bounded: a full queue stops the reader, the backpressure on a client that outruns synthesis.
-        self.jobs: asyncio.Queue[_Job] = asyncio.Queue(maxsize=self.cfg.ws.max_pending_sentences)
-        self.stream: _Stream | None = None
+        self.session = TextSession(self.st, "wyoming", request_prefix="wyoming-")
+        self.stream: TextStream | None = None
         self.send_lock = asyncio.Lock()
-        self.speaking = False
-        self.last_activity = time.monotonic()
-        self.num_requests = 0
-        self._next: asyncio.Future | None = None
-
-    # ------------------------------------------------------------------ the two tasks
 
     async def run(self) -> None:
         task = asyncio.current_task()
         if len(self.server.connections) >= self.cfg.max_connections:
-            await self._end(_Fail(f"too many connections ({self.cfg.max_connections}); retry later", "capacity"))
+            message = f"too many connections ({self.cfg.max_connections}); retry later"
+            await self._end(SessionError(ErrorKind.OVERLOADED, message, "capacity"))
             return
         self.server.connections.add(task)
-        reading = asyncio.create_task(self._read())
-        speaking = asyncio.create_task(self._speak())
         failure = None
         try:
-            done, _ = await asyncio.wait({reading, speaking}, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:  # the reader ends at the end of the stream; either ends with an exception
-                if t.exception() is not None:
-                    raise t.exception()
-        except _Fail as exc:
-            failure = exc
-        except (_Gone, ConnectionError, OSError, asyncio.CancelledError):
+            failure = await self.session.run(self._read)
+        except asyncio.CancelledError:  # the server is stopping
             pass
-        except Exception:  # a bug still ends the connection as a failure, never as a hang
-            logger.exception("wyoming connection %s failed", self.id)
-            failure = _Fail("internal server error", "server_error")
         finally:
-            for t in (reading, speaking):
-                t.cancel()  # cancelling the speaker aborts its engine request
-            await asyncio.gather(reading, speaking, return_exceptions=True)
-            if self._next is not None:
-                self._next.cancel()
             await self._end(failure)
             self.server.connections.discard(task)
 
-    async def _end(self, failure: _Fail | None) -> None:
+    async def _end(self, failure: SessionError | None) -> None:
         if failure is not None:
-            logger.info("wyoming connection %s: %s (%s)", self.id, failure.text, failure.code)
-            with contextlib.suppress(_Gone):
-                await self.send(Error(text=failure.text[:_MAX_ERROR_CHARS], code=failure.code).event())
+            logger.info("wyoming connection %s: %s (%s)", self.session.id, failure.message, failure.code)
+            with contextlib.suppress(Gone):
+                await self.send(Error(text=failure.message, code=failure.code).event())
         self.writer.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.writer.wait_closed(), 5)
 
     async def _read(self) -> None:
-        while (event := await self._next_event()) is not None:
+        while (event := await self.session.receive(self._read_event)) is not None:
             await self.handle_event(event)
+        raise Gone  # the end of the stream (the client left, or half-closed): its requests are aborted
 
-    async def _next_event(self) -> Event | None:
-        """The next event; ``_Fail`` once the client has been idle for ``ws_idle_timeout_s``. The read itself is
-        never cancelled by the idle check (that would lose half an event)."""
-        if self._next is None:
-            self._next = asyncio.ensure_future(read_event(self.reader, self.cfg.ws.max_message_bytes))
-        while True:
-            wait = self._idle_left()
-            if wait <= 0:
-                idle = self.cfg.ws.idle_timeout_s
-                raise _Fail(f"no event for {idle:g} s while nothing was being spoken", "idle_timeout")
-            done, _ = await asyncio.wait({self._next}, timeout=wait)
-            if done:
-                reading, self._next = self._next, None
-                self.last_activity = time.monotonic()
-                return reading.result()
-
-    def _idle_left(self) -> float:
-        timeout = self.cfg.ws.idle_timeout_s
-        if self.speaking or not self.jobs.empty():
-            return timeout  # the clock does not run while audio is being made
-        return self.last_activity + timeout - time.monotonic()
+    async def _read_event(self) -> Event | None:
+        try:
+            return await read_event(self.reader, self.cfg.ws.max_message_bytes)
+        except OSError:  # ConnectionResetError and the like
+            raise Gone from None
 
     async def send(self, event: Event) -> None:
         """One event to the client, within ``send_timeout_s`` (a client that stopped reading is cut off)."""
@@ -346,60 +293,49 @@ class Connection(AsyncEventHandler):
             try:
                 await asyncio.wait_for(async_write_event(event, self.writer), self.cfg.timeouts.send_s)
             except (TimeoutError, ConnectionError, OSError, RuntimeError):
-                raise _Gone from None
+                raise Gone from None
 
     # ------------------------------------------------------------------ events
 
     async def handle_event(self, event: Event) -> bool:
-        kind = event.type
+        kind, data = event.type, event.data
+        policy = self.st.engine.stream_policy
         if Describe.is_type(kind):
             await self.send(self._info().event())
         elif Ping.is_type(kind):
-            text = event.data.get("text")
+            text = data.get("text")
             await self.send(Pong(text=text if isinstance(text, str) else None).event())
         elif SynthesizeStart.is_type(kind):
             if self.stream is not None:
-                raise _Fail("synthesize-start while a stream is open", "invalid_event")
-            self.stream = _Stream(self._params(event.data), Segmenter(self.cfg.max_input_chars), _AudioOut(self))
+                raise _bad("synthesize-start while a stream is open")
+            self.stream = self.session.stream(self._params(data), policy, _AudioOut(self, streaming=True))
         elif SynthesizeChunk.is_type(kind):
-            await self._take_text(event.data.get("text"))
+            stream, text = self._open_stream("synthesize-chunk"), data.get("text")
+            if not isinstance(text, str):
+                raise _bad("synthesize-chunk needs a text")
+            await stream.feed(text)
         elif SynthesizeStop.is_type(kind):
             stream, self.stream = self._open_stream("synthesize-stop"), None
-            for part in stream.segmenter.flush():
-                await self._queue_part(stream, part)
-            await self.jobs.put(_Job(None, stream=stream))
+            await stream.end()
         elif Synthesize.is_type(kind):
             if self.stream is None:  # else: the whole text again, sent alongside a stream for older servers
-                text = event.data.get("text")
+                text = data.get("text")
                 if not isinstance(text, str):
-                    raise _Fail("synthesize needs a text", "invalid_event")
+                    raise _bad("synthesize needs a text")
                 try:
                     check_length(text, self.cfg.max_input_chars, "text")
                 except APIError as exc:
-                    raise _fail_from(exc) from None
-                await self.jobs.put(_Job(text, self._params(event.data)))
+                    raise error_from_api(exc) from None
+                out = _AudioOut(self, streaming=False)
+                await self.session.stream(self._params(data), policy, out, keep_first_voice=False).say(text)
         else:
-            logger.debug("wyoming connection %s: ignored a %r event", self.id, kind)
+            logger.debug("wyoming connection %s: ignored a %r event", self.session.id, kind)
         return True
 
-    def _open_stream(self, kind: str) -> _Stream:
+    def _open_stream(self, kind: str) -> TextStream:
         if self.stream is None:
-            raise _Fail(f"{kind} without synthesize-start", "invalid_event")
+            raise _bad(f"{kind} without synthesize-start")
         return self.stream
-
-    async def _take_text(self, text) -> None:
-        stream = self._open_stream("synthesize-chunk")
-        if not isinstance(text, str):
-            raise _Fail("synthesize-chunk needs a text", "invalid_event")
-        stream.text_chars += len(text)
-        if stream.text_chars > self.cfg.ws.max_text_chars:
-            raise _Fail(f"the stream's text exceeds {self.cfg.ws.max_text_chars} characters", "text_limit")
-        for part in stream.segmenter.feed(text):
-            await self._queue_part(stream, part)
-
-    async def _queue_part(self, stream: _Stream, part: str) -> None:
-        if speakable(part):
-            await self.jobs.put(_Job(part, stream=stream))  # blocks while the queue is full: backpressure
 
     def _params(self, data: dict) -> SamplingParams:
         """The request's voice (a saved voice, an OpenAI voice name, or the server's default voice) and options
@@ -407,10 +343,10 @@ class Connection(AsyncEventHandler):
         voice = data.get("voice") or {}
         options = data.get("chattts") or {}
         if not isinstance(voice, dict) or not isinstance(options, dict):
-            raise _Fail("voice and chattts must be JSON objects", "invalid_event")
+            raise _bad("voice and chattts must be JSON objects")
         name, language = voice.get("name"), voice.get("language")
         if not isinstance(name, (str, type(None))) or not isinstance(language, (str, type(None))):
-            raise _Fail("a voice's name and language are strings", "invalid_event")
+            raise _bad("a voice's name and language are strings")
         try:
             opts = ChatTTSOptions(**options)
             lang = (language or "").split("-")[0].split("_")[0].lower()
@@ -421,9 +357,9 @@ class Connection(AsyncEventHandler):
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(x) for x in first.get("loc", ()))
-            raise _Fail(f"chattts.{where}: {first['msg']}", "invalid_request") from None
+            raise _bad(f"chattts.{where}: {first['msg']}", "invalid_request") from None
         except APIError as exc:
-            raise _fail_from(exc) from None
+            raise error_from_api(exc) from None
 
     def _info(self) -> Info:
         try:
@@ -444,59 +380,6 @@ class Connection(AsyncEventHandler):
             supports_synthesize_streaming=True,
         )
         return Info(tts=[program])
-
-    # ------------------------------------------------------------------ speaking
-
-    async def _speak(self) -> None:
-        while True:
-            job = await self.jobs.get()
-            self.speaking = True
-            try:
-                await self._run(job)
-            finally:
-                self.speaking = False
-                self.last_activity = time.monotonic()  # the idle clock starts when the audio is out
-
-    async def _run(self, job: _Job) -> None:
-        if job.stream is None:  # synthesize
-            out = _AudioOut(self)
-            if speakable(job.text):
-                try:
-                    await self._synthesize(job.text, job.params, out)
-                except APIError as exc:
-                    raise _fail_from(exc) from None
-            await out.stop()
-        elif job.text is None:  # the end of a stream
-            await job.stream.out.stop()
-            await self.send(SynthesizeStopped().event())
-        else:
-            try:
-                await self._synthesize(job.text, job.stream.params, job.stream.out, job.stream)
-            except APIError as exc:
-                if exc.status_code != 400:
-                    raise _fail_from(exc) from None
-                # This sentence only (the engine refused its text): say so and go on with the next one.
-                await self.send(Error(text=f"skipped {_excerpt(job.text)}: {exc.detail}"[:_MAX_ERROR_CHARS]).event())
-
-    async def _synthesize(self, text: str, params: SamplingParams, out: _AudioOut, stream: _Stream | None = None):
-        """One engine request, its audio sent as it comes. In a stream, the first part's audio becomes every later
-        part's voice (as over the WebSocket: text that arrives in pieces keeps one voice)."""
-        resp = AudioResponse(self.st.engine, self.st.metrics, self.st.limits, "wyoming", self.cfg.timeouts.queue_wait_s)
-        self.num_requests += 1
-        await resp.start(text, params, self.st.engine.stream_policy, f"wyoming-{self.id}-{self.num_requests}")
-        first_part_audio = [] if stream is not None and voice_from_first_part(params) else None
-        try:
-            async with aclosing(resp.chunks()) as chunks:  # closing it (cancelled, failed) aborts the request
-                async for chunk in chunks:
-                    if len(chunk.audio):
-                        await out.write(chunk.audio)
-                    if first_part_audio is not None:
-                        first_part_audio.append(chunk.audio)
-                        if chunk.finished and chunk.finish_reason in ("stop", "length"):
-                            stream.params = await with_first_part_voice(self.st, params, chunk, first_part_audio)
-        except (APIError, EngineError, EngineDeadError) as exc:  # it failed after it started
-            logger.error("wyoming request failed: %s", getattr(exc, "detail", exc))
-            raise _Fail("synthesis failed; the server log has the cause", "synthesis_failed") from None
 
 
 def _voice(name: str, description: str) -> TtsVoice:
