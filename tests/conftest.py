@@ -13,6 +13,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 
 TINY_SEED = 0
 
+TIERED_MARKERS = ("integration", "e2e", "ray", "fuzz", "soak", "slow")
+"""Left out of the default (fast) tier; ``--all`` runs them too."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", help="run every tier: also " + ", ".join(TIERED_MARKERS))
+
+
+def pytest_configure(config):
+    """The fast tier by default: unless ``--all``, a ``-m`` expression, or only named test files or ids
+    (a test asked for by name runs whatever its tier)."""
+    named = config.args and all(".py" in arg for arg in config.args)
+    if not (config.getoption("all") or config.option.markexpr or named):
+        config.option.markexpr = "not (" + " or ".join(TIERED_MARKERS) + ")"
+
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):

@@ -17,6 +17,8 @@ import pytest
 
 from chattts_serve.model.speaker import decode_speaker
 
+pytestmark = pytest.mark.integration
+
 TIMEOUT = 300
 ERROR_PREFIX = "chattts-serve: error: "
 

@@ -15,7 +15,7 @@ from chattts_serve.bench.serve_load import AudioCounter, Playback, RequestResult
 
 from ..server.conftest import running_server
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SR = 24000
 KEY = "bench-key"

@@ -102,6 +102,7 @@ def test_resume_skips_what_is_done(tmp_path):
     assert set(read_manifest(tmp_path)) == {"a", "b", "c"}
 
 
+@pytest.mark.integration  # a worker process per device
 def test_devices_split_the_texts_and_write_what_one_process_writes(tiny_ckpt, tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text("".join(f"第{i}句话。\n" for i in range(1, 6)), encoding="utf-8")

@@ -9,6 +9,8 @@ import pytest
 from ..server.conftest import HTTP_TIMEOUT, SR, decode_audio, running_server
 from .doc_blocks import DOC_URL, run_block, tagged_blocks
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("openai")
 
 BLOCKS = tagged_blocks("openai.md")

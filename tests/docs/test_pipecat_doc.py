@@ -13,6 +13,8 @@ from ..server.conftest import HTTP_TIMEOUT, SR, expected_samples
 from .conftest import FIXED_TOKENS
 from .doc_blocks import DOC_URL, run_block, tagged_blocks
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("pipecat")
 
 BLOCKS = tagged_blocks("pipecat.md")

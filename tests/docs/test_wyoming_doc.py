@@ -12,6 +12,8 @@ from ..server.conftest import HTTP_TIMEOUT, SR, expected_samples, free_port, sta
 from .conftest import FIXED_DEFAULTS, FIXED_TOKENS
 from .doc_blocks import run_block, tagged_blocks
 
+pytestmark = pytest.mark.e2e
+
 BLOCKS = tagged_blocks("wyoming.md")
 DOC_PORT = "10200"
 

@@ -80,6 +80,7 @@ def test_engine_static_decode_gives_the_same_codes(tiny_ckpt, tiny_engine):
         np.testing.assert_allclose(a.audio, b.audio, atol=1e-6)
 
 
+@pytest.mark.slow  # torch.compile of the step: a minute on 2 cores
 @pytest.mark.timeout(600)
 def test_compiled_static_step_gives_the_same_codes(tiny_ckpt):
     sched = SchedulerConfig(max_num_seqs=1, max_model_len=200)

@@ -42,6 +42,7 @@ def _growth_mb(mode: str) -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and glibc's malloc_trim")
+@pytest.mark.slow
 def test_the_bound_caps_what_new_shapes_hold():
     unbounded, bounded = _growth_mb("default"), _growth_mb("bound")
     # Measured: ~140 MB unbounded (two caches of up to 1024 kernels, ~0.35 MB per shape), ~5 MB bounded.

@@ -32,6 +32,8 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessor  #
 from pipecat.services.openai.tts import VALID_VOICES, OpenAITTSService  # noqa: E402
 from pipecat.workers.runner import WorkerRunner  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 TOKENS = 40
 TEXT = "今天天气真不错。"
 LONG_STEPS = 2000  # far longer than any test waits for: a request that ends early was aborted
@@ -259,9 +261,7 @@ def test_livekit_reports_a_failure_mid_stream(tiny_ckpt, tmp_path, model):
     frames: list = []
 
     async def speak(base: str) -> None:
-        tts = lk_openai.TTS(
-            base_url=f"{base}/v1", api_key="unused", voice="alloy", model=model, response_format="pcm"
-        )
+        tts = lk_openai.TTS(base_url=f"{base}/v1", api_key="unused", voice="alloy", model=model, response_format="pcm")
         try:
             async with tts.synthesize(TEXT, conn_options=APIConnectOptions(max_retry=0)) as stream:
                 async for ev in stream:

@@ -74,6 +74,7 @@ def test_banner_text_and_listen_url():
     assert json.loads(banner.json())["slots"] == 16
 
 
+@pytest.mark.integration
 def test_serve_prints_banner(tiny_ckpt, tmp_path):
     with start_server(tiny_ckpt, tmp_path, "--max-num-seqs", "3", "--no-warmup") as srv:
         assert httpx.get(srv.base + "/health", timeout=HTTP_TIMEOUT).status_code == 200
@@ -91,6 +92,7 @@ def test_serve_prints_banner(tiny_ckpt, tmp_path):
         assert row in log, (row, log)
 
 
+@pytest.mark.integration
 def test_serve_json_logs(tiny_ckpt, tmp_path):
     key = "sekret-json-77"
     extra = ("--api-keys", key, "--log-format", "json", "--log-level", "info", "--no-warmup", "--max-num-seqs", "2")

@@ -149,6 +149,7 @@ def _number(text: str) -> float:
     return float(m.group(1))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fmt", ["pcm", "wav", "mp3"])
 def test_speak_in_browser(page, expected_pcm, fmt):
     pg = page.pg
@@ -209,6 +210,7 @@ def _voice(server: str, name: str) -> httpx.Response:
     return httpx.get(f"{server}/v1/voices/{name}", timeout=HTTP_TIMEOUT)
 
 
+@pytest.mark.e2e
 def test_voice_from_seed_then_delete(page, server):
     pg, name = page.pg, "pg-seed-voice"
     pg.fill("#voice-name", name)
@@ -230,6 +232,7 @@ def test_voice_from_seed_then_delete(page, server):
     assert not page.errors, page.errors
 
 
+@pytest.mark.e2e
 def test_voice_from_recording(page, server, tmp_path):
     pg, name, transcript = page.pg, "pg-recording", "你好，这是一段测试录音。"
     path = tmp_path / "sample.wav"
@@ -247,6 +250,7 @@ def test_voice_from_recording(page, server, tmp_path):
     assert not page.errors, page.errors
 
 
+@pytest.mark.e2e
 def test_bad_voice_name_shows_the_error(page, server):
     pg = page.pg
     pg.fill("#voice-name", "no spaces allowed")
@@ -256,6 +260,7 @@ def test_bad_voice_name_shows_the_error(page, server):
     assert "400" in pg.inner_text("#voice-status")
 
 
+@pytest.mark.e2e
 def test_advanced_options_change_the_request(page):
     pg = page.pg
     pg.fill("#text", TEXT)
@@ -290,6 +295,7 @@ def test_advanced_options_change_the_request(page):
     assert not page.errors, page.errors
 
 
+@pytest.mark.e2e
 def test_stop_aborts_the_request(page, server):
     pg = page.pg
     aborted = metric(server, "chattts_aborted_requests_total")
@@ -307,6 +313,7 @@ def test_stop_aborts_the_request(page, server):
     assert not page.errors, page.errors
 
 
+@pytest.mark.e2e
 def test_api_key(browser, tiny_ckpt, tmp_path):
     key = "playground-key-1"
     with start_server(tiny_ckpt, tmp_path, "--api-keys", key, "--max-num-seqs", "2", "--no-warmup") as srv:

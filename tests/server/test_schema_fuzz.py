@@ -23,6 +23,8 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 
 from .conftest import running_server  # noqa: E402
 
+pytestmark = pytest.mark.fuzz
+
 KEY = "fuzz-key"
 CHECKS = [
     not_a_server_error,
@@ -68,9 +70,7 @@ schema = schemathesis.openapi.from_dict(_document())
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_every_answer_is_documented_and_no_server_error(case, fuzz_server):
-    case.call_and_validate(
-        base_url=fuzz_server, headers={"Authorization": f"Bearer {KEY}"}, checks=CHECKS, timeout=60
-    )
+    case.call_and_validate(base_url=fuzz_server, headers={"Authorization": f"Bearer {KEY}"}, checks=CHECKS, timeout=60)
 
 
 def test_the_served_document_is_the_fuzzed_one(fuzz_server):

@@ -13,6 +13,8 @@ import pytest
 
 from .conftest import HTTP_TIMEOUT, check_openai_error, expected_samples, metric, start_server, tts_body, wait_until
 
+pytestmark = pytest.mark.integration
+
 TEXT = "今天天气真不错。"
 
 

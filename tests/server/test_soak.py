@@ -9,8 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from .conftest import HTTP_TIMEOUT, metric, start_server, wait_until
+
+pytestmark = pytest.mark.soak
 
 FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 TEXTS = ("今天天气很好。", "你好，很高兴认识你。", "Hello there, how are you?", "我们去公园散步吧。明天见。")

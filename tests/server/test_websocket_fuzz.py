@@ -32,6 +32,8 @@ from chattts_serve.server.text_parts import SENTENCE_END, Segmenter
 
 from .conftest import HTTP_TIMEOUT, ServerProcess, start_server
 
+pytestmark = pytest.mark.fuzz
+
 MAX_MESSAGE_BYTES = 2048
 MAX_TEXT_CHARS = 2500  # two long runs exceed it
 MAX_INPUT_CHARS = 300
