@@ -13,6 +13,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,8 +38,10 @@ def free_port() -> int:
 @dataclass
 class ServerProcess:
     base: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None
     log_path: Path
+    stop: Callable[[], int | None]
+    """Stops the server (a process: SIGTERM, its exit status; in-process: after uvicorn's shutdown, None)."""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -54,51 +57,67 @@ def _api_key(extra: tuple[str, ...]) -> str | None:
     return None
 
 
+def server_flags(ckpt: Path, tmp: Path, port: int, *extra: str) -> list[str]:
+    """``chattts-serve serve``'s flags for a test server; those in ``extra`` win over these defaults."""
+    return [
+        "--model", str(ckpt), "--port", str(port), "--host", "127.0.0.1",
+        "--voices-db", str(tmp / "voices.sqlite3"), "--threads", "1", "--log-level", "warning", *extra,
+    ]  # fmt: skip
+
+
+def _wait_ready(base: str, headers: dict[str, str], alive: Callable[[], None]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while True:
+        alive()
+        try:
+            if httpx.get(base + "/ready", headers=headers, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("server did not become ready")
+        time.sleep(0.2)
+
+
 @contextmanager
-def start_server(ckpt: Path, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
-    """Start ``chattts-serve serve`` in a subprocess; yields a ServerProcess once /ready answers 200;
-    stops it (SIGTERM, then SIGKILL) after. Flags in ``extra`` win over the defaults here."""
+def start_server(
+    ckpt: Path, tmp: Path, *extra: str, env: dict[str, str] | None = None, in_process: bool = False
+) -> Iterator[ServerProcess]:
+    """Start ``chattts-serve serve`` with ``extra`` flags; yields a ServerProcess once /ready answers 200;
+    stops it after.
+
+    By default a real process (SIGTERM, then SIGKILL): for what only a process shows (signals, exit codes,
+    its log, the CLI). ``in_process=True`` serves the same flags from this process instead, with the same
+    app and uvicorn settings (``run.uvicorn_config``) in a thread: no interpreter, torch and model start
+    per server, and the fast test tier can use it; ``proc`` is then None and the log is not captured."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "chattts_serve.cli",
-        "serve",
-        "--model",
-        str(ckpt),
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--voices-db",
-        str(tmp / "voices.sqlite3"),
-        "--threads",
-        "1",
-        "--log-level",
-        "warning",
-        *extra,
-    ]
+    flags = server_flags(ckpt, tmp, port, *extra)
+    base = f"http://127.0.0.1:{port}"
+    key = _api_key(extra)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if in_process:
+        assert env is None, "an in-process server shares this process's environment"
+        with _in_process(flags) as (alive, stop):
+            _wait_ready(base, headers, alive)
+            yield ServerProcess(base, None, tmp / f"server-{port}.log", stop)
+        return
+    cmd = [sys.executable, "-m", "chattts_serve.cli", "serve", *flags]
     log_path = tmp / f"server-{port}.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     proc_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=proc_env)
-    base = f"http://127.0.0.1:{port}"
-    key = _api_key(extra)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {log_path.read_text()}")
+
+    def stop() -> int:
+        proc.terminate()
+        return proc.wait(timeout=30)
+
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {log_path.read_text()}")
-            try:
-                if httpx.get(base + "/ready", headers=headers, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.2)
-        yield ServerProcess(base, proc, log_path)
+        _wait_ready(base, headers, alive)
+        yield ServerProcess(base, proc, log_path, stop)
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -111,16 +130,61 @@ def start_server(ckpt: Path, tmp: Path, *extra: str, env: dict[str, str] | None 
 
 
 @contextmanager
-def running_server(ckpt: Path, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Start ``chattts-serve serve`` in a subprocess; yields its base URL; stops it (SIGTERM) after."""
-    with start_server(ckpt, tmp, *extra, env=env) as srv:
+def _in_process(flags: list[str]) -> Iterator[tuple[Callable[[], None], Callable[[], None]]]:
+    """The app of ``serve FLAGS`` under uvicorn in a daemon thread; yields a liveness check and a stop."""
+    import argparse
+
+    import uvicorn
+
+    from chattts_serve.server.app import create_app
+    from chattts_serve.server.config import ServerConfig, add_server_arguments
+    from chattts_serve.server.run import uvicorn_config
+
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    config = ServerConfig.from_args(parser.parse_args(flags), environ={})
+    server = uvicorn.Server(uvicorn_config(config, create_app(config)))
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run()  # off the main thread uvicorn installs no signal handlers
+        except BaseException as exc:  # noqa: BLE001 - reported by alive()
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"serve-{config.port}", daemon=True)
+    thread.start()
+
+    def alive() -> None:
+        if failure or (not thread.is_alive() and not server.started):
+            raise RuntimeError(f"in-process server stopped: {failure[:1]}")
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(30)
+        assert not thread.is_alive(), "the in-process server did not stop within 30 s"
+
+    try:
+        yield alive, stop
+    finally:
+        stop()
+
+
+@contextmanager
+def running_server(
+    ckpt: Path, tmp: Path, *extra: str, env: dict[str, str] | None = None, in_process: bool = False
+) -> Iterator[str]:
+    """``start_server``, yielding only the base URL."""
+    with start_server(ckpt, tmp, *extra, env=env, in_process=in_process) as srv:
         yield srv.base
 
 
 @pytest.fixture(scope="session")
 def server(tiny_ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
-    with running_server(tiny_ckpt, tmp, "--max-num-seqs", "4", "--max-concurrent-streams", "16") as base:
+    with running_server(
+        tiny_ckpt, tmp, "--max-num-seqs", "4", "--max-concurrent-streams", "16", in_process=True
+    ) as base:
         yield base
 
 

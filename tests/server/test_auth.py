@@ -35,7 +35,7 @@ IDS = [f"{m} {p}" for m, p, _, _ in PROTECTED]
 @pytest.fixture(scope="module")
 def auth_server(tiny_ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("auth")
-    with running_server(tiny_ckpt, tmp, "--api-keys", "k1,k2", "--no-warmup") as base:
+    with running_server(tiny_ckpt, tmp, "--api-keys", "k1,k2", "--no-warmup", in_process=True) as base:
         yield base
 
 
@@ -133,6 +133,7 @@ def test_websocket_needs_key(auth_server):
         assert code == 1000
 
 
+@pytest.mark.integration
 def test_keys_never_reach_the_log(tiny_ckpt, tmp_path):
     key = "sekret-key-5e1f"
     with start_server(tiny_ckpt, tmp_path, "--api-keys", key, "--no-warmup", "--log-level", "info") as srv:

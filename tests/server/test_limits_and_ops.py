@@ -37,7 +37,9 @@ QUICK_START = {"chunking": {"first_chunk": 1, "max_chunk": 32, "left_context": 4
 def limited(tiny_ckpt, tmp_path_factory):
     """One KV slot, at most two requests in flight."""
     tmp = tmp_path_factory.mktemp("limited")
-    with start_server(tiny_ckpt, tmp, "--max-num-seqs", "1", "--max-concurrent-streams", "2", "--no-warmup") as srv:
+    with start_server(
+        tiny_ckpt, tmp, "--max-num-seqs", "1", "--max-concurrent-streams", "2", "--no-warmup", in_process=True
+    ) as srv:
         yield srv.base
 
 
@@ -57,6 +59,7 @@ def queued(tiny_ckpt, tmp_path_factory):
         "--max-concurrent-streams",
         "8",
         "--no-warmup",
+        in_process=True,
     ) as srv:
         yield srv.base
 
@@ -282,6 +285,7 @@ def test_sigterm_drains_the_stream_and_exits(tiny_ckpt, tmp_path_factory):
         httpx.get(srv.base + "/health", timeout=2)
 
 
+@pytest.mark.integration
 def test_sigterm_ends_streams_that_outlast_the_grace_period_visibly(tiny_ckpt, tmp_path_factory):
     """Three long streams (SSE, a chunked body, a WebSocket) when SIGTERM comes with a 4 s grace period:
     each ends in a way its client can tell from success (an SSE error event, a chunked body without its
@@ -319,9 +323,10 @@ def test_sigterm_ends_streams_that_outlast_the_grace_period_visibly(tiny_ckpt, t
             # Every stream is read all along: none is held up (or timed out) by a reader that waits.
             with ThreadPoolExecutor(2) as pool:
                 ws_rest = pool.submit(rest_of_ws)
-                with c.stream("POST", srv.base + "/v1/audio/speech", json=speech) as sse, c.stream(
-                    "POST", srv.base + "/v1/tts", json={"text": text, "format": "pcm", **long}
-                ) as raw:
+                with (
+                    c.stream("POST", srv.base + "/v1/audio/speech", json=speech) as sse,
+                    c.stream("POST", srv.base + "/v1/tts", json={"text": text, "format": "pcm", **long}) as raw,
+                ):
                     assert sse.status_code == 200 and raw.status_code == 200
                     lines, raw_chunks = sse.iter_lines(), raw.iter_raw()
                     events = [json.loads(next(line for line in lines if line.startswith("data: "))[6:])]

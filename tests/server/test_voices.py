@@ -50,7 +50,7 @@ def voices_tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vserver(tiny_ckpt, voices_tmp):
-    with start_server(tiny_ckpt, voices_tmp, "--no-warmup") as srv:
+    with start_server(tiny_ckpt, voices_tmp, "--no-warmup", in_process=True) as srv:
         yield srv
 
 
@@ -323,10 +323,9 @@ def test_voices_survive_restart(tiny_ckpt, voices_tmp, vserver, http):
     assert {"spk3", "seed7", "sample1"} <= set(before)
     spk3_audio = speech_pcm(http, "spk3")
     sample_audio = speech_pcm(http, "sample1")
-    vserver.proc.terminate()
-    assert vserver.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    vserver.stop()
     db = str(voices_tmp / "voices.sqlite3")
-    with running_server(tiny_ckpt, voices_tmp, "--no-warmup", "--voices-db", db) as base2:
+    with running_server(tiny_ckpt, voices_tmp, "--no-warmup", "--voices-db", db, in_process=True) as base2:
         with httpx.Client(base_url=base2, timeout=HTTP_TIMEOUT) as h2:
             after = {v["name"]: v for v in h2.get("/v1/voices").json()["data"]}
             assert after == before
@@ -378,7 +377,7 @@ def lserver(tiny_ckpt, tmp_path_factory):
     """A server with small voice limits: 2 s uploads, 3 voices, 20-character transcripts."""
     tmp = tmp_path_factory.mktemp("voice-limits")
     limits = ("--max-upload-seconds", str(LIMIT_S), "--max-voices", "3", "--max-voice-text-chars", "20")
-    with start_server(tiny_ckpt, tmp, "--no-warmup", *limits) as srv:
+    with start_server(tiny_ckpt, tmp, "--no-warmup", *limits, in_process=True) as srv:
         yield srv, tmp / "voices.sqlite3"
 
 
@@ -538,6 +537,7 @@ def test_other_storage_errors_are_json_500(inproc):
 # ------------------------------------------------------------------------------------ crash consistency
 
 
+@pytest.mark.integration
 def test_kill_9_keeps_every_acknowledged_voice(tiny_ckpt, tmp_path_factory):
     """Voices are created in a loop while the server is SIGKILLed: afterwards the database passes its
     integrity check and holds every voice that was answered 201."""

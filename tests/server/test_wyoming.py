@@ -52,6 +52,7 @@ def wy(tiny_ckpt, tmp_path_factory):
         "--wyoming-uri", f"tcp://127.0.0.1:{port}",
         "--default-options", json.dumps(DEFAULTS),
         "--ws-max-pending-sentences", "4",
+        in_process=True,
     ) as srv:  # fmt: skip
         yield srv.base, port
 
@@ -366,6 +367,7 @@ def test_garbage_does_not_disturb_another_client(wy):
 # ------------------------------------------------------------------------------------ the standalone command
 
 
+@pytest.mark.integration
 def test_standalone_wyoming_command(tiny_ckpt, tmp_path):
     """``chattts-serve wyoming``: no HTTP, the same engine options and limits; idle connections are closed;
     SIGTERM stops it cleanly."""
@@ -443,6 +445,7 @@ def test_pcm_of_a_chunk_is_little_endian_int16(wy):
     assert len(samples) == expected_samples(TOKENS) and np.abs(samples).max() > 0
 
 
+@pytest.mark.integration
 def test_zeroconf_announces_the_server(tiny_ckpt, tmp_path):
     """``--wyoming-zeroconf NAME``: Home Assistant's discovery (mDNS ``_wyoming._tcp``) finds the server at the
     address and port it listens on; the announcement goes when the server stops."""

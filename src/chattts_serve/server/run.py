@@ -36,33 +36,13 @@ def run_server(config: ServerConfig) -> int:
 
     from .app import create_app
     from .logs import install_log_redaction
-    from .timeouts import protocol_with_header_timeout
 
     _configure_logging(config)
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a no-op handler lets a clean
     # shutdown end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     app = create_app(config)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            # JSON: uvicorn's loggers get no handlers of their own and reach the root's JSON one.
-            log_config=None if config.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-            timeout_graceful_shutdown=config.timeouts.shutdown_s,
-            # Our middleware logs every request without its query string (which may carry a key).
-            access_log=False,
-            # Connections beyond this get 503 at once (slowloris and floods stay bounded).
-            limit_concurrency=config.max_connections,
-            timeout_keep_alive=5,
-            http=protocol_with_header_timeout(config.timeouts.header_s),  # uvicorn has no header deadline
-            # Twice the app's own limit: a message just over it still gets the app's error event; far
-            # over it, uvicorn refuses it (1009) before buffering it whole.
-            ws_max_size=2 * config.ws.max_message_bytes,
-        )
-    )
+    server = uvicorn.Server(uvicorn_config(config, app))
     install_log_redaction()
     exit_handler = server.handle_exit
 
@@ -76,6 +56,32 @@ def run_server(config: ServerConfig) -> int:
     _banner_on_start(server, app, config)
     server.run()
     return 0
+
+
+def uvicorn_config(config: ServerConfig, app):
+    """uvicorn's settings for serving ``app`` as ``config`` says (tests serve in-process with the same)."""
+    import uvicorn
+
+    from .timeouts import protocol_with_header_timeout
+
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        # JSON: uvicorn's loggers get no handlers of their own and reach the root's JSON one.
+        log_config=None if config.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
+        timeout_graceful_shutdown=config.timeouts.shutdown_s,
+        # Our middleware logs every request without its query string (which may carry a key).
+        access_log=False,
+        # Connections beyond this get 503 at once (slowloris and floods stay bounded).
+        limit_concurrency=config.max_connections,
+        timeout_keep_alive=5,
+        http=protocol_with_header_timeout(config.timeouts.header_s),  # uvicorn has no header deadline
+        # Twice the app's own limit: a message just over it still gets the app's error event; far
+        # over it, uvicorn refuses it (1009) before buffering it whole.
+        ws_max_size=2 * config.ws.max_message_bytes,
+    )
 
 
 def run_wyoming(config: ServerConfig) -> int:
