@@ -38,6 +38,13 @@ def tiny_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def onnx_cache_dir(tmp_path_factory) -> str:
+    """One ONNX export cache for the run: tests/model/test_onnx.py writes the tiny checkpoint's exports
+    under their cache keys and the ort-* engines of later tests find them there (built once, not twice)."""
+    return str(tmp_path_factory.mktemp("onnx-cache"))
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_ckpt):
     from chattts_serve import Engine
     from chattts_serve.engine.config import EngineConfig

@@ -5,6 +5,7 @@ on the tiny checkpoint."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,10 +36,19 @@ def model(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
-def exports(model, tmp_path_factory):
-    base = tmp_path_factory.mktemp("onnx")
-    out = {w: export(model, base / w, w, reduce_range=False) for w in onnx_cache.WEIGHT_KINDS}
-    out["int8r7"] = export(model, base / "int8r7", "int8", reduce_range=True)  # as on x86 without VNNI
+def exports(model, onnx_cache_dir):
+    """Every weight kind, written where ``cached_export`` looks for it (the engines of test_onnx_runner.py
+    then load these instead of exporting again)."""
+    base, digest = Path(onnx_cache_dir), onnx_cache.checkpoint_digest(model.root)
+
+    def build(weights: str, reduce_range: bool) -> Path:
+        out = base / onnx_cache.cache_key(digest, weights, reduce_range)
+        if not (out / onnx_cache.MANIFEST).exists():
+            export(model, out, weights, digest, reduce_range)
+        return out
+
+    out = {w: build(w, False) for w in onnx_cache.WEIGHT_KINDS}
+    out["int8r7"] = build("int8", True)  # as on x86 without VNNI
     return out
 
 
