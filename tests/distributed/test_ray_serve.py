@@ -5,6 +5,7 @@ HTTP proxy. Each response names its replica (``X-Chattts-Replica: <id>/<pid>``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -282,6 +283,17 @@ def test_killing_a_replica_fails_only_its_streams(base):
     wait_for(lambda: running_replicas("chattts") == 2, 120, "Ray to replace the killed replica")
 
 
+def wanted_replicas(app: str) -> int:
+    """Replicas the controller keeps for ``app``: running or still starting (an autoscaling decision shows
+    here at once; a replica's start-up, seconds to minutes on a busy 2-core box, does not delay it)."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is None:
+        return 0
+    return sum(n for d in status.deployments.values() for state, n in d.replica_states.items() if state != "STOPPING")
+
+
 def test_a_dedicated_tenant_autoscales_under_load(base):
     vip = "/tenants/vip"
     assert httpx.get(base + vip + "/ready", headers=auth("vip"), timeout=60).status_code == 200
@@ -290,15 +302,32 @@ def test_a_dedicated_tenant_autoscales_under_load(base):
     assert running_replicas("chattts-vip") == 1
     streams: list[Stream] = []
     stop = threading.Event()
+
+    def trickle(stream: Stream) -> None:
+        # A slow reader: the stream stays in flight for the whole test (a reader that stopped would be cut
+        # by the send timeout, and a fast one would finish it: either ends the load early).
+        with contextlib.suppress(httpx.HTTPError):
+            for chunk in stream.chunks:
+                stream.data += chunk
+                if stop.wait(0.5):
+                    return
+
+    readers: list[threading.Thread] = []
     try:
         for _ in range(3):  # target 1 ongoing request per replica: 3 in flight asks for more replicas
             streams.append(Stream(base, LONG, tenant="vip", prefix=vip))
         assert all(s.status == 200 for s in streams)
-        wait_for(lambda: running_replicas("chattts-vip") >= 2, 120, "a second vip replica")
+        readers = [threading.Thread(target=trickle, args=(s,), daemon=True) for s in streams]
+        for r in readers:
+            r.start()
+        wait_for(lambda: wanted_replicas("chattts-vip") >= 2, 120, "the autoscaler to add a vip replica")
         time.sleep(2)
-        assert running_replicas("chattts-vip") <= 2  # bounded by max_replicas
+        assert wanted_replicas("chattts-vip") <= 2  # bounded by max_replicas
+        wait_for(lambda: running_replicas("chattts-vip") >= 2, 300, "the second vip replica to start")
     finally:
         stop.set()
+        for r in readers:
+            r.join(10)
         for s in streams:
             s.close()
 
