@@ -31,20 +31,17 @@ from typing import Any
 import torch
 
 from . import stats
-from .common import TEXTS, add_runner_arguments, engine_config, fail, peak_memory_mb, set_threads
+from .common import TEXTS, add_engine_flags, engine_config, fail, peak_memory_mb, set_threads
 from .ort_ops import op_breakdown, op_seconds
 
 STAGES = ("normalise", "tokenise", "prefill", "decode", "sampling", "decoder", "vocoder", "encode")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..model.config import PRECISIONS
-
     p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face repo id")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--threads", type=int, default=None)
-    add_runner_arguments(p)
+    add_engine_flags(p)
     p.add_argument("--text", default=TEXTS[0])
     p.add_argument("--streams", type=int, default=1, help="concurrent requests (the same text, other seeds)")
     p.add_argument("--steps", type=int, default=200, help="audio tokens per request")

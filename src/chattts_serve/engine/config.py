@@ -165,7 +165,7 @@ def add_engine_arguments(
         if name in skip:
             continue
         flag = "--" + name.replace("_", "-")
-        shown = f"(default: {default!r})"
+        shown = "" if default is None else f"(default: {default!r})"
         kw: dict[str, Any] = {"dest": name, "default": None if none_defaults else default}
         if isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=f"{_HELP[name]} {shown}", **kw)
@@ -177,7 +177,7 @@ def add_engine_arguments(
                 "audio_dtype": AUDIO_DTYPES,
             }.get(name)
             kind = str if default is None else type(default)
-            p.add_argument(flag, type=kind, choices=choices, help=f"{_HELP[name]} {shown}", **kw)
+            p.add_argument(flag, type=kind, choices=choices, help=f"{_HELP[name]} {shown}".strip(), **kw)
 
 
 def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
