@@ -16,12 +16,12 @@ import logging
 import os
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 from .engine.config import add_engine_arguments
 from .model.config import DEFAULT_MODEL
-from .sampling_params import RefineParams, SamplingParams
+from .sampling_params import SAMPLING_FLAGS, SamplingParams, add_sampling_arguments
 
 MODEL_ENV = "CHATTTS_SERVE_MODEL"
 
@@ -38,70 +38,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     add_engine_arguments(p, skip=("max_num_seqs", "max_waiting"))
-
-
-def _default(cls, name: str):
-    return next(f.default for f in fields(cls) if f.name == name)
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """The sampling flags; defaults are SamplingParams' own (None here: ``from_options`` keeps them)."""
-    d = lambda name: f"(default: {_default(SamplingParams, name)!r})"  # noqa: E731
-    p.add_argument("--seed", type=int, default=None, help=d("seed"))
-    p.add_argument("--speaker", default=None, help="speaker string (see `speaker new`)")
-    p.add_argument("--temperature", type=float, default=None, help=d("temperature"))
-    p.add_argument("--top-p", type=float, default=None, help=d("top_p"))
-    p.add_argument("--top-k", type=int, default=None, help=d("top_k"))
-    p.add_argument("--repetition-penalty", type=float, default=None, help=d("repetition_penalty"))
-    p.add_argument("--max-new-tokens", type=int, default=None, help=d("max_new_tokens"))
-    p.add_argument("--min-new-tokens", type=int, default=None, help=d("min_new_tokens"))
-    p.add_argument("--prompt", default=None, help=f"audio prompt, e.g. [speed_3] {d('prompt')}")
-    p.add_argument("--no-refine", dest="refine_text", action="store_false", default=None, help="skip the refine pass")
-    p.add_argument(
-        "--refine-prompt",
-        default=None,
-        help=f"e.g. [oral_2][laugh_0][break_6] (default: {_default(RefineParams, 'prompt')!r})",
-    )
-    p.add_argument(
-        "--no-normalize",
-        dest="do_text_normalization",
-        action="store_false",
-        default=None,
-        help="skip text normalisation",
-    )
-    p.add_argument(
-        "--no-split",
-        dest="split_text",
-        action="store_false",
-        default=None,
-        help="do not split long text into sentences",
-    )
-    p.add_argument(
-        "--no-first-sentence-voice",
-        dest="first_sentence_voice",
-        action="store_false",
-        default=None,
-        help="with split text, do not speak the first sentence first to take every sentence's voice from it "
-        "(the reference's way of keeping one voice; costs one extra sentence of generation)",
-    )
-
-
-_SAMPLING_FLAGS = (
-    "seed",
-    "speaker",
-    "temperature",
-    "top_p",
-    "top_k",
-    "repetition_penalty",
-    "max_new_tokens",
-    "min_new_tokens",
-    "prompt",
-    "refine_text",
-    "refine_prompt",
-    "do_text_normalization",
-    "split_text",
-    "first_sentence_voice",
-)
 
 
 def _batch_size(value: str) -> int | None:
@@ -137,7 +73,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--batch-size", type=_batch_size, default=16, help="sequences generated together (KV slots), or 'auto'"
     )
     _add_model_args(syn)
-    _add_sampling_args(syn)
+    add_sampling_arguments(syn)
     syn.set_defaults(func=_synthesize)
 
     from .server.config import WYOMING_URI, add_server_arguments
@@ -157,8 +93,8 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_parser("ray", help="scale out on Ray: Serve replicas, Data batch jobs (needs the .[ray] extra)"),
         server_args=add_server_arguments,
         model_args=_add_model_args,
-        sampling_args=_add_sampling_args,
-        sampling_flags=_SAMPLING_FLAGS,
+        sampling_args=add_sampling_arguments,
+        sampling_flags=SAMPLING_FLAGS,
     )
 
     spk = sub.add_parser("speaker", help="speaker strings")
@@ -251,7 +187,7 @@ def _synthesize(args: argparse.Namespace) -> int:
         raise ValueError("give either a text or --input FILE")
     if args.devices and not args.input:
         raise ValueError("--devices needs --input")
-    params = SamplingParams.from_options(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
+    params = SamplingParams.from_options(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
     if args.input:
         items = with_seed(read_items(args.input), params.seed)  # the same ids and seeds as `ray batch`
     else:
