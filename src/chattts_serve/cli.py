@@ -1,7 +1,7 @@
 """The ``chattts-serve`` command.
 
 chattts-serve synthesize "Hello." -o hello.wav [--model DIR|REPO] [--seed N] [--speaker STR]
-chattts-serve synthesize --input texts.txt --output-dir out/ [--batch-size N] [--devices cuda:0,cuda:1]
+chattts-serve synthesize --input texts.txt --output-dir out/ [--max-num-seqs N] [--devices cuda:0,cuda:1]
 chattts-serve ray serve --model DIR --num-replicas N      chattts-serve ray batch --input F --output-dir D
 chattts-serve speaker new [--model DIR|REPO] [--seed N]
 chattts-serve checkpoint random DIR [--size tiny|full] [--seed N]
@@ -16,10 +16,9 @@ import logging
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from .engine.config import add_engine_arguments
+from .engine.config import add_engine_arguments, add_max_num_seqs_argument
 from .model.config import DEFAULT_MODEL
 from .sampling_params import SAMPLING_FLAGS, SamplingParams, add_sampling_arguments
 
@@ -37,19 +36,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help=f"checkpoint directory or Hugging Face repo id (default: ${MODEL_ENV} or {DEFAULT_MODEL})",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    # max_num_seqs: each command adds its own (``add_max_num_seqs_argument``: "auto", the old --batch-size).
     add_engine_arguments(p, skip=("max_num_seqs", "max_waiting"))
-
-
-def _batch_size(value: str) -> int | None:
-    if value == "auto":
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {value!r}")
-    return n
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -69,9 +57,7 @@ def _build_parser() -> argparse.ArgumentParser:
         type=lambda v: [d.strip() for d in v.split(",") if d.strip()],
         help="with --input: one process per device over an equal share of the texts (e.g. cuda:0,cuda:1)",
     )
-    syn.add_argument(
-        "--batch-size", type=_batch_size, default=16, help="sequences generated together (KV slots), or 'auto'"
-    )
+    add_max_num_seqs_argument(syn, default=16, auto=True)
     _add_model_args(syn)
     add_sampling_arguments(syn)
     syn.set_defaults(func=_synthesize)
@@ -194,9 +180,8 @@ def _synthesize(args: argparse.Namespace) -> int:
         if not args.text.strip():
             raise ValueError("the text is empty")
         items = [Item("out", args.text, params.seed)]
-    config = engine_config_from_args(args, EngineConfig(auto_slots=args.batch_size is None))
-    if args.batch_size is not None:
-        config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=args.batch_size))
+    # max_num_seqs None ("auto"): sized from free memory when the engine loads.
+    config = engine_config_from_args(args, EngineConfig(auto_slots=args.max_num_seqs is None))
     out_dir = Path(args.output_dir)
     if args.input:
         out_dir.mkdir(parents=True, exist_ok=True)
