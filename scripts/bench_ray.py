@@ -86,7 +86,7 @@ def deploy(args, replicas: int, port: int):
     server = {
         "model": args.model,
         "port": port,
-        "max_num_seqs": args.slots,
+        "max_num_seqs": args.max_num_seqs,
         "precision": args.precision,
         "threads": max(1, int(args.num_cpus_per_replica)),
         "voices_db": str(Path(args.tmp) / "voices.sqlite3"),
@@ -193,8 +193,8 @@ def cmd_batch(args) -> dict:
         str(args.tokens),
         "--max-new-tokens",
         str(args.tokens),
-        "--batch-size",
-        str(args.slots),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
         "--precision",
         args.precision,
     ]
@@ -230,7 +230,7 @@ def main() -> int:
         p = sub.add_parser(name)
         p.add_argument("--model", required=True)
         p.add_argument("--precision", default="fp32")
-        p.add_argument("--slots", type=int, default=8, help="KV slots per engine (and batch size)")
+        p.add_argument("--max-num-seqs", type=int, default=8, help="KV slots per engine (and texts per Ray batch)")
         p.add_argument("--num-cpus", type=int, help="CPUs of the local cluster (default: all)")
         p.add_argument("--tokens", type=int, default=200, help="audio tokens per request (46.875 per second)")
         p.add_argument("--replicas", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2])

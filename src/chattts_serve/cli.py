@@ -1,7 +1,7 @@
 """The ``chattts-serve`` command.
 
 chattts-serve synthesize "Hello." -o hello.wav [--model DIR|REPO] [--seed N] [--speaker STR]
-chattts-serve synthesize --input texts.txt --output-dir out/ [--batch-size N] [--devices cuda:0,cuda:1]
+chattts-serve synthesize --input texts.txt --output-dir out/ [--max-num-seqs N] [--devices cuda:0,cuda:1]
 chattts-serve ray serve --model DIR --num-replicas N      chattts-serve ray batch --input F --output-dir D
 chattts-serve speaker new [--model DIR|REPO] [--seed N]
 chattts-serve checkpoint random DIR [--size tiny|full] [--seed N]
@@ -16,12 +16,11 @@ import logging
 import os
 import sys
 import time
-from dataclasses import fields, replace
 from pathlib import Path
 
-from .engine.config import add_engine_arguments
+from .engine.config import add_engine_arguments, add_max_num_seqs_argument
 from .model.config import DEFAULT_MODEL
-from .sampling_params import RefineParams, SamplingParams
+from .sampling_params import SAMPLING_FLAGS, SamplingParams, add_sampling_arguments
 
 MODEL_ENV = "CHATTTS_SERVE_MODEL"
 
@@ -37,83 +36,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help=f"checkpoint directory or Hugging Face repo id (default: ${MODEL_ENV} or {DEFAULT_MODEL})",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    # max_num_seqs: each command adds its own (``add_max_num_seqs_argument``: "auto", the old --batch-size).
     add_engine_arguments(p, skip=("max_num_seqs", "max_waiting"))
-
-
-def _default(cls, name: str):
-    return next(f.default for f in fields(cls) if f.name == name)
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """The sampling flags; defaults are SamplingParams' own (None here: ``from_options`` keeps them)."""
-    d = lambda name: f"(default: {_default(SamplingParams, name)!r})"  # noqa: E731
-    p.add_argument("--seed", type=int, default=None, help=d("seed"))
-    p.add_argument("--speaker", default=None, help="speaker string (see `speaker new`)")
-    p.add_argument("--temperature", type=float, default=None, help=d("temperature"))
-    p.add_argument("--top-p", type=float, default=None, help=d("top_p"))
-    p.add_argument("--top-k", type=int, default=None, help=d("top_k"))
-    p.add_argument("--repetition-penalty", type=float, default=None, help=d("repetition_penalty"))
-    p.add_argument("--max-new-tokens", type=int, default=None, help=d("max_new_tokens"))
-    p.add_argument("--min-new-tokens", type=int, default=None, help=d("min_new_tokens"))
-    p.add_argument("--prompt", default=None, help=f"audio prompt, e.g. [speed_3] {d('prompt')}")
-    p.add_argument("--no-refine", dest="refine_text", action="store_false", default=None, help="skip the refine pass")
-    p.add_argument(
-        "--refine-prompt",
-        default=None,
-        help=f"e.g. [oral_2][laugh_0][break_6] (default: {_default(RefineParams, 'prompt')!r})",
-    )
-    p.add_argument(
-        "--no-normalize",
-        dest="do_text_normalization",
-        action="store_false",
-        default=None,
-        help="skip text normalisation",
-    )
-    p.add_argument(
-        "--no-split",
-        dest="split_text",
-        action="store_false",
-        default=None,
-        help="do not split long text into sentences",
-    )
-    p.add_argument(
-        "--no-first-sentence-voice",
-        dest="first_sentence_voice",
-        action="store_false",
-        default=None,
-        help="with split text, do not speak the first sentence first to take every sentence's voice from it "
-        "(the reference's way of keeping one voice; costs one extra sentence of generation)",
-    )
-
-
-_SAMPLING_FLAGS = (
-    "seed",
-    "speaker",
-    "temperature",
-    "top_p",
-    "top_k",
-    "repetition_penalty",
-    "max_new_tokens",
-    "min_new_tokens",
-    "prompt",
-    "refine_text",
-    "refine_prompt",
-    "do_text_normalization",
-    "split_text",
-    "first_sentence_voice",
-)
-
-
-def _batch_size(value: str) -> int | None:
-    if value == "auto":
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {value!r}")
-    return n
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -133,11 +57,9 @@ def _build_parser() -> argparse.ArgumentParser:
         type=lambda v: [d.strip() for d in v.split(",") if d.strip()],
         help="with --input: one process per device over an equal share of the texts (e.g. cuda:0,cuda:1)",
     )
-    syn.add_argument(
-        "--batch-size", type=_batch_size, default=16, help="sequences generated together (KV slots), or 'auto'"
-    )
+    add_max_num_seqs_argument(syn, default=16, auto=True)
     _add_model_args(syn)
-    _add_sampling_args(syn)
+    add_sampling_arguments(syn)
     syn.set_defaults(func=_synthesize)
 
     from .server.config import WYOMING_URI, add_server_arguments
@@ -157,8 +79,8 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_parser("ray", help="scale out on Ray: Serve replicas, Data batch jobs (needs the .[ray] extra)"),
         server_args=add_server_arguments,
         model_args=_add_model_args,
-        sampling_args=_add_sampling_args,
-        sampling_flags=_SAMPLING_FLAGS,
+        sampling_args=add_sampling_arguments,
+        sampling_flags=SAMPLING_FLAGS,
     )
 
     spk = sub.add_parser("speaker", help="speaker strings")
@@ -251,16 +173,15 @@ def _synthesize(args: argparse.Namespace) -> int:
         raise ValueError("give either a text or --input FILE")
     if args.devices and not args.input:
         raise ValueError("--devices needs --input")
-    params = SamplingParams.from_options(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
+    params = SamplingParams.from_options(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
     if args.input:
         items = with_seed(read_items(args.input), params.seed)  # the same ids and seeds as `ray batch`
     else:
         if not args.text.strip():
             raise ValueError("the text is empty")
         items = [Item("out", args.text, params.seed)]
-    config = engine_config_from_args(args, EngineConfig(auto_slots=args.batch_size is None))
-    if args.batch_size is not None:
-        config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=args.batch_size))
+    # max_num_seqs None ("auto"): sized from free memory when the engine loads.
+    config = engine_config_from_args(args, EngineConfig(auto_slots=args.max_num_seqs is None))
     out_dir = Path(args.output_dir)
     if args.input:
         out_dir.mkdir(parents=True, exist_ok=True)

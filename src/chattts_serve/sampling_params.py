@@ -1,12 +1,22 @@
-"""Per-request parameters. Defaults are the reference's (``InferCodeParams`` / ``RefineTextParams``)."""
+"""Per-request parameters. Defaults are the reference's (``InferCodeParams`` / ``RefineTextParams``).
+
+The flat options (``SamplingParams.from_options``'s names: every field, and the refine pass's as
+``refine_<field>``) have their defaults here, in the dataclasses, and the bounds a request or a command
+line may ask for in ``OPTION_BOUNDS``; the HTTP schema (``server.protocol.ChatTTSOptions``) and the CLI
+flags (``add_sampling_arguments``) both read them from here.
+"""
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .model.config import NUM_VQ
+
+LANGS = ("zh", "en")
+"""``SamplingParams.lang``'s values (None: detect)."""
 
 
 def _check_common(owner: str, p) -> None:
@@ -110,7 +120,7 @@ class SamplingParams:
             raise ValueError("speaker_sample must be a prompt-codes string or None")
         if not isinstance(self.speaker_sample_text, str):
             raise ValueError("speaker_sample_text must be a string")
-        if self.lang not in (None, "zh", "en"):
+        if self.lang is not None and self.lang not in LANGS:
             raise ValueError(f"lang must be 'zh', 'en' or None, got {self.lang!r}")
         if not isinstance(self.refine, RefineParams):
             raise ValueError(f"refine must be RefineParams, got {type(self.refine).__name__}")
@@ -139,3 +149,118 @@ class SamplingParams:
         refine = {refine_names[k]: v for k, v in given.items() if k in refine_names}
         top = {k: v for k, v in given.items() if k in own}
         return replace(base, **top, refine=replace(base.refine, **refine))
+
+
+def option_defaults() -> dict[str, Any]:
+    """Each flat option (``SamplingParams.from_options``'s names) and its default."""
+    base = SamplingParams()
+    out = {f.name: getattr(base, f.name) for f in fields(SamplingParams) if f.name != "refine"}
+    return out | {f"refine_{f.name}": getattr(base.refine, f.name) for f in fields(RefineParams)}
+
+
+OPTION_BOUNDS: dict[str, dict[str, float]] = {
+    "seed": {"ge": 0, "lt": 2**63},
+    "temperature": {"gt": 0, "le": 5},
+    "top_p": {"gt": 0, "le": 1},
+    "top_k": {"ge": 0, "le": 1000},
+    "repetition_penalty": {"gt": 0, "le": 10},
+    "min_new_tokens": {"ge": 0, "le": 4096},
+    "max_new_tokens": {"ge": 1, "le": 4096},
+    "prompt": {"max_length": 256},
+    "refine_prompt": {"max_length": 256},
+    "refine_temperature": {"gt": 0, "le": 5},
+    "refine_top_p": {"gt": 0, "le": 1},
+    "refine_top_k": {"ge": 0, "le": 1000},
+    "refine_repetition_penalty": {"gt": 0, "le": 10},
+    "refine_min_new_tokens": {"ge": 0, "le": 2048},
+    "refine_max_new_tokens": {"ge": 1, "le": 2048},
+    "refine_seed": {"ge": 0, "lt": 2**63},
+}
+"""What a request (HTTP, WebSocket, Wyoming) or a command line may ask for, in pydantic's ``Field`` terms.
+Tighter than the dataclasses' own checks (which take any meaningful value): these also cap what one
+request may cost."""
+
+# ---------------------------------------------------------------------------------------------------
+# CLI flags. Booleans that default to on are turned off by the command line's established spellings.
+
+_OFF_FLAGS = {
+    "refine_text": ("--no-refine", "skip the refine pass"),
+    "do_text_normalization": ("--no-normalize", "skip text normalisation"),
+    "do_homophone_replacement": ("--no-homophone-replacement", "keep homophones the tokenizer lacks as they are"),
+    "split_text": ("--no-split", "do not split long text into sentences"),
+    "first_sentence_voice": (
+        "--no-first-sentence-voice",
+        "with split text, do not speak the first sentence first to take every sentence's voice from it "
+        "(the reference's way of keeping one voice; costs one extra sentence of generation)",
+    ),
+}
+_CLI_HELP = {
+    "seed": "re-seed the sampler with it before every step: the same seed, text and speaker give the same "
+    "audio (default: random)",
+    "speaker": "speaker string (see `speaker new`)",
+    "prompt": "audio prompt, e.g. [speed_3]",
+    "lang": "text language, zh or en (default: detected)",
+    "refine_prompt": "refine-pass prompt, e.g. [oral_2][laugh_0][break_6]",
+    "refine_seed": "refine-pass seed (default: --seed)",
+}
+_NONE_TYPES = {"seed": int, "refine_seed": int, "speaker": str, "lang": str}
+SAMPLING_FLAGS: tuple[str, ...] = (
+    *("seed", "speaker", "temperature", "top_p", "top_k", "repetition_penalty", "min_new_tokens"),
+    *("max_new_tokens", "prompt", "lang", "refine_text", "refine_prompt", "refine_temperature", "refine_top_p"),
+    *("refine_top_k", "refine_repetition_penalty", "refine_min_new_tokens", "refine_max_new_tokens"),
+    *("refine_seed", "do_text_normalization", "do_homophone_replacement", "split_text", "first_sentence_voice"),
+)
+"""The flat options the CLI takes (``add_sampling_arguments``); the voice-sample fields are the API's."""
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per ``SAMPLING_FLAGS`` option, bounded by ``OPTION_BOUNDS``; defaults None (then
+    ``from_options`` keeps the dataclass default, shown in the help)."""
+    defaults = option_defaults()
+    for name in SAMPLING_FLAGS:
+        default = defaults[name]
+        if name in _OFF_FLAGS:
+            flag, help_ = _OFF_FLAGS[name]
+            p.add_argument(flag, dest=name, action="store_false", default=None, help=help_)
+            continue
+        kind = _NONE_TYPES.get(name) or type(default)
+        shown = _CLI_HELP.get(name, "") if default is None else f"{_CLI_HELP.get(name, '')} (default: {default!r})"
+        choices = LANGS if name == "lang" else None
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, dest=name, type=_bounded(name, kind), choices=choices, default=None, help=shown.strip())
+
+
+def bounds_error(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` under ``OPTION_BOUNDS[name]``; None when it is within them."""
+    b = OPTION_BOUNDS.get(name, {})
+    if "max_length" in b:
+        return f"at most {b['max_length']} characters" if len(value) > b["max_length"] else None
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    ok = (
+        ("gt" not in b or value > b["gt"])
+        and ("ge" not in b or value >= b["ge"])
+        and ("lt" not in b or value < b["lt"])
+        and ("le" not in b or value <= b["le"])
+    )
+    if ok:
+        return None
+    words = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    return "must be " + " and ".join(f"{words[k]} {v}" for k, v in b.items())
+
+
+def _bounded(name: str, kind: type):
+    def parse(raw: str):
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {raw!r}") from None
+        problem = bounds_error(name, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{problem}, got {raw!r}")
+        return value
+
+    return parse
+
+
+assert set(OPTION_BOUNDS) <= set(option_defaults()) and set(SAMPLING_FLAGS) <= set(option_defaults())

@@ -37,7 +37,7 @@ def test_bench_offline(tiny_ckpt, tmp_path, capsys):
         "3",
         "--steps",
         "12",
-        "--batch-size",
+        "--max-num-seqs",
         "2",
         "--precision",
         "int8-static",

@@ -107,7 +107,7 @@ def test_devices_split_the_texts_and_write_what_one_process_writes(tiny_ckpt, tm
     texts = tmp_path / "texts.txt"
     texts.write_text("".join(f"第{i}句话。\n" for i in range(1, 6)), encoding="utf-8")
     common = ["--input", str(texts), "--model", str(tiny_ckpt), "--seed", "3", "--no-refine"]
-    common += ["--max-new-tokens", "6", "--min-new-tokens", "6", "--batch-size", "4"]
+    common += ["--max-new-tokens", "6", "--min-new-tokens", "6", "--max-num-seqs", "4"]
     assert main(["synthesize", *common, "--output-dir", str(tmp_path / "one")]) == 0
     assert main(["synthesize", *common, "--output-dir", str(tmp_path / "two"), "--devices", "cpu,cpu"]) == 0
     names = sorted(p.name for p in (tmp_path / "one").glob("*.wav"))

@@ -16,7 +16,7 @@ from .conftest import RAY_ENV, cli, ray_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
-SAMPLING = ["--seed", "5", "--no-refine", "--max-new-tokens", "12", "--batch-size", "4"]
+SAMPLING = ["--seed", "5", "--no-refine", "--max-new-tokens", "12", "--max-num-seqs", "4"]
 
 
 @pytest.fixture(scope="module")

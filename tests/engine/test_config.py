@@ -15,6 +15,7 @@ from chattts_serve.engine.config import (
     EngineConfig,
     RunnerConfig,
     add_engine_arguments,
+    add_max_num_seqs_argument,
     engine_config_from_args,
     flat_defaults,
     from_flat,
@@ -80,3 +81,20 @@ def test_config_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_max_num_seqs_flag_and_its_deprecated_spelling(capsys):
+    p = argparse.ArgumentParser(prog="tool")
+    add_max_num_seqs_argument(p, default=16, auto=True)
+    assert p.parse_args([]).max_num_seqs == 16
+    assert p.parse_args(["--max-num-seqs", "auto"]).max_num_seqs is None
+    assert capsys.readouterr().err == ""
+    assert p.parse_args(["--batch-size", "3"]).max_num_seqs == 3
+    assert capsys.readouterr().err == "tool: warning: --batch-size is deprecated; use --max-num-seqs\n"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--max-num-seqs", "0"])
+    fixed = argparse.ArgumentParser()
+    add_max_num_seqs_argument(fixed, default=None)
+    assert fixed.parse_args([]).max_num_seqs is None
+    with pytest.raises(SystemExit):
+        fixed.parse_args(["--batch-size", "auto"])

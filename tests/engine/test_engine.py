@@ -218,8 +218,8 @@ def test_batch_equals_each_text_alone(tiny_engine, refine):
         np.testing.assert_allclose(got.audio, alone.audio, atol=1e-5)
 
 
-def test_batches_larger_than_max_batch_size(tiny_engine):
-    texts = [f"第{i}句话。" for i in range(tiny_engine.max_batch_size + 2)]
+def test_batches_larger_than_max_num_seqs(tiny_engine):
+    texts = [f"第{i}句话。" for i in range(tiny_engine.max_num_seqs + 2)]
     results = synth(tiny_engine, texts, max_new_tokens=4, min_new_tokens=4)
     assert len(results) == len(texts)
     assert all(r.codes.shape == (4, 4) for r in results)

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..model.config import PRECISIONS
+from ..engine.config import FLAT_OPTIONS, EngineConfig, add_engine_arguments, engine_config_from_args
+from ..engine.scheduler import SchedulerConfig
 from . import stats
 
 # ~10 s each when spoken; with random weights the length is fixed by --steps anyway.
@@ -31,9 +32,8 @@ REFERENCE_DRIVER = Path(__file__).resolve().parent / "reference_driver.py"
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face repo id")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    add_runner_arguments(p)
+    add_engine_flags(p)
     p.add_argument("--steps", type=int, default=STEPS_10S, help="audio tokens per text (min = max); 469 = 10 s")
     p.add_argument("--texts-file", default=None, help="UTF-8, one text per line (default: built-in texts)")
     p.add_argument("--plot", default=None, help="write a PNG here")
@@ -45,52 +45,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_runner_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--decode",
-        default="auto",
-        choices=("auto", "rows", "static"),
-        help="decode step: rows (batch-invariant; CPU default) or static (CUDA-graph shape; CUDA default)",
-    )
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the static step eagerly")
-    p.add_argument("--compile", action="store_true", help="torch.compile the static decode step")
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=("auto", "bf16"),
-        help="KV cache dtype: auto (the trunk's) or bf16 (half the bytes; torch modes)",
-    )
-    p.add_argument(
-        "--audio-dtype",
-        default="fp32",
-        choices=("fp32", "bf16"),
-        help="Decoder + Vocos dtype: fp32 (reference-exact) or bf16 (faster on CPUs with AVX-512 BF16 / AMX)",
-    )
-    p.add_argument(
-        "--onnx-cache-dir",
-        default=None,
-        help="where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
-    )
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The server's engine flags, spelled as ``serve`` spells them (``--precision``, ``--[no-]cuda-graphs``,
+    ...), less the scheduler's limits: each tool sizes those from its own flags (``--steps``, ...)."""
+    add_engine_arguments(p, skip=_TOOL_SIZED)
 
 
-def engine_config(args: argparse.Namespace, **scheduler: int):
-    """The ``EngineConfig`` of the tool's flags (precision, decode step) and the given scheduler limits."""
-    from ..engine.config import EngineConfig, RunnerConfig
-    from ..engine.scheduler import SchedulerConfig
+_TOOL_SIZED = tuple(name for name, path in FLAT_OPTIONS.items() if path[0] == "scheduler")
 
-    runner = RunnerConfig(
-        decode=args.decode,
-        cuda_graphs=args.cuda_graphs,
-        compile=args.compile,
-        onnx_cache_dir=args.onnx_cache_dir,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
-    return EngineConfig(
-        precision=args.precision,
-        scheduler=SchedulerConfig(**scheduler),
-        runner=runner,
-        audio_dtype=getattr(args, "audio_dtype", "fp32"),
-    )
+
+def engine_config(args: argparse.Namespace, **scheduler: int) -> EngineConfig:
+    """The ``EngineConfig`` of the tool's engine flags and the given scheduler limits."""
+    return engine_config_from_args(args, EngineConfig(scheduler=SchedulerConfig(**scheduler)))
 
 
 def texts(args: argparse.Namespace, n: int) -> list[str]:

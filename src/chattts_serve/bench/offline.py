@@ -11,6 +11,7 @@ import argparse
 import time
 from typing import Any
 
+from ..engine.config import add_max_num_seqs_argument
 from . import stats
 from .common import add_model_arguments, engine_config, peak_memory_mb, run_reference, run_tool, set_threads, texts
 
@@ -18,7 +19,7 @@ from .common import add_model_arguments, engine_config, peak_memory_mb, run_refe
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--num-texts", type=int, default=None, help="default: 256 on CUDA, 16 on CPU")
-    p.add_argument("--batch-size", type=int, default=None, help="KV slots (default: --num-texts, at most 256)")
+    add_max_num_seqs_argument(p, default=None, shown="--num-texts, at most 256")
     p.add_argument("--seed", type=int, default=1)
 
 
@@ -30,11 +31,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     set_threads(args)
     n = args.num_texts if args.num_texts is not None else (256 if str(args.device).startswith("cuda") else 16)
-    batch = args.batch_size if args.batch_size is not None else min(n, 256)
-    if n < 1 or args.steps < 1 or batch < 1:
-        raise ValueError("--num-texts, --batch-size and --steps must be >= 1")
+    slots = args.max_num_seqs if args.max_num_seqs is not None else min(n, 256)
+    if n < 1 or args.steps < 1:
+        raise ValueError("--num-texts and --steps must be >= 1")
     items = texts(args, n)
-    config = engine_config(args, max_num_seqs=batch, max_model_len=args.steps + 256, max_waiting=max(1024, n))
+    config = engine_config(args, max_num_seqs=slots, max_model_len=args.steps + 256, max_waiting=max(1024, n))
     t_load = time.perf_counter()
     engine = Engine.from_pretrained(args.model, device=args.device, config=config)
     load_s = time.perf_counter() - t_load
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode": engine.decode_mode,
         "threads": torch.get_num_threads(),
         "num_texts": n,
-        "batch_size": batch,
+        "max_num_seqs": slots,
         "steps": args.steps,
         "load_s": round(load_s, 2),
         "wall_s": wall,

@@ -30,27 +30,23 @@ from typing import Any
 
 import torch
 
+from ..engine.config import add_max_num_seqs_argument
 from . import stats
-from .common import TEXTS, add_runner_arguments, engine_config, fail, peak_memory_mb, set_threads
+from .common import TEXTS, add_engine_flags, engine_config, fail, peak_memory_mb, set_threads
 from .ort_ops import op_breakdown, op_seconds
 
 STAGES = ("normalise", "tokenise", "prefill", "decode", "sampling", "decoder", "vocoder", "encode")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..model.config import PRECISIONS
-
     p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face repo id")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--threads", type=int, default=None)
-    add_runner_arguments(p)
+    add_engine_flags(p)
     p.add_argument("--text", default=TEXTS[0])
     p.add_argument("--streams", type=int, default=1, help="concurrent requests (the same text, other seeds)")
     p.add_argument("--steps", type=int, default=200, help="audio tokens per request")
-    p.add_argument(
-        "--batch-size", type=int, default=None, help="KV slots (default: --streams; 1 = the reference-exact path)"
-    )
+    add_max_num_seqs_argument(p, default=None, shown="--streams; 1 = the reference-exact path")
     p.add_argument("--refine", action="store_true", help="include the refine_text pass")
     p.add_argument("--format", default="mp3", help="response format to encode: pcm, wav, mp3, opus, aac, flac")
     p.add_argument("--trace", default=None, help="write a Chrome trace (JSON) here")
@@ -138,9 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}")
     if args.streams < 1 or args.steps < 1:
         raise ValueError("--streams and --steps must be >= 1")
-    slots = args.batch_size if args.batch_size is not None else args.streams
-    if slots < 1:
-        raise ValueError("--batch-size must be >= 1")
+    slots = args.max_num_seqs if args.max_num_seqs is not None else args.streams
     if args.ops and parse_precision(args.precision).onnx is None:  # before the model loads
         raise ValueError("--ops splits the ONNX Runtime step: it needs an ort-* precision (--trace shows torch's ops)")
     config = engine_config(args, max_num_seqs=slots, max_model_len=args.steps + 512)
@@ -228,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode": engine.decode_mode,
         "threads": torch.get_num_threads(),
         "streams": args.streams,
-        "batch_size": slots,
+        "max_num_seqs": slots,
         "steps": args.steps,
         "engine_steps": steps,
         "wall_s": round(wall, 3),

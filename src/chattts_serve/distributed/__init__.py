@@ -10,7 +10,7 @@ Python that the base install can import and test:
     metrics_export.py  a replica's Prometheus series re-exported as Ray metrics (one series per replica)
     serve_app.py     the Serve deployment (FastAPI ingress = create_app's app) and ``app``, the builder
     jobs.py          batch inputs (txt, jsonl, parquet) -> items with ids and seeds; manifest; resume; shards
-    multi_device.py  ``synthesize --input ... --devices a,b``: one process per device, no Ray
+    offline.py       ``synthesize --input ... --devices a,b``: one process per device, no Ray
     ray_batch.py     ``chattts-serve ray batch``: Ray Data map_batches over an actor pool of engines
 
 The engine never sees Ray: a replica runs the app ``server.app.create_app`` builds, and a batch actor runs

@@ -8,9 +8,10 @@ import functools
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from ..engine.config import add_max_num_seqs_argument
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,13 @@ def add_arguments(
     bat.add_argument("--input", required=True, help="texts: .txt (one per line), .jsonl or .parquet (text, id, seed)")
     bat.add_argument("--output-dir", required=True, help="WAVs and manifest.jsonl (shared storage on a cluster)")
     bat.add_argument("--num-workers", type=int, default=1, help="actors, each with one engine (one GPU if any)")
-    bat.add_argument("--batch-size", type=int, default=16, help="texts per batch (and KV slots per engine)")
+    add_max_num_seqs_argument(bat, default=16, note=" per engine")
+    bat.add_argument(
+        "--rows-per-batch",
+        type=int,
+        default=None,
+        help="texts Ray Data hands an engine at a time (default: --max-num-seqs, so each batch fills the slots)",
+    )
     bat.add_argument("--num-cpus-per-worker", type=float, default=1.0)
     bat.add_argument("--no-progress", dest="progress", action="store_false")
     _cluster_args(bat)
@@ -123,10 +130,10 @@ def _batch(args: argparse.Namespace, sampling_flags: tuple[str, ...]) -> int:
 
     base = SamplingParams.from_options(**{name: getattr(args, name) for name in sampling_flags})
     items = with_seed(read_items(args.input), base.seed)
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    rows_per_batch = args.rows_per_batch if args.rows_per_batch is not None else args.max_num_seqs
+    if rows_per_batch < 1:
+        raise ValueError(f"--rows-per-batch must be >= 1, got {rows_per_batch}")
     config = engine_config_from_args(args, EngineConfig())
-    config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=args.batch_size))
     from .cluster import connect
     from .ray_batch import run_batch
 
@@ -141,7 +148,7 @@ def _batch(args: argparse.Namespace, sampling_flags: tuple[str, ...]) -> int:
             config=config,
             base=base,
             num_workers=args.num_workers,
-            batch_size=args.batch_size,
+            rows_per_batch=rows_per_batch,
             device=args.device,
             num_cpus_per_worker=args.num_cpus_per_worker,
             progress=args.progress,

@@ -68,7 +68,7 @@ def run_batch(
     config: EngineConfig,
     base: SamplingParams,
     num_workers: int,
-    batch_size: int,
+    rows_per_batch: int,
     device: str = "auto",
     num_cpus_per_worker: float = 1.0,
     progress: bool = True,
@@ -84,7 +84,7 @@ def run_batch(
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     rows = [{"id": it.id, "text": it.text, "seed": NO_SEED if it.seed is None else it.seed} for it in todo]
     # One block per batch, so the pool's actors share the work from the start.
-    ds = ray.data.from_items(rows, override_num_blocks=max(1, math.ceil(len(rows) / batch_size)))
+    ds = ray.data.from_items(rows, override_num_blocks=max(1, math.ceil(len(rows) / rows_per_batch)))
     threads = max(1, math.floor(num_cpus_per_worker))
     out = ds.map_batches(
         SynthesizeBatch,
@@ -97,7 +97,7 @@ def run_batch(
             "threads": threads,
         },
         compute=ActorPoolStrategy(size=num_workers),
-        batch_size=batch_size,
+        batch_size=rows_per_batch,
         num_gpus=1 if gpus else 0,
         num_cpus=num_cpus_per_worker,
     )

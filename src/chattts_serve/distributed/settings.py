@@ -164,12 +164,13 @@ class ServeSettings:
         return {k: tuple(v) if isinstance(v, list) else v for k, v in self.server.items()}
 
     @property
-    def kv_slots(self) -> int:
+    def max_num_seqs(self) -> int:
+        """The KV slots of each replica's engine."""
         return self.server_config().engine.scheduler.max_num_seqs
 
     def deployment_options(self, cluster_gpus: float) -> dict[str, Any]:
         """Serve's deployment options (``serve.deployment(...).options(**these)``)."""
-        slots = self.kv_slots
+        slots = self.max_num_seqs
         gpus = self.num_gpus if self.num_gpus is not None else (1.0 if cluster_gpus > 0 else 0.0)
         config = self.server_config()
         longest_s = config.engine.max_audio_seconds

@@ -13,6 +13,7 @@ No torch here (the CLI builds its argument parser from these defaults before tor
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -165,7 +166,7 @@ def add_engine_arguments(
         if name in skip:
             continue
         flag = "--" + name.replace("_", "-")
-        shown = f"(default: {default!r})"
+        shown = "" if default is None else f"(default: {default!r})"
         kw: dict[str, Any] = {"dest": name, "default": None if none_defaults else default}
         if isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=f"{_HELP[name]} {shown}", **kw)
@@ -177,7 +178,61 @@ def add_engine_arguments(
                 "audio_dtype": AUDIO_DTYPES,
             }.get(name)
             kind = str if default is None else type(default)
-            p.add_argument(flag, type=kind, choices=choices, help=f"{_HELP[name]} {shown}", **kw)
+            p.add_argument(flag, type=kind, choices=choices, help=f"{_HELP[name]} {shown}".strip(), **kw)
+
+
+def add_max_num_seqs_argument(
+    p: argparse.ArgumentParser, *, default: int | None, auto: bool = False, note: str = "", shown: str = ""
+) -> None:
+    """``--max-num-seqs`` where a command sizes the KV slots itself rather than through
+    ``add_engine_arguments``: ``synthesize`` (``auto``: "auto" parses to None, sized from free memory),
+    ``ray batch`` and the bench tools (None: sized from their other flags, as ``shown`` says).
+    ``--batch-size``, the old spelling of these commands, still works and warns."""
+    kind = _slots_or_auto if auto else _slots
+    shown = shown or ("'auto'" if auto and default is None else repr(default))
+    also = "; N or auto (sized from free memory at load)" if auto else ""
+    help_ = f"{_HELP['max_num_seqs']}{note}{also} (default: {shown})"
+    p.add_argument("--max-num-seqs", dest="max_num_seqs", type=kind, default=default, help=help_)
+    p.add_argument(
+        "--batch-size",
+        dest="max_num_seqs",
+        type=kind,
+        action=DeprecatedFlag,
+        canonical="--max-num-seqs",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
+
+
+class DeprecatedFlag(argparse.Action):
+    """An old spelling of a flag: stores what the new one stores and says once that it is deprecated."""
+
+    def __init__(self, option_strings: list[str], dest: str, canonical: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, **kw)
+        self.canonical = canonical
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.canonical}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _slots(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value!r}")
+    return n
+
+
+def _slots_or_auto(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        return _slots(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {value!r}") from None
 
 
 def engine_config_from_args(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:

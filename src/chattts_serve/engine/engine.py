@@ -101,7 +101,7 @@ class Engine:
         return cls(model, tokenizer, stats, config, layout)
 
     @property
-    def max_batch_size(self) -> int:
+    def max_num_seqs(self) -> int:
         return self.core.scheduler.config.max_num_seqs
 
     @property

@@ -45,8 +45,6 @@ from torch import nn
 from .config import PRECISIONS
 from .linear import on_rows, swap_linears_
 
-_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-
 
 @dataclass(frozen=True, slots=True)
 class PrecisionSpec:
@@ -73,13 +71,10 @@ assert tuple(_MODES) == PRECISIONS
 SPECS = {name: PrecisionSpec(name, *_MODES[name]) for name in PRECISIONS}
 
 
-def parse_precision(value: str | torch.dtype) -> PrecisionSpec:
-    """A mode name (or a float dtype / its name, for the older ``dtype=`` arguments)."""
-    if isinstance(value, torch.dtype):
-        value = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(value, str(value))
-    name = _ALIASES.get(str(value).lower(), str(value).lower())
+def parse_precision(name: str) -> PrecisionSpec:
+    """The spec of a mode name (one of ``PRECISIONS``)."""
     if name not in SPECS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {value!r}")
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
     return SPECS[name]
 
 

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..sampling_params import OPTION_BOUNDS as _B
+
 AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 MEDIA_TYPES: dict[str, str] = {
     "mp3": "audio/mpeg",
@@ -25,25 +27,26 @@ class _Strict(BaseModel):
 
 
 class ChatTTSOptions(_Strict):
-    """ChatTTS sampling parameters; every field is optional (None: the engine's default)."""
+    """ChatTTS sampling parameters; every field is optional (None: the engine's default, in
+    ``SamplingParams``). Names and bounds are ``sampling_params``' (``OPTION_BOUNDS``)."""
 
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    temperature: float | None = Field(None, gt=0, le=5)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, le=1000)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    min_new_tokens: int | None = Field(None, ge=0, le=4096)
-    max_new_tokens: int | None = Field(None, ge=1, le=4096)
-    prompt: str | None = Field(None, max_length=256)
+    seed: int | None = Field(None, **_B["seed"])
+    temperature: float | None = Field(None, **_B["temperature"])
+    top_p: float | None = Field(None, **_B["top_p"])
+    top_k: int | None = Field(None, **_B["top_k"])
+    repetition_penalty: float | None = Field(None, **_B["repetition_penalty"])
+    min_new_tokens: int | None = Field(None, **_B["min_new_tokens"])
+    max_new_tokens: int | None = Field(None, **_B["max_new_tokens"])
+    prompt: str | None = Field(None, **_B["prompt"])
     refine_text: bool | None = None
-    refine_prompt: str | None = Field(None, max_length=256)
-    refine_temperature: float | None = Field(None, gt=0, le=5)
-    refine_top_p: float | None = Field(None, gt=0, le=1)
-    refine_top_k: int | None = Field(None, ge=0, le=1000)
-    refine_max_new_tokens: int | None = Field(None, ge=1, le=2048)
+    refine_prompt: str | None = Field(None, **_B["refine_prompt"])
+    refine_temperature: float | None = Field(None, **_B["refine_temperature"])
+    refine_top_p: float | None = Field(None, **_B["refine_top_p"])
+    refine_top_k: int | None = Field(None, **_B["refine_top_k"])
+    refine_max_new_tokens: int | None = Field(None, **_B["refine_max_new_tokens"])
     do_text_normalization: bool | None = None
     do_homophone_replacement: bool | None = None
-    lang: Literal["zh", "en"] | None = None
+    lang: Literal["zh", "en"] | None = None  # sampling_params.LANGS
     split_text: bool | None = None
     first_sentence_voice: bool | None = None
     """With split text: speak the first sentence first and take every sentence's voice from it."""
