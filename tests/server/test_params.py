@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chattts_serve.audio.policy import StreamPolicy
+from chattts_serve.sampling_params import RefineParams
 from chattts_serve.server.errors import APIError
 from chattts_serve.server.params import (
     ResolvedVoice,
@@ -71,6 +72,14 @@ def test_request_options_win_over_server_defaults():
     params = build_params(ChatTTSOptions(temperature=0.9), ResolvedVoice(speaker=SPEAKER), defaults=defaults)
     assert (params.seed, params.temperature, params.prompt, params.speaker) == (7, 0.9, "[speed_2]", SPEAKER)
     assert build_params(ChatTTSOptions(), ResolvedVoice()).prompt == "[speed_5]"  # no defaults: SamplingParams'
+
+
+def test_every_refine_option_reaches_the_params():
+    opts = ChatTTSOptions(
+        refine_prompt="[oral_2]", refine_temperature=0.5, refine_top_p=0.9, refine_top_k=5,
+        refine_repetition_penalty=1.1, refine_min_new_tokens=2, refine_max_new_tokens=100, refine_seed=3,
+    )  # fmt: skip
+    assert build_params(opts, ResolvedVoice()).refine == RefineParams("[oral_2]", 0.5, 0.9, 5, 1.1, 2, 100, 3)
 
 
 def test_implied_prompt_beats_defaults_but_not_the_requests_own():

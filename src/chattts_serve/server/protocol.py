@@ -43,7 +43,11 @@ class ChatTTSOptions(_Strict):
     refine_temperature: float | None = Field(None, **_B["refine_temperature"])
     refine_top_p: float | None = Field(None, **_B["refine_top_p"])
     refine_top_k: int | None = Field(None, **_B["refine_top_k"])
+    refine_repetition_penalty: float | None = Field(None, **_B["refine_repetition_penalty"])
+    refine_min_new_tokens: int | None = Field(None, **_B["refine_min_new_tokens"])
     refine_max_new_tokens: int | None = Field(None, **_B["refine_max_new_tokens"])
+    refine_seed: int | None = Field(None, **_B["refine_seed"])
+    """The refine pass's own seed (None: the request's ``seed``)."""
     do_text_normalization: bool | None = None
     do_homophone_replacement: bool | None = None
     lang: Literal["zh", "en"] | None = None  # sampling_params.LANGS
@@ -51,7 +55,9 @@ class ChatTTSOptions(_Strict):
     first_sentence_voice: bool | None = None
     """With split text: speak the first sentence first and take every sentence's voice from it."""
 
-    @field_validator("temperature", "top_p", "repetition_penalty", "refine_temperature", "refine_top_p")
+    @field_validator(
+        "temperature", "top_p", "repetition_penalty", "refine_temperature", "refine_top_p", "refine_repetition_penalty"
+    )
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):
