@@ -21,6 +21,7 @@ from chattts_serve.distributed.tenants import (
     TokenBucket,
     request_key,
 )
+from chattts_serve.server.limits import synthesis, synthesis_routes
 
 
 class Clock:
@@ -161,6 +162,7 @@ def test_request_key_header_and_websocket_query():
 
 
 def _app(config: TenantsConfig, release: asyncio.Event) -> Starlette:
+    @synthesis
     async def speech(request):
         await release.wait()
         return JSONResponse({"tenant": request.scope["state"].get("tenant")})
@@ -169,6 +171,7 @@ def _app(config: TenantsConfig, release: asyncio.Event) -> Starlette:
         return JSONResponse({"ok": True})
 
     app = Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]), Route("/v1/voices", voices)])
+    app.state.synthesis_routes = synthesis_routes(app.routes)
     app.add_middleware(TenantLimits, config=config, max_wait_s=5)
     return app
 
@@ -203,27 +206,19 @@ def test_middleware_answers_429_to_the_tenant_over_its_cap_only():
     asyncio.run(run())
 
 
-def test_synthesis_paths_inside_a_route_prefix():
-    from chattts_serve.distributed.tenants import is_synthesis
-
-    assert is_synthesis({"type": "http", "path": "/v1/tts"})
-    assert is_synthesis({"type": "http", "path": "/tenants/vip/v1/tts", "root_path": "/tenants/vip"})
-    assert is_synthesis({"type": "websocket", "path": "/t/v1/tts/stream", "root_path": "/t"})
-    assert not is_synthesis({"type": "http", "path": "/tenants/vip/v1/voices", "root_path": "/tenants/vip"})
-    assert not is_synthesis({"type": "http", "path": "/tenants/vip/v1/tts"})  # prefix not stripped: another app
-
-
 def test_a_websocket_over_its_tenant_limit_gets_an_error_event_and_1013():
     from starlette.routing import WebSocketRoute
     from starlette.testclient import TestClient
     from starlette.websockets import WebSocket
 
+    @synthesis
     async def stream(ws: WebSocket):
         await ws.accept()
         await ws.send_json({"type": "end"})
         await ws.close()
 
     app = Starlette(routes=[WebSocketRoute("/v1/tts/stream", stream)])
+    app.state.synthesis_routes = synthesis_routes(app.routes)
     config = TenantsConfig((Tenant("t", ("k",), rate_per_s=0.001, burst=1),))
     app.add_middleware(TenantLimits, config=config, max_wait_s=1)
     with TestClient(app) as client:

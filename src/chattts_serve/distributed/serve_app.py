@@ -31,12 +31,13 @@ from starlette.middleware import Middleware
 
 from ..server.app import create_app
 from ..server.config import resolve_device
+from ..server.limits import is_synthesis
 from .cluster import connect
 from .memory import cap_device_memory
 from .metrics_export import RayMetricsMirror
 from .recycling import Recycler
 from .settings import ServeSettings, plan_applications, threads_per_replica
-from .tenants import TenantLimits, is_synthesis
+from .tenants import TenantLimits
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ a tenant's cluster-wide concurrency is ``max_concurrent`` x replicas. A request 
 request waiting in its tenant's queue holds no KV slot. ``dedicated`` tenants get their own Serve
 application and replicas (see ``settings.plan_applications``).
 
-Only synthesis (speech, /v1/tts, the WebSocket) is limited; voices, models, health and metrics are not.
+Only synthesis (the routes tagged ``server.limits.synthesis``: speech, /v1/tts, the WebSocket) is limited;
+voices, models, health and metrics are not.
 """
 
 from __future__ import annotations
@@ -31,12 +32,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+from ..server.limits import is_synthesis
 from ..server.openapi import error_response
 from ..server.service import key_matches
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-LIMITED_PATHS = {("http", "/v1/audio/speech"), ("http", "/v1/tts"), ("websocket", "/v1/tts/stream")}
-"""(scope type, path) of the routes that synthesise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,16 +264,6 @@ class TenantMetrics:
             in_flight.add_metric([name], gate.in_flight)
             queued.add_metric([name], gate.num_queued)
         return [in_flight, queued]
-
-
-def route_path(scope) -> str:
-    """The path inside the app: Serve mounts an application under its route prefix (``root_path``)."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
-
-
-def is_synthesis(scope) -> bool:
-    return (scope["type"], route_path(scope)) in LIMITED_PATHS
 
 
 def request_key(scope) -> str | None:

@@ -24,7 +24,7 @@ from ..sampling_params import SamplingParams
 from . import native, openai_routes, openapi, voices_routes, websocket
 from .config import ServerConfig, resolve_device
 from .errors import APIError, ClientGone, ResponseCut
-from .limits import Limits
+from .limits import Limits, synthesis_routes
 from .logs import REQUEST_ID
 from .metrics import Metrics
 from .openapi import error_response
@@ -143,10 +143,10 @@ def create_app(
     async def playground():
         return (resources.files("chattts_serve.server") / "static" / "index.html").read_text("utf-8")
 
-    app.include_router(openai_routes.router)
-    app.include_router(native.router)
-    app.include_router(websocket.router)
-    app.include_router(voices_routes.router)
+    routers = (openai_routes.router, native.router, websocket.router, voices_routes.router)
+    for router in routers:
+        app.include_router(router)
+    app.state.synthesis_routes = synthesis_routes(route for router in routers for route in router.routes)
     openapi.install(app)
     return app
 

@@ -55,6 +55,7 @@ from ..audio.encode import StreamingEncoder
 from ..engine.outputs import RequestOutput
 from ..model.config import SAMPLE_RATE
 from .errors import APIError
+from .limits import synthesis
 from .native import _voice_and_params
 from .protocol import TTSRequest
 from .service import key_matches
@@ -79,6 +80,7 @@ _CLOSE_CODES = {
 
 
 @router.websocket("/v1/tts/stream")
+@synthesis
 async def tts_stream(ws: WebSocket):
     cfg = ws.app.state.config
     if not _handshake_allowed(ws.headers, cfg):
