@@ -1,5 +1,6 @@
 """Tenant limits without Ray: the config, the token bucket, the gate (rate, concurrency, FIFO queue, queue
-wait) and the ASGI middleware on a small app (429 with Retry-After, another tenant still served)."""
+wait), the ASGI middleware on a small app (429 with Retry-After, another tenant still served), and two tenants
+on the app as a replica builds it, in this process, against every key trick."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from chattts_serve.distributed.tenants import (
     TenantLimits,
     TenantsConfig,
     TokenBucket,
-    request_key,
 )
+from chattts_serve.server.auth import Authenticate
+from chattts_serve.server.config import ServerConfig
+from chattts_serve.server.limits import synthesis, synthesis_routes
 
 
 class Clock:
@@ -41,9 +44,10 @@ def test_config_round_trip_and_key_lookup(tmp_path):
     path = tmp_path / "tenants.json"
     path.write_text(json.dumps(data))
     config = TenantsConfig.load(path)
-    assert config.tenant_for("a2").name == "acme"
-    assert config.tenant_for("v").name == "vip"
-    assert config.tenant_for("nope") is None
+    ring = config.key_ring()
+    assert ring.owner("a2") == (True, "acme")
+    assert ring.owner("v") == (True, "vip")
+    assert ring.owner("nope") == (False, None)
     assert config.api_keys == ("a1", "a2", "v")
     assert TenantsConfig.from_dict(config.to_dict()) == config
     assert config.tenants[0].bucket_size == 1  # ceil(0.5), at least 1
@@ -154,13 +158,18 @@ def test_gate_queue_wait_times_out_and_cancelled_waiters_leave():
     asyncio.run(run())
 
 
-def test_request_key_header_and_websocket_query():
-    assert request_key({"type": "http", "headers": [(b"authorization", b"Bearer abc")]}) == "abc"
-    assert request_key({"type": "http", "headers": [], "query_string": b"api_key=abc"}) is None
-    assert request_key({"type": "websocket", "headers": [], "query_string": b"api_key=abc"}) == "abc"
+def _limited(app: Starlette, config: TenantsConfig, max_wait_s: float = 5, keys=None) -> Starlette:
+    """``app`` behind the tenant limits and ``server.auth`` (which names each request's tenant), as
+    ``create_app`` stacks them; ``keys``: other keys for ``auth`` than the tenants'."""
+    app.state.config = ServerConfig()
+    app.state.synthesis_routes = synthesis_routes(app.routes)
+    app.add_middleware(TenantLimits, config=config, max_wait_s=max_wait_s)
+    app.add_middleware(Authenticate, keys=config.key_ring() if keys is None else keys)
+    return app
 
 
 def _app(config: TenantsConfig, release: asyncio.Event) -> Starlette:
+    @synthesis
     async def speech(request):
         await release.wait()
         return JSONResponse({"tenant": request.scope["state"].get("tenant")})
@@ -168,9 +177,9 @@ def _app(config: TenantsConfig, release: asyncio.Event) -> Starlette:
     async def voices(request):
         return JSONResponse({"ok": True})
 
-    app = Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]), Route("/v1/voices", voices)])
-    app.add_middleware(TenantLimits, config=config, max_wait_s=5)
-    return app
+    return _limited(
+        Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]), Route("/v1/voices", voices)]), config
+    )
 
 
 def test_middleware_answers_429_to_the_tenant_over_its_cap_only():
@@ -203,29 +212,19 @@ def test_middleware_answers_429_to_the_tenant_over_its_cap_only():
     asyncio.run(run())
 
 
-def test_synthesis_paths_inside_a_route_prefix():
-    from chattts_serve.distributed.tenants import is_synthesis
-
-    assert is_synthesis({"type": "http", "path": "/v1/tts"})
-    assert is_synthesis({"type": "http", "path": "/tenants/vip/v1/tts", "root_path": "/tenants/vip"})
-    assert is_synthesis({"type": "websocket", "path": "/t/v1/tts/stream", "root_path": "/t"})
-    assert not is_synthesis({"type": "http", "path": "/tenants/vip/v1/voices", "root_path": "/tenants/vip"})
-    assert not is_synthesis({"type": "http", "path": "/tenants/vip/v1/tts"})  # prefix not stripped: another app
-
-
 def test_a_websocket_over_its_tenant_limit_gets_an_error_event_and_1013():
     from starlette.routing import WebSocketRoute
     from starlette.testclient import TestClient
     from starlette.websockets import WebSocket
 
+    @synthesis
     async def stream(ws: WebSocket):
         await ws.accept()
         await ws.send_json({"type": "end"})
         await ws.close()
 
-    app = Starlette(routes=[WebSocketRoute("/v1/tts/stream", stream)])
     config = TenantsConfig((Tenant("t", ("k",), rate_per_s=0.001, burst=1),))
-    app.add_middleware(TenantLimits, config=config, max_wait_s=1)
+    app = _limited(Starlette(routes=[WebSocketRoute("/v1/tts/stream", stream)]), config, max_wait_s=1)
     with TestClient(app) as client:
         with client.websocket_connect("/v1/tts/stream?api_key=k") as ws:
             assert ws.receive_json() == {"type": "end"}
@@ -234,3 +233,139 @@ def test_a_websocket_over_its_tenant_limit_gets_an_error_event_and_1013():
             assert event["type"] == "error" and event["code"] == "tenant_rate_limited" and event["fatal"]
             closed = ws.receive()
             assert closed["type"] == "websocket.close" and closed["code"] == 1013
+
+
+def test_a_key_of_no_tenant_is_refused_not_served_unlimited():
+    """Should ``auth`` ever let in a key of no tenant (an app built with other keys), the limits refuse it."""
+    from starlette.routing import WebSocketRoute
+    from starlette.testclient import TestClient
+
+    from chattts_serve.server.auth import KeyRing
+
+    @synthesis
+    async def speech(request):
+        return JSONResponse({"tenant": request.scope["state"].get("tenant")})
+
+    @synthesis
+    async def stream(ws):
+        await ws.accept()
+        await ws.close()
+
+    config = TenantsConfig((Tenant("t", ("k",), max_concurrent=1),))
+    routes = [Route("/v1/audio/speech", speech, methods=["POST"]), WebSocketRoute("/v1/tts/stream", stream)]
+    app = _limited(Starlette(routes=routes), config, keys=KeyRing((("k", "t"), ("other", None))))
+    with TestClient(app) as client:
+        assert client.post("/v1/audio/speech", headers={"Authorization": "Bearer k"}).json() == {"tenant": "t"}
+        r = client.post("/v1/audio/speech", headers={"Authorization": "Bearer other"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with client.websocket_connect("/v1/tts/stream?api_key=other") as ws:
+            assert ws.receive_json()["code"] == "invalid_api_key"
+            assert ws.receive()["code"] == 1008
+
+
+# ------------------------------------------------------------------ two tenants on the replica's app, in process
+# The app as ``ChatTTSReplica`` builds it (``replica_app_options``), driven by TestClient: tenant "small" has two
+# keys and room for one stream, no queue; "big" has room for four; "vip" has its own application (not this one).
+
+FIXED = {"seed": 1, "refine_text": False, "min_new_tokens": 4, "max_new_tokens": 4}
+TTS = {"text": "你好。", "format": "pcm", **FIXED}
+BASIC = ("Authorization", "Basic eDp5")
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_ckpt, tmp_path_factory):
+    from fastapi.testclient import TestClient
+
+    from chattts_serve.distributed.settings import ServeSettings
+    from chattts_serve.distributed.tenants import replica_app_options
+    from chattts_serve.server.app import create_app
+
+    tenants = TenantsConfig(
+        (
+            Tenant("small", ("s1", "s2"), max_concurrent=1, max_queued=0),
+            Tenant("big", ("b1",), max_concurrent=4),
+            Tenant("vip", ("v1",), dedicated={"num_replicas": 1}),
+        )
+    )
+    db = tmp_path_factory.mktemp("tenants-inproc") / "voices.sqlite3"
+    server = {"model": str(tiny_ckpt), "device": "cpu", "voices_db": str(db), "warmup": False}
+    settings = ServeSettings(server=server, tenants=tenants)
+    config = settings.server_config()
+    app = create_app(config, **replica_app_options(settings.served_tenants, config.timeouts.queue_wait_s))
+    with TestClient(app) as client:
+        yield client
+
+
+def _tts(client, key: str | None = None, headers=(), query: str = ""):
+    headers = [*headers, ("Authorization", f"Bearer {key}")] if key else list(headers)
+    return client.post("/v1/tts?" + query, json=TTS, headers=httpx.Headers(headers))
+
+
+def _ws_first_event(client, query: str, headers=()) -> tuple[dict, int | None]:
+    """Open a session, send its start; (the first event, the close code if the server closed right after)."""
+    with client.websocket_connect("/v1/tts/stream?" + query, headers=httpx.Headers(list(headers))) as ws:
+        ws.send_json({"type": "start", "format": "pcm", **FIXED})
+        event = ws.receive_json()
+        if event["type"] != "error":
+            ws.send_json({"type": "end"})
+            return event, None
+        return event, ws.receive()["code"]
+
+
+def test_only_the_served_tenants_keys_are_accepted(replica):
+    assert len(_tts(replica, "s2").content) > 0
+    assert _tts(replica, "b1").status_code == 200
+    for key in ("v1", "junk", None):  # vip is another application's tenant
+        r = _tts(replica, key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        event, code = _ws_first_event(replica, f"api_key={key}" if key else "")
+        assert (event["code"], code) == ("invalid_api_key", 1008)
+
+
+# (headers, query, the refusal's code) of POST /v1/tts while tenant small's one stream is taken
+HTTP_TRICKS = [
+    ([], "", "invalid_api_key"),
+    ([("Authorization", "Bearer s1")], "", "tenant_capacity"),
+    ([("Authorization", "Bearer s2")], "", "tenant_capacity"),  # the tenant's other key
+    ([("Authorization", "Bearer s2")], "api_key=s2", "tenant_capacity"),
+    ([], "api_key=s2", "invalid_api_key"),
+    ([("Authorization", "Bearer junk")], "api_key=s2", "invalid_api_key"),
+    ([BASIC, ("Authorization", "Bearer junk")], "api_key=s2", "invalid_api_key"),
+    ([("Authorization", "Bearer s1"), ("Authorization", "Bearer b1")], "", "invalid_api_key"),
+    ([("Authorization", "Bearer s2")], "api_key=junk&api_key=s2", "invalid_api_key"),
+    ([("Authorization", "Bearer s2")], "api_key=b1", "invalid_api_key"),
+    ([BASIC], "api_key=s2", "invalid_api_key"),
+]
+# (query, headers, the refusal's code) of a WebSocket session meanwhile
+WS_TRICKS = [
+    ("", [], "invalid_api_key"),
+    ("api_key=s1", [], "tenant_capacity"),
+    ("api_key=s2", [], "tenant_capacity"),
+    ("", [("Authorization", "Bearer s2")], "tenant_capacity"),
+    ("api_key=s2", [BASIC], "tenant_capacity"),
+    ("api_key=junk&api_key=s2", [], "invalid_api_key"),
+    ("api_key=s2&api_key=junk", [], "invalid_api_key"),
+    ("api_key=junk&api_k%65y=s2", [], "invalid_api_key"),
+    ("api_key=s2", [BASIC, ("Authorization", "Bearer junk")], "invalid_api_key"),
+    ("api_key=s2", [("Authorization", "Bearer junk")], "invalid_api_key"),
+    ("api_key=s2", [("Authorization", "Bearer b1")], "invalid_api_key"),
+    ("api_key=b1", [("Authorization", "Bearer s2")], "invalid_api_key"),
+]
+CLOSE = {"invalid_api_key": 1008, "tenant_capacity": 1013}
+
+
+def test_a_tenant_at_its_cap_gets_no_second_stream_by_any_key_trick(replica):
+    with replica.websocket_connect("/v1/tts/stream?api_key=s1") as held:
+        held.send_json({"type": "start", "format": "pcm", **FIXED})
+        assert held.receive_json()["type"] == "start"  # small's one stream is open (and idle)
+        for headers, query, code in HTTP_TRICKS:
+            r = _tts(replica, headers=headers, query=query)
+            assert r.status_code == (429 if code == "tenant_capacity" else 401), (headers, query, r.text)
+            assert r.json()["error"]["code"] == code
+        for query, headers, code in WS_TRICKS:
+            event, closed = _ws_first_event(replica, query, headers)
+            assert (event["type"], event["code"], closed) == ("error", code, CLOSE[code]), (query, headers, event)
+        assert _tts(replica, "b1").status_code == 200  # the other tenant is served meanwhile
+        held.send_json({"type": "end"})
+        assert held.receive_json()["type"] == "end"
+    assert _tts(replica, "s2").status_code == 200  # the stream is over: the slot is free again

@@ -146,3 +146,150 @@ def test_keys_never_reach_the_log(tiny_ckpt, tmp_path):
         log = srv.log()
     assert "/v1/models" in log  # requests are logged ...
     assert key not in log  # ... but never a key
+
+
+# ------------------------------------------------------------------ one key parser (server/auth.py), in process
+# The app in this process (TestClient: HTTP and WebSocket scopes without sockets), keys "k1" and "k2".
+
+
+def _scope(kind: str, headers: list[tuple[str, str]] = (), query: str = "") -> dict:
+    raw = [(n.lower().encode("latin-1"), v.encode("latin-1")) for n, v in headers]
+    return {"type": kind, "headers": raw, "query_string": query.encode("latin-1")}
+
+
+BASIC = ("Authorization", "Basic eDp5")
+
+
+@pytest.mark.parametrize(
+    ("kind", "headers", "query", "key", "ambiguous"),
+    [
+        ("http", [("Authorization", "Bearer k1")], "", "k1", False),
+        ("http", [("Authorization", "bearer  k1 ")], "", "k1", False),
+        ("http", [], "api_key=k1", None, False),  # over HTTP a key in the URL counts for nothing
+        ("http", [BASIC], "api_key=k1", None, False),
+        ("http", [("Authorization", "Bearer k1")], "api_key=k1", "k1", False),
+        ("websocket", [], "api_key=k1", "k1", False),
+        ("websocket", [BASIC], "api_key=k1", "k1", False),  # a Basic header names no key of ours
+        ("websocket", [("Authorization", "Bearer k1")], "api_key=k1", "k1", False),
+        ("http", [BASIC, ("Authorization", "Bearer k1")], "", None, True),
+        ("http", [("Authorization", "Bearer k1"), ("Authorization", "Bearer k1")], "", None, True),
+        ("websocket", [BASIC, ("Authorization", "Bearer junk")], "api_key=k1", None, True),
+        ("websocket", [("Authorization", "Basic eDp5, Bearer junk")], "api_key=k1", None, True),  # folded
+        ("websocket", [], "api_key=junk&api_key=k1", None, True),
+        ("websocket", [], "api_key=k1&api_key=k1", None, True),
+        ("websocket", [], "api_key=junk&api_k%65y=k1", None, True),  # the name is compared decoded
+        ("http", [("Authorization", "Bearer k1")], "api_key=k1&api_key=k1", None, True),
+        ("http", [("Authorization", "Bearer k1")], "api_key=k2", None, True),
+        ("websocket", [("Authorization", "Bearer junk")], "api_key=k1", None, True),
+    ],
+)
+def test_read_key(kind, headers, query, key, ambiguous):
+    from chattts_serve.server.auth import read_key
+
+    got, problem = read_key(_scope(kind, headers, query))
+    assert got == key and bool(problem) == ambiguous, (got, problem)
+    assert "k1" not in problem and "junk" not in problem  # a refusal never quotes a key
+
+
+def test_resolve_with_keys_and_with_tenants():
+    from chattts_serve.server.auth import KeyRing, Principal, resolve
+
+    bearer = _scope("http", [("Authorization", "Bearer k1")])
+    assert resolve(bearer, KeyRing()) == Principal(True, True)  # no keys: nothing is refused
+    assert resolve(_scope("http", [BASIC, BASIC]), KeyRing()).authorized
+    plain = KeyRing.from_keys(("k1", "k2"))
+    assert resolve(bearer, plain) == Principal(True, True, None)
+    assert resolve(_scope("http"), plain) == Principal(False, False, problem="missing or invalid API key")
+    assert not resolve(_scope("websocket", query="api_key=k3"), plain).authorized
+    tenants = KeyRing.from_tenants({"a": ("k1",), "b": ("k2", "k3")})
+    assert resolve(_scope("websocket", query="api_key=k3"), tenants) == Principal(True, True, "b")
+    assert resolve(bearer, tenants).tenant == "a"
+    assert not resolve(_scope("http", [("Authorization", "Bearer k4")]), tenants).authorized
+    assert not resolve(bearer, KeyRing.from_tenants({})).authorized  # tenants, none served: every key refused
+
+
+@pytest.fixture(scope="module")
+def local(tiny_ckpt, tmp_path_factory):
+    from fastapi.testclient import TestClient
+
+    from chattts_serve.server.app import create_app
+    from chattts_serve.server.config import ServerConfig
+
+    db = tmp_path_factory.mktemp("auth-inproc") / "voices.sqlite3"
+    config = ServerConfig.from_flat(
+        model=str(tiny_ckpt), device="cpu", voices_db=str(db), warmup=False, api_keys=("k1", "k2")
+    )
+    with TestClient(create_app(config)) as client:
+        yield client
+
+
+# (headers, query, status of GET /v1/models)
+HTTP_CASES = [
+    ([("Authorization", "Bearer k1")], "", 200),
+    ([("Authorization", "Bearer k1")], "api_key=k1", 200),  # the same key twice says one thing
+    ([], "api_key=k1", 401),
+    ([BASIC], "api_key=k1", 401),
+    ([BASIC, ("Authorization", "Bearer k1")], "", 401),
+    ([("Authorization", "Bearer k1"), ("Authorization", "Bearer k1")], "", 401),
+    ([("Authorization", "Bearer junk")], "api_key=k1", 401),
+    ([("Authorization", "Bearer k1")], "api_key=k2", 401),  # two good keys that disagree
+    ([("Authorization", "Bearer k1")], "api_key=junk&api_key=k1", 401),
+    ([("Authorization", "Bearer k3")], "", 401),
+]
+
+
+@pytest.mark.parametrize(("headers", "query", "status"), HTTP_CASES)
+def test_http_key_rules(local, headers, query, status):
+    r = local.get("/v1/models?" + query, headers=httpx.Headers(headers))
+    if status == 200:
+        assert r.status_code == 200, r.text
+        return
+    err = check_openai_error(r, 401)
+    assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+    assert "k1" not in err["message"] and "junk" not in err["message"]
+    assert r.headers.get("x-request-id")
+
+
+def test_public_paths_ignore_credentials(local):
+    both = httpx.Headers([BASIC, ("Authorization", "Bearer junk")])
+    assert local.get("/health?api_key=a&api_key=b", headers=both).status_code == 200
+
+
+def _ws_open(client, query: str, headers: list[tuple[str, str]]) -> tuple[list[dict], int]:
+    """Start a session (no text), end it; (events, close code)."""
+    events = []
+    with client.websocket_connect("/v1/tts/stream?" + query, headers=httpx.Headers(headers)) as ws:
+        ws.send_json({"type": "start", "format": "pcm", **FIXED})
+        while True:
+            msg = ws.receive()
+            if msg["type"] == "websocket.close":
+                return events, msg["code"]
+            if msg.get("text") is not None:
+                events.append(json.loads(msg["text"]))
+                if events[-1]["type"] == "start":
+                    ws.send_json({"type": "end"})
+
+
+WS_CASES = [
+    ("api_key=k1", [], True),
+    ("", [("Authorization", "Bearer k2")], True),
+    ("api_key=k1", [BASIC], True),
+    ("api_key=k1", [("Authorization", "Bearer k1")], True),
+    ("", [], False),
+    ("api_key=k3", [], False),
+    ("api_key=junk&api_key=k1", [], False),
+    ("api_key=k1&api_key=k1", [], False),
+    ("api_key=k1", [BASIC, ("Authorization", "Bearer junk")], False),
+    ("api_key=k1", [("Authorization", "Bearer k2")], False),
+    ("api_key=k1", [("Authorization", "Bearer junk")], False),
+]
+
+
+@pytest.mark.parametrize(("query", "headers", "ok"), WS_CASES)
+def test_websocket_key_rules(local, query, headers, ok):
+    events, code = _ws_open(local, query, headers)
+    if ok:
+        assert [e["type"] for e in events] == ["start", "end"] and code == 1000, events
+        return
+    assert len(events) == 1 and code == 1008, events
+    assert events[0]["type"] == "error" and events[0]["code"] == "invalid_api_key" and "key" in events[0]["message"]

@@ -27,16 +27,16 @@ from typing import Any
 import ray
 from ray import serve
 from starlette.datastructures import MutableHeaders
-from starlette.middleware import Middleware
 
 from ..server.app import create_app
 from ..server.config import resolve_device
+from ..server.limits import is_synthesis
 from .cluster import connect
 from .memory import cap_device_memory
 from .metrics_export import RayMetricsMirror
 from .recycling import Recycler
 from .settings import ServeSettings, plan_applications, threads_per_replica
-from .tenants import TenantLimits, is_synthesis
+from .tenants import replica_app_options
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +93,8 @@ class ChatTTSReplica:
         context = serve.get_replica_context()
         self.replica = f"{context.replica_id.unique_id}/{os.getpid()}"
         self.recycler = Recycler(self.settings.recycle)
-        tenants = self.settings.served_tenants
-        middleware = []
-        if tenants is not None:
-            middleware.append(Middleware(TenantLimits, config=tenants, max_wait_s=self.config.timeouts.queue_wait_s))
-        self.asgi = create_app(self.config, middleware=middleware)
+        options = replica_app_options(self.settings.served_tenants, self.config.timeouts.queue_wait_s)
+        self.asgi = create_app(self.config, **options)
         self.asgi.add_middleware(ReplicaContext, replica=self.replica, recycler=self.recycler)
         self._mirror = asyncio.get_running_loop().create_task(self._export_metrics())
 

@@ -14,7 +14,9 @@ a tenant's cluster-wide concurrency is ``max_concurrent`` x replicas. A request 
 request waiting in its tenant's queue holds no KV slot. ``dedicated`` tenants get their own Serve
 application and replicas (see ``settings.plan_applications``).
 
-Only synthesis (speech, /v1/tts, the WebSocket) is limited; voices, models, health and metrics are not.
+Only synthesis (the routes tagged ``server.limits.synthesis``: speech, /v1/tts, the WebSocket) is limited;
+voices, models, health and metrics are not. Which tenant a request is comes from ``server.auth``, which
+resolved its key once (``TenantsConfig.key_ring`` gives ``create_app`` the keys and their tenants).
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
 
+from starlette.middleware import Middleware
+
+from ..server import auth
+from ..server.limits import is_synthesis
 from ..server.openapi import error_response
-from ..server.service import key_matches
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-LIMITED_PATHS = {("http", "/v1/audio/speech"), ("http", "/v1/tts"), ("websocket", "/v1/tts/stream")}
-"""(scope type, path) of the routes that synthesise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,13 +134,9 @@ class TenantsConfig:
     def subset(self, names: tuple[str, ...]) -> TenantsConfig:
         return TenantsConfig(tuple(t for t in self.tenants if t.name in names))
 
-    def tenant_for(self, key: str) -> Tenant | None:
-        """The tenant owning ``key``; every tenant's keys are compared in constant time."""
-        found = None
-        for t in self.tenants:
-            if key_matches(key, t.api_keys):
-                found = t
-        return found
+    def key_ring(self) -> auth.KeyRing:
+        """The keys ``server.auth`` accepts: only these tenants' keys, each with its tenant."""
+        return auth.KeyRing.from_tenants({t.name: t.api_keys for t in self.tenants})
 
 
 class TenantLimited(Exception):
@@ -266,35 +264,11 @@ class TenantMetrics:
         return [in_flight, queued]
 
 
-def route_path(scope) -> str:
-    """The path inside the app: Serve mounts an application under its route prefix (``root_path``)."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root) :] if root and path.startswith(root) else path
-
-
-def is_synthesis(scope) -> bool:
-    return (scope["type"], route_path(scope)) in LIMITED_PATHS
-
-
-def request_key(scope) -> str | None:
-    """The API key of a request: ``Authorization: Bearer`` (HTTP and WebSocket) or, on a WebSocket only,
-    ``?api_key=`` (browsers cannot set headers there)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            text = value.decode("latin-1")
-            if text.lower().startswith("bearer "):
-                return text[7:].strip()
-    if scope["type"] == "websocket":
-        values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
-        if values:
-            return values[0]
-    return None
-
-
 class TenantLimits:
     """ASGI middleware: each synthesis request takes its tenant's limits (rate, concurrency, queue) for its
-    whole life, the streamed body included. Placed inside the server's request context, after the API key
-    check, so every request here carries a valid key; a key of no tenant passes unlimited."""
+    whole life, the streamed body included. Placed inside ``server.auth.Authenticate``, whose principal names
+    the tenant; a synthesis request without one of these tenants (an app built without ``key_ring``'s keys)
+    is refused as a bad key, never served unlimited."""
 
     def __init__(self, app, config: TenantsConfig, max_wait_s: float, clock: Callable[[], float] = time.monotonic):
         self.app, self.config = app, config
@@ -312,11 +286,11 @@ class TenantLimits:
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket") or not is_synthesis(scope):
             return await self.app(scope, receive, send)
-        key = request_key(scope)
-        tenant = self.config.tenant_for(key) if key is not None else None
-        if tenant is None:
-            return await self.app(scope, receive, send)
-        gate, metrics = self.gates[tenant.name], self._metrics(scope)
+        who = auth.principal(scope)
+        gate = self.gates.get(who.tenant) if who is not None and who.authorized and who.tenant else None
+        if gate is None:
+            return await auth.refuse(scope, receive, send)
+        tenant, metrics = gate.tenant, self._metrics(scope)
         try:
             await gate.acquire()
         except TenantLimited as exc:
@@ -331,6 +305,14 @@ class TenantLimits:
             await self.app(scope, receive, send)
         finally:
             gate.release()
+
+
+def replica_app_options(tenants: TenantsConfig | None, max_wait_s: float) -> dict[str, Any]:
+    """``create_app``'s keyword arguments for an app serving ``tenants``: only their keys are accepted,
+    each naming its tenant, and each synthesis request is under its tenant's limits (none: no tenants)."""
+    if tenants is None:
+        return {}
+    return {"middleware": [Middleware(TenantLimits, config=tenants, max_wait_s=max_wait_s)], "keys": tenants.key_ring()}
 
 
 async def _refuse(scope, receive, send, exc: TenantLimited) -> None:

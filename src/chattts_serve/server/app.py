@@ -22,28 +22,31 @@ from starlette.middleware import Middleware
 from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
 from . import native, openai_routes, openapi, voices_routes, websocket
+from .auth import Authenticate, KeyRing
 from .config import ServerConfig, resolve_device
 from .errors import APIError, ClientGone, ResponseCut
-from .limits import Limits
+from .limits import Limits, synthesis_routes
 from .logs import REQUEST_ID
 from .metrics import Metrics
 from .openapi import error_response
-from .service import key_matches
 from .timeouts import BodyReader
 from .voices import VoiceStore
 from .wyoming import WyomingServer
 
 logger = logging.getLogger("chattts_serve.server")
 
-PUBLIC_PATHS = ("/health", "/")  # the playground page is static HTML; it sends the key with its requests
-
 
 def create_app(
-    config: ServerConfig, engine: AsyncEngine | None = None, *, middleware: Sequence[Middleware] = ()
+    config: ServerConfig,
+    engine: AsyncEngine | None = None,
+    *,
+    middleware: Sequence[Middleware] = (),
+    keys: KeyRing | None = None,
 ) -> FastAPI:
     """The app. ``engine``: serve this one (else the lifespan loads ``config.model``). ``middleware``: ASGI
     middleware run inside the request context (after request ids, the Host and API key checks), the first
-    outermost; Ray Serve replicas put their per-tenant limits there."""
+    outermost; Ray Serve replicas put their per-tenant limits there. ``keys``: the accepted keys with their
+    tenants (default: ``config.api_keys``, no tenants)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -86,6 +89,7 @@ def create_app(
     for extra in reversed(middleware):
         app.add_middleware(extra.cls, *extra.args, **extra.kwargs)
     app.add_middleware(BodyReader, max_bytes=config.max_body_bytes, timeout_s=config.timeouts.body_s)
+    app.add_middleware(Authenticate, keys=keys if keys is not None else KeyRing.from_keys(config.api_keys))
     app.add_middleware(RequestContext, config=config)
     app.state.config = config
     app.state.ready = False
@@ -143,10 +147,10 @@ def create_app(
     async def playground():
         return (resources.files("chattts_serve.server") / "static" / "index.html").read_text("utf-8")
 
-    app.include_router(openai_routes.router)
-    app.include_router(native.router)
-    app.include_router(websocket.router)
-    app.include_router(voices_routes.router)
+    routers = (openai_routes.router, native.router, websocket.router, voices_routes.router)
+    for router in routers:
+        app.include_router(router)
+    app.state.synthesis_routes = synthesis_routes(route for router in routers for route in router.routes)
     openapi.install(app)
     return app
 
@@ -164,13 +168,6 @@ def _allowed_methods(app: FastAPI, scope) -> list[str]:
     return sorted(methods)
 
 
-def _authorized(request: Request, config: ServerConfig) -> bool:
-    """HTTP: the Authorization header only (a key in the query string ends up in logs and histories;
-    only the WebSocket, which browsers cannot give headers, accepts ``?api_key=``)."""
-    auth = request.headers.get("authorization", "")
-    return auth.lower().startswith("bearer ") and key_matches(auth[7:].strip(), config.api_keys)
-
-
 _REQUEST_ID = re.compile(r"[!-~]{1,128}")  # visible ASCII: no spaces, no line breaks
 
 
@@ -180,9 +177,10 @@ def _client_request_id(value: str | None) -> str | None:
 
 
 class RequestContext:
-    """ASGI middleware: request ids, the host check, the body-size header check, API keys, one log line
-    per request. Pure ASGI (not ``BaseHTTPMiddleware``, which re-streams the body through a queue and
-    would end a failed stream with a clean terminating chunk, as if it had succeeded)."""
+    """ASGI middleware: request ids, the body-size header check, one log line per request (the Host and API
+    key checks are ``auth.Authenticate``'s, just inside it). Pure ASGI (not ``BaseHTTPMiddleware``, which
+    re-streams the body through a queue and would end a failed stream with a clean terminating chunk, as if
+    it had succeeded)."""
 
     def __init__(self, app, config: ServerConfig) -> None:
         self.app, self.config = app, config
@@ -223,17 +221,8 @@ class RequestContext:
             REQUEST_ID.reset(token)
 
     def _refusal(self, request: Request):
-        config = self.config
-        if config.allowed_hosts and request.headers.get("host", "").rsplit(":", 1)[0] not in config.allowed_hosts:
-            return error_response(400, "host not allowed", code="bad_host")
+        limit = self.config.max_body_bytes
         size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > config.max_body_bytes):
-            return error_response(413, f"request body larger than {config.max_body_bytes} bytes", code="too_large")
-        if config.api_keys and request.url.path not in PUBLIC_PATHS and not _authorized(request, config):
-            return error_response(
-                401,
-                "missing or invalid API key (Authorization: Bearer <key>)",
-                "authentication_error",
-                code="invalid_api_key",
-            )
+        if size is not None and (not size.isdigit() or int(size) > limit):
+            return error_response(413, f"request body larger than {limit} bytes", code="too_large")
         return None

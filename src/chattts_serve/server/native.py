@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from ..audio.encode import encode_whole
 from .audio_response import AudioResponse
 from .errors import ClientGone, TimedStreamingResponse, check_length
+from .limits import synthesis
 from .openapi import audio_responses, errors
 from .params import build_params, build_policy, request_defaults, resolve_voice
 from .protocol import MEDIA_TYPES, TTSRequest
@@ -31,6 +32,7 @@ def _voice_and_params(st, body: TTSRequest):
 
 
 @router.post("/v1/tts", response_class=Response, responses={**audio_responses(sse=False), **errors(429)})
+@synthesis
 async def tts(body: TTSRequest, request: Request):
     st = request.app.state
     params, policy = _voice_and_params(st, body)

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from .audio_response import AudioResponse
 from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
+from .limits import synthesis
 from .openapi import audio_responses, errors
 from .params import build_params, request_defaults, resolve_voice, speed_prompt
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
@@ -26,6 +27,7 @@ async def models() -> ModelList:
 
 
 @router.post("/v1/audio/speech", response_class=Response, responses={**audio_responses(sse=True), **errors(429)})
+@synthesis
 async def speech(body: SpeechRequest, request: Request):
     st = request.app.state
     cfg = st.config

@@ -15,13 +15,15 @@ false``, with ``part`` and ``text``) reports a part the engine refused (bad inpu
 that part is skipped and the session goes on. Error messages are short (at most 300 characters) and quote at most
 100 characters of the client's message at fault.
 
-What happens at each limit (``ServerConfig``):
+What happens at each limit (``ServerConfig``); the handshake's checks (the first three) are ``server.auth``'s, the same
+as for HTTP requests:
 
 * ``allowed_hosts``: a handshake whose ``Host`` is not listed is refused (HTTP 403), as HTTP requests are.
 * ``allowed_origins``: a handshake with an ``Origin`` header is refused (HTTP 403, nothing read) unless the
   origin is listed (``*``: any), or, when the list is empty, has the host:port of the ``Host`` header (same
   origin). Clients without ``Origin`` (not browsers) are accepted.
-* ``api_keys``: a missing or wrong key gets error ``invalid_api_key`` + 1008.
+* ``api_keys`` (or tenants): the key is ``Authorization: Bearer`` or ``?api_key=``; a missing, wrong or ambiguous
+  key (repeated headers or parameters, a header and a parameter that differ) gets error ``invalid_api_key`` + 1008.
 * ``ws_max_message_bytes``: a larger message (the start message included) gets error ``message_too_big`` + 1009.
   A message also over the protocol layer's cap (uvicorn's ``ws_max_size``, set by ``chattts-serve serve``) is
   refused there, before it is buffered whole: close 1009 without the event.
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from urllib.parse import urlsplit
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
@@ -54,17 +55,17 @@ from pydantic import ValidationError
 from ..audio.encode import StreamingEncoder
 from ..engine.outputs import RequestOutput
 from ..model.config import SAMPLE_RATE
+from . import auth
 from .errors import APIError
+from .limits import synthesis
 from .native import _voice_and_params
 from .protocol import TTSRequest
-from .service import key_matches
 from .text_session import MAX_ERROR_CHARS, ErrorKind, Gone, SessionError, TextSession, TextStream, excerpt
 
 router = APIRouter()
 _NO_INITIAL_TEXT = "-"
 """Stands in for the required ``text`` when a WebSocket start message has none; only validated, never spoken."""
 MAX_FRAME_SAMPLES = 5 * SAMPLE_RATE  # at most 240 KB of 16-bit PCM per binary frame
-_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 _CLOSE_CODES = {
     ErrorKind.BAD_INPUT: 1008,  # Policy Violation
     ErrorKind.UNSUPPORTED: 1003,  # Unsupported Data
@@ -79,59 +80,19 @@ _CLOSE_CODES = {
 
 
 @router.websocket("/v1/tts/stream")
+@synthesis
 async def tts_stream(ws: WebSocket):
-    cfg = ws.app.state.config
-    if not _handshake_allowed(ws.headers, cfg):
-        # Closing before accepting refuses the handshake (HTTP 403): a foreign page gets no session at all.
+    who = auth.principal(ws.scope)
+    if who is None or not who.authorized:
+        # ``auth.Authenticate`` has answered a foreign Host or Origin and bad credentials already: this is an app
+        # built without it, and nobody gets in (closing before accepting refuses the handshake).
         await ws.close(code=1008)
         return
     await ws.accept()
-    if cfg.api_keys and not key_matches(_ws_api_key(ws), cfg.api_keys):
-        await _send_error(ws, "missing or invalid API key", "invalid_api_key", 1008)
-        return
     framing = _Framing(ws)
     failure = await framing.session.run(framing.read)
     if failure is not None:
         await framing.close_with(failure)
-
-
-def _ws_api_key(ws: WebSocket) -> str:
-    """The header's key, else ``?api_key=`` (browsers cannot give a WebSocket headers)."""
-    auth = ws.headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else ws.query_params.get("api_key", "")
-
-
-def _handshake_allowed(headers, cfg) -> bool:
-    host = headers.get("host", "")
-    # The HTTP middleware's host check (DNS rebinding) does not see WebSockets: the same rule here. Without
-    # it a rebound name would pass the origin check too (page and Host would both be the attacker's name).
-    if cfg.allowed_hosts and host.rsplit(":", 1)[0] not in cfg.allowed_hosts:
-        return False
-    return _origin_allowed(headers.get("origin"), host, cfg.allowed_origins)
-
-
-def _origin_allowed(origin: str | None, host: str, allowed: tuple[str, ...]) -> bool:
-    """Browsers always send ``Origin`` on a WebSocket handshake, and a page of any site may open one: without
-    this check any web page a user visits could use the server (and its API key in the page's URL)."""
-    if origin is None:
-        return True  # not a browser: the check protects browsers' users only
-    if allowed:
-        return "*" in allowed or _norm_origin(origin) in {_norm_origin(o) for o in allowed}
-    return _same_origin(origin, host)
-
-
-def _norm_origin(origin: str) -> str:
-    return origin.strip().rstrip("/").lower()
-
-
-def _same_origin(origin: str, host: str) -> bool:
-    """The origin's host:port is the Host header's (a missing port is the scheme's default)."""
-    try:
-        o, h = urlsplit(origin.strip()), urlsplit("//" + host.strip())
-        default = _DEFAULT_PORTS.get(o.scheme)
-        return o.hostname is not None and (o.hostname, o.port or default) == (h.hostname, h.port or default)
-    except ValueError:  # a malformed port
-        return False
 
 
 class _Framing:
