@@ -35,6 +35,8 @@ What happens at each limit (``ServerConfig``):
   block) and reads on as parts are spoken. Nothing is dropped and the session is not closed.
 * ``ws_idle_timeout_s``: a session that sends nothing for this long while nothing is being spoken or waiting
   (before its start message too) gets error ``idle_timeout`` + 1001.
+* ``send_timeout_s``: a send or close that the client does not take within this long (it stopped reading)
+  ends the session as HTTP ends a stalled body: its request is aborted and its slot freed, with no event.
 * Binary frames are not part of the protocol: error ``binary_frame`` + 1003.
 * A message that is not JSON, a start message that does not validate, an unknown message type: error + 1008.
 * Synthesis that fails once started (``StreamFailed``, engine errors, the engine stopped): error + 1011 (never an
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
@@ -60,6 +63,7 @@ from .protocol import TTSRequest
 from .service import key_matches
 from .text_session import MAX_ERROR_CHARS, ErrorKind, Gone, SessionError, TextSession, TextStream, excerpt
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 _NO_INITIAL_TEXT = "-"
 """Stands in for the required ``text`` when a WebSocket start message has none; only validated, never spoken."""
@@ -253,13 +257,10 @@ class _Framing:
         async with self.send_lock:
             await self._guard(self.ws.send_text(json.dumps(event)))
 
-    @staticmethod
-    async def _guard(sending) -> None:
-        """Awaits a send or close; a client that has gone away becomes ``Gone``."""
-        try:
-            await sending
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            raise Gone from None
+    async def _guard(self, sending) -> None:
+        """Awaits a send or close within ``send_timeout_s``; a client that has gone away, or stopped reading,
+        becomes ``Gone`` (the session then ends, aborting its request and freeing its slot)."""
+        await _timed(sending, self.cfg.timeouts.send_s)
 
     async def close_with(self, error: SessionError) -> None:
         async with self.send_lock:
@@ -296,9 +297,22 @@ def _error_event(message: str, code: str, **extra) -> dict:
     return {"type": "error", "message": excerpt(message, MAX_ERROR_CHARS), "code": code, "fatal": True, **extra}
 
 
-async def _send_error(ws: WebSocket, message: str, code: str, close_code: int) -> None:
+async def _timed(sending, timeout_s: float) -> None:
+    """Every WebSocket send and close has the HTTP body's deadline: a client that stops reading would otherwise
+    hold its concurrency slot (and its connection) for as long as it keeps the socket open."""
     try:
-        await ws.send_text(json.dumps(_error_event(message, code)))
-        await ws.close(code=close_code)
+        await asyncio.wait_for(sending, timeout_s)
+    except asyncio.TimeoutError:  # (not the builtin TimeoutError before Python 3.11)
+        logger.warning("WebSocket client read nothing for %g s; ending its session", timeout_s)
+        raise Gone from None
     except (WebSocketDisconnect, RuntimeError, OSError):
+        raise Gone from None
+
+
+async def _send_error(ws: WebSocket, message: str, code: str, close_code: int) -> None:
+    timeout_s = ws.app.state.config.timeouts.send_s
+    try:
+        await _timed(ws.send_text(json.dumps(_error_event(message, code))), timeout_s)
+        await _timed(ws.close(code=close_code), timeout_s)
+    except Gone:
         pass
