@@ -54,9 +54,9 @@ from urllib.parse import urlsplit
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from ..audio.encode import StreamingEncoder
 from ..engine.outputs import RequestOutput
 from ..model.config import SAMPLE_RATE
+from .audio_response import ThreadedEncoder
 from .errors import APIError
 from .native import _voice_and_params
 from .protocol import TTSRequest
@@ -150,7 +150,7 @@ class _Framing:
         # One sender at a time: a chunk event and its binary frame must never have an error event between them.
         self.send_lock = asyncio.Lock()
         self.format = "pcm"
-        self.encoder: StreamingEncoder | None = None
+        self.encoder: ThreadedEncoder | None = None
         self.chunks = 0
         self.samples = 0
 
@@ -205,14 +205,14 @@ class _Framing:
 
     async def audio(self, part: int, chunk: RequestOutput) -> None:
         if self.encoder is None:
-            self.encoder = StreamingEncoder(self.format)
+            self.encoder = ThreadedEncoder(self.format)  # as HTTP does: encoding stays off the event loop
         # Audio that piled up while the client read slowly arrives as one delta: sent in frames of at most
         # MAX_FRAME_SAMPLES, under the 1 MiB message limit of common clients (websockets' default).
         pieces = range(0, max(len(chunk.audio), 1), MAX_FRAME_SAMPLES)
         for i, start in enumerate(pieces):
             piece = chunk.audio[start : start + MAX_FRAME_SAMPLES]
             last = chunk.finished and i == len(pieces) - 1
-            data = self.encoder.write(piece) + (self.encoder.finish() if last else b"")
+            data = await self.encoder.write(piece) + (await self.encoder.finish() if last else b"")
             await self._send_chunk(part, len(piece), chunk.elapsed_s, data)
 
     def part_done(self) -> None:
