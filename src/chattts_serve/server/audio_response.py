@@ -28,6 +28,11 @@ from .limits import Limits
 from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
+_COMPLETE = ("stop", "length")
+"""The finish reasons of a request that ran to its end."""
+EMPTY_AUDIO_HEADER = "X-Audio-Empty"
+"""``1`` on a response whose request finished without any audio: the body is then the format's shortest
+silence (``audio.encode``), a file its decoder opens, rather than something that merely looks short."""
 
 
 class AudioResponse:
@@ -91,6 +96,20 @@ class AudioResponse:
                 first.cancel()  # the generator's cleanup aborts the engine request
                 with contextlib.suppress(BaseException):  # let it finish before the stream is closed
                     await first
+
+    @property
+    def audio_empty(self) -> bool:
+        """The request finished without any audio: known once the first chunk is the last one (a code pass
+        that ended at step 0), or once every chunk has been read."""
+        if self.final is not None:
+            return self._audio_samples == 0
+        first = self._first
+        return first is not None and first.finished and first.finish_reason in _COMPLETE and not len(first.audio)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response headers known before the body: ``EMPTY_AUDIO_HEADER`` when the audio is empty."""
+        return {EMPTY_AUDIO_HEADER: "1"} if self.audio_empty else {}
 
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, ClientGone):  # nobody reads this answer; it only ends the request cleanly
@@ -171,6 +190,8 @@ class AudioResponse:
         self.metrics.requests.labels(self.endpoint, status).inc()
         if status == "aborted":
             self.metrics.aborted.inc()
+        elif status in _COMPLETE and not self._audio_samples:
+            self.metrics.empty_audio.labels(self.endpoint).inc()
         elapsed = time.monotonic() - self.t0
         self.metrics.latency.labels(self.endpoint).observe(elapsed)
         if self._audio_samples:
