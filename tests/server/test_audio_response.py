@@ -136,6 +136,19 @@ def test_openai_speech_says_its_audio_is_empty(client, ends_at_step_0):
     assert r.status_code == 200 and r.headers[EMPTY_AUDIO_HEADER] == "1" and len(_decoded(r.content))
 
 
+def test_an_empty_websocket_stream_is_a_valid_file(client, ends_at_step_0):
+    """The WebSocket's frames, put together, are one file too: with no audio, the shortest silence."""
+    data = b""
+    with client.websocket_connect("/v1/tts/stream") as ws:
+        ws.send_json({"type": "start", "format": "opus", "text": "今天天气很好。", **_OPTIONS})
+        ws.send_json({"type": "end"})
+        while (event := ws.receive_json())["type"] != "end":
+            assert event["type"] in ("start", "chunk"), event
+            if event["type"] == "chunk" and event["bytes"]:
+                data += ws.receive_bytes()
+    assert event["audio_seconds"] == 0 and len(_decoded(data)) <= 2048
+
+
 def test_audio_that_is_not_empty_has_no_empty_header(client):
     before = _empty_count(client, "tts")
     body = {"text": "今天天气很好。", "format": "mp3", "seed": 1, "refine_text": False, "max_new_tokens": 8}

@@ -40,13 +40,19 @@ def srv(tiny_ckpt, tmp_path_factory):
         yield s
 
 
-def _raw_request(base: str, path: str, payload: dict) -> socket.socket:
-    """An HTTP/1.1 request on a socket with a tiny receive buffer, whose reader then stops reading."""
-    host, port = base.removeprefix("http://").split(":")
+def _stalled_socket(port: int) -> socket.socket:
+    """A client socket with a 4 KiB receive buffer (set before connecting, so the window stays small)."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.settimeout(HTTP_TIMEOUT)
-    sock.connect((host, int(port)))
+    sock.connect(("127.0.0.1", port))  # (every server here listens on 127.0.0.1)
+    return sock
+
+
+def _raw_request(base: str, path: str, payload: dict) -> socket.socket:
+    """An HTTP/1.1 request on a socket with a tiny receive buffer, whose reader then stops reading."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = _stalled_socket(int(port))
     data = json.dumps(payload).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
@@ -167,22 +173,17 @@ def one_stream(tiny_ckpt, tmp_path_factory):
 
 # Three sentences of 2000 steps: 6 MB of PCM, far more than the socket buffers on both sides hold.
 _LONG = "今天天气真不错。我们去公园吧。明天见。"
-_LONG_OPTIONS = {"seed": 1, "refine_text": False, "min_new_tokens": 2000, "max_new_tokens": 2000}
-_LONG_OPTIONS["first_sentence_voice"] = False
-
-
-def _stalled_socket(port: int) -> socket.socket:
-    """A client socket with a 4 KiB receive buffer (set before connecting, so the window stays small)."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(HTTP_TIMEOUT)
-    sock.connect(("127.0.0.1", port))
-    return sock
+_LONG_OPTIONS = {
+    "seed": 1,
+    "refine_text": False,
+    "min_new_tokens": 2000,
+    "max_new_tokens": 2000,
+    "first_sentence_voice": False,
+}
 
 
 def _stall_http(base: str, _wyoming_port: int) -> socket.socket:
-    body = json.dumps({**_LONG_OPTIONS, "text": _LONG, "format": "pcm"}).encode()
-    return _raw_request(base, "/v1/tts", json.loads(body))
+    return _raw_request(base, "/v1/tts", {**_LONG_OPTIONS, "text": _LONG, "format": "pcm"})
 
 
 def _ws_frame(text: str) -> bytes:
