@@ -8,6 +8,7 @@ import json
 import pytest
 
 from chattts_serve.cli import main
+from chattts_serve.distributed import jobs
 from chattts_serve.distributed.jobs import (
     Item,
     ManifestEntry,
@@ -100,6 +101,44 @@ def test_resume_skips_what_is_done(tmp_path):
         f.write('{"id": "torn", "te')  # a crash mid-line
     assert [it.id for it in pending(items, tmp_path)] == ["b", "c"]
     assert set(read_manifest(tmp_path)) == {"a", "b", "c"}
+
+
+@pytest.mark.parametrize("cut", ["multibyte", "ascii"])
+def test_a_torn_manifest_tail_redoes_exactly_the_lost_entry(tmp_path, cut, caplog):
+    """A crash mid-write leaves a torn last line: inside a multi-byte character it made every rerun fail with
+    UnicodeDecodeError; in ASCII the next append was glued to the fragment and its entry lost."""
+    items = [Item("a", "你好。"), Item("b", "天气很好。"), Item("c", "好的。")]
+    for it in items:
+        (tmp_path / it.file_name).write_bytes(b"RIFF")
+    entries = [ManifestEntry(it.id, it.text, it.file_name, 1.0, None) for it in items]
+    append_manifest(tmp_path, entries)
+    manifest = tmp_path / "manifest.jsonl"
+    data = manifest.read_bytes()
+    last = data.rindex(b"\n", 0, len(data) - 1) + 1  # where c's line starts
+    # multibyte: one byte of the three of c's "好"; ascii: within '{"id": "c"'
+    cut_at = data.index("好".encode(), last) + 1 if cut == "multibyte" else last + 8
+    manifest.write_bytes(data[:cut_at])
+    with caplog.at_level("WARNING"):
+        assert [it.id for it in pending(items, tmp_path)] == ["c"]
+    assert "torn last line" in caplog.text
+    append_manifest(tmp_path, entries[2:])  # the rerun
+    assert pending(items, tmp_path) == [] and read_manifest(tmp_path) == {e.id: e for e in entries}
+    assert manifest.read_bytes() == data  # the fragment is gone, the entry whole
+
+
+def test_a_batch_is_written_at_once(tmp_path, monkeypatch):
+    """One write per batch: a crash tears at most the batch's own tail, never interleaves with another writer."""
+    writes = []
+
+    def spy_open(*args, **kw):
+        f = open(*args, **kw)
+        write = f.write
+        f.write = lambda data: (writes.append(data), write(data))[1]
+        return f
+
+    monkeypatch.setattr(jobs, "open", spy_open, raising=False)
+    append_manifest(tmp_path, [ManifestEntry(x, x, f"{x}.wav", 1.0, None) for x in "abc"])
+    assert len(writes) == 1 and writes[0].count(b"\n") == 3
 
 
 @pytest.mark.integration  # a worker process per device

@@ -4,14 +4,28 @@ a foreign Host header. Each is bounded by a setting; capacity comes back."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import uvicorn
 
-from .conftest import HTTP_TIMEOUT, check_openai_error, expected_samples, metric, start_server, tts_body, wait_until
+from .conftest import (
+    HTTP_TIMEOUT,
+    STARTUP_TIMEOUT,
+    check_openai_error,
+    expected_samples,
+    free_port,
+    metric,
+    start_server,
+    tts_body,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -28,13 +42,19 @@ def srv(tiny_ckpt, tmp_path_factory):
         yield s
 
 
-def _raw_request(base: str, path: str, payload: dict) -> socket.socket:
-    """An HTTP/1.1 request on a socket with a tiny receive buffer, whose reader then stops reading."""
-    host, port = base.removeprefix("http://").split(":")
+def _stalled_socket(port: int) -> socket.socket:
+    """A client socket with a 4 KiB receive buffer (set before connecting, so the window stays small)."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.settimeout(HTTP_TIMEOUT)
-    sock.connect((host, int(port)))
+    sock.connect(("127.0.0.1", port))  # (every server here listens on 127.0.0.1)
+    return sock
+
+
+def _raw_request(base: str, path: str, payload: dict) -> socket.socket:
+    """An HTTP/1.1 request on a socket with a tiny receive buffer, whose reader then stops reading."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = _stalled_socket(int(port))
     data = json.dumps(payload).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
@@ -114,6 +134,105 @@ def test_a_foreign_host_header_is_refused(srv):
     r = httpx.get(srv.base + "/v1/models", headers={"Host": "evil.example"}, timeout=HTTP_TIMEOUT)
     check_openai_error(r, 400)
     assert httpx.get(srv.base + "/v1/models", timeout=HTTP_TIMEOUT).status_code == 200
+
+
+# ----------------------------------------------------------------------------------- stalled readers, every transport
+
+
+@pytest.fixture(scope="module")
+def one_stream(tiny_ckpt, tmp_path_factory):
+    """In process: HTTP, WebSocket and Wyoming on one engine, one stream at a time, a send timeout of 1 s; the
+    engine keeps any amount of unread audio (only the send timeout can free a stalled stream's slot)."""
+    from chattts_serve.engine.async_engine import AsyncEngine
+    from chattts_serve.engine.config import EngineConfig
+    from chattts_serve.server.app import create_app
+    from chattts_serve.server.config import ServerConfig
+
+    wyoming_port = free_port()
+    config = ServerConfig.from_flat(
+        model=str(tiny_ckpt),
+        device="cpu",
+        voices_db=str(tmp_path_factory.mktemp("stall") / "voices.sqlite3"),
+        warmup=False,
+        max_concurrent_streams=1,
+        send_timeout_s=1,
+        max_buffered_audio_s=1000,
+        wyoming_uri=f"tcp://127.0.0.1:{wyoming_port}",
+    )
+    engine = AsyncEngine.from_pretrained(tiny_ckpt, "cpu", EngineConfig.with_slots(2), max_buffered_audio_s=1000)
+    app = create_app(config, engine=engine)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="stall-inproc", daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, timeout=STARTUP_TIMEOUT), "in-process server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}", wyoming_port
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+# Three sentences of 2000 steps: 6 MB of PCM, far more than the socket buffers on both sides hold.
+_LONG = "今天天气真不错。我们去公园吧。明天见。"
+_LONG_OPTIONS = {
+    "seed": 1,
+    "refine_text": False,
+    "min_new_tokens": 2000,
+    "max_new_tokens": 2000,
+    "first_sentence_voice": False,
+}
+
+
+def _stall_http(base: str, _wyoming_port: int) -> socket.socket:
+    return _raw_request(base, "/v1/tts", {**_LONG_OPTIONS, "text": _LONG, "format": "pcm"})
+
+
+def _ws_frame(text: str) -> bytes:
+    """A masked text frame (a client's frames must be masked)."""
+    payload, mask = text.encode(), os.urandom(4)
+    n = len(payload)
+    size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    return bytes([0x81]) + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def _stall_websocket(base: str, _wyoming_port: int) -> socket.socket:
+    sock = _stalled_socket(int(base.rsplit(":", 1)[1]))
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        f"GET /v1/tts/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    assert sock.recv(1024).startswith(b"HTTP/1.1 101")
+    start = {"type": "start", "format": "pcm", **_LONG_OPTIONS}
+    sock.sendall(_ws_frame(json.dumps(start)) + _ws_frame(json.dumps({"type": "text", "text": _LONG})))
+    sock.sendall(_ws_frame(json.dumps({"type": "end"})))
+    return sock
+
+
+def _stall_wyoming(_base: str, wyoming_port: int) -> socket.socket:
+    sock = _stalled_socket(wyoming_port)
+    data = json.dumps({"text": _LONG, "chattts": _LONG_OPTIONS}).encode()
+    header = {"type": "synthesize", "data_length": len(data)}
+    sock.sendall(json.dumps(header).encode() + b"\n" + data)
+    return sock
+
+
+@pytest.mark.parametrize("stall", [_stall_http, _stall_websocket, _stall_wyoming], ids=["http", "ws", "wyoming"])
+def test_a_reader_that_stalls_frees_its_slot_on_every_transport(one_stream, stall):
+    """A client that stops reading is cut off within the send timeout and its slot comes back, whichever
+    transport it came by. Without a deadline on the WebSocket's sends, one such client held the only slot
+    (and every new request got 429) for as long as it kept the connection open."""
+    base, wyoming_port = one_stream
+    aborted = metric(base, "chattts_aborted_requests_total")
+    sock = stall(base, wyoming_port)
+    try:
+        assert wait_until(lambda: metric(base, "chattts_aborted_requests_total") == aborted + 1, timeout=90)
+        assert wait_until(lambda: metric(base, "chattts_requests_in_flight") == 0, timeout=10)
+        r = httpx.post(base + "/v1/tts", json={**tts_body(20), "stream": False}, timeout=HTTP_TIMEOUT)
+        assert r.status_code == 200 and len(r.content) == 2 * expected_samples(20)
+    finally:
+        sock.close()
 
 
 # ----------------------------------------------------------------------------------- slow requests

@@ -504,6 +504,28 @@ def test_websocket_synthesis_failure_is_error_1011_not_end(ws_app, exc, where):
         assert parts == []
 
 
+def test_websocket_audio_is_encoded_off_the_event_loop(ws_app, monkeypatch):
+    """mp3/opus encoding takes hundreds of ms per 5 s frame: done on the event loop it stalled every other
+    client of the server. As HTTP does, every write and finish runs in a worker thread."""
+    from chattts_serve.audio.encode import StreamingEncoder
+
+    threads = []
+    for name in ("write", "finish"):
+        real = getattr(StreamingEncoder, name)
+
+        def spy(self, *args, _real=real):
+            threads.append(threading.current_thread().name)
+            return _real(self, *args)
+
+        monkeypatch.setattr(StreamingEncoder, name, spy)
+    with connect(ws_app.url, open_timeout=10, close_timeout=5) as ws:
+        _start(ws, format="mp3", text=TEXT)
+        ws.send(json.dumps({"type": "end"}))
+        events, code = _ws_all(ws)
+    assert events[-1]["type"] == "end" and code == 1000
+    assert len(threads) >= 2 and "ws-inproc" not in threads  # the server's event loop runs in "ws-inproc"
+
+
 def test_websocket_errors_do_not_echo_the_whole_message(ws_app):
     junk = "A" * 1500
     for message in (json.dumps({"type": "nonsense", "junk": junk}), "not json " + junk):

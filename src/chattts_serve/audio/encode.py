@@ -24,6 +24,10 @@ _AV = {
     "aac": ("adts", "aac", {}),
     "flac": ("flac", "flac", {}),
 }
+_NEEDS_A_FRAME = ("mp3", "opus", "aac")
+"""Formats whose decoders cannot open a stream without a single frame (PyAV refuses an empty Ogg Opus, MP3 or
+ADTS stream): with no audio at all they carry the shortest silence their codec makes. An empty flac or wav
+(a header, no samples) opens as it is."""
 
 
 def wav_header(num_samples: int | None, sample_rate: int = SAMPLE_RATE) -> bytes:
@@ -109,6 +113,9 @@ class StreamingEncoder:
         """Flush everything; the bytes returned complete the stream."""
         if self._closed:
             return b""
+        head = b""
+        if self._pts == 0 and self.fmt in _NEEDS_A_FRAME:  # no audio at all: still a file its decoder opens
+            head = self.write(np.zeros(1, np.float32))
         self._closed = True
         if self.fmt == "pcm":
             return b""
@@ -117,7 +124,7 @@ class StreamingEncoder:
         for packet in self._stream.encode(None):
             self._container.mux(packet)
         self._container.close()
-        return self._sink.drain()
+        return head + self._sink.drain()
 
     def close(self) -> None:
         """Release resources without producing output (e.g. the client went away)."""

@@ -15,6 +15,7 @@ Seeds: an item's own ``seed``, else the job's ``--seed`` (the same for every tex
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from ..sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 MANIFEST = "manifest.jsonl"
 ITEM_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
@@ -137,15 +139,21 @@ def shard(items: list[Item], num_shards: int) -> list[list[Item]]:
 
 
 def read_manifest(out_dir: str | Path) -> dict[str, ManifestEntry]:
-    """The entries already written (the last one per id wins); a torn last line (a crash) is skipped."""
+    """The entries already written (the last one per id wins). Read as bytes, line by line: a torn last line (a
+    crash mid-write, perhaps inside a multi-byte character) is skipped and reported, and so is any other line
+    that does not parse, so one bad line never stops a resume."""
     path = Path(out_dir) / MANIFEST
     done: dict[str, ManifestEntry] = {}
     if not path.exists():
         return done
-    for line in path.read_text(encoding="utf-8").splitlines():
+    *lines, tail = path.read_bytes().split(b"\n")
+    if tail:
+        logger.warning("%s: skipped a torn last line (%d bytes); its item will be redone", path, len(tail))
+    for number, line in enumerate(lines, 1):
         try:
-            entry = ManifestEntry(**json.loads(line))
-        except (json.JSONDecodeError, TypeError):
+            entry = ManifestEntry(**json.loads(line.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError, TypeError):
+            logger.warning("%s:%d: skipped a line that is not a manifest entry", path, number)
             continue
         done[entry.id] = entry
     return done
@@ -172,8 +180,31 @@ def write_wav_atomic(path: Path, audio, sample_rate: int) -> None:
 
 
 def append_manifest(out_dir: str | Path, entries: Iterable[ManifestEntry]) -> None:
-    with open(Path(out_dir) / MANIFEST, "a", encoding="utf-8") as f:
-        for e in entries:
-            f.write(e.to_json() + "\n")
+    """Appends a batch's entries in one write, after cutting a torn last line (a crash mid-write) off: appended
+    to the fragment, the first new entry would be glued to it and lost."""
+    data = b"".join(e.to_json().encode("utf-8") + b"\n" for e in entries)
+    path = Path(out_dir) / MANIFEST
+    with open(path, "a+b") as f:
+        _cut_torn_tail(f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _cut_torn_tail(f) -> None:
+    """Truncates ``f`` (open for reading and appending) after its last newline."""
+    end = f.seek(0, os.SEEK_END)
+    pos, block = end, 4096
+    while pos > 0:
+        start = max(0, pos - block)
+        f.seek(start)
+        newline = f.read(pos - start).rfind(b"\n")
+        if newline >= 0:
+            keep = start + newline + 1
+            break
+        pos = start
+    else:
+        keep = 0
+    if keep < end:
+        logger.warning("%s: cut a torn last line (%d bytes) before appending", f.name, end - keep)
+        f.truncate(keep)

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import numpy as np
 from fastapi import Request
 
 from ..audio.encode import StreamingEncoder
@@ -27,6 +28,11 @@ from .limits import Limits
 from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
+_COMPLETE = ("stop", "length")
+"""The finish reasons of a request that ran to its end."""
+EMPTY_AUDIO_HEADER = "X-Audio-Empty"
+"""``1`` on a response whose request finished without any audio: the body is then the format's shortest
+silence (``audio.encode``), a file its decoder opens, rather than something that merely looks short."""
 
 
 class AudioResponse:
@@ -91,6 +97,20 @@ class AudioResponse:
                 with contextlib.suppress(BaseException):  # let it finish before the stream is closed
                     await first
 
+    @property
+    def audio_empty(self) -> bool:
+        """The request finished without any audio: known once the first chunk is the last one (a code pass
+        that ended at step 0), or once every chunk has been read."""
+        if self.final is not None:
+            return self._audio_samples == 0
+        first = self._first
+        return first is not None and first.finished and first.finish_reason in _COMPLETE and not len(first.audio)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response headers known before the body: ``EMPTY_AUDIO_HEADER`` when the audio is empty."""
+        return {EMPTY_AUDIO_HEADER: "1"} if self.audio_empty else {}
+
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, ClientGone):  # nobody reads this answer; it only ends the request cleanly
             return APIError(499, "client closed the request", code="client_closed")
@@ -145,31 +165,16 @@ class AudioResponse:
 
     async def encoded(self, fmt: str) -> AsyncIterator[bytes]:
         """The response body in ``fmt``, encoded in a worker thread (never on the event loop)."""
-        encoder = StreamingEncoder(fmt)
-        done = False
-        work: asyncio.Future | None = None
-
-        async def in_thread(fn, *args):
-            nonlocal work
-            work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-            return await asyncio.shield(work)
-
+        encoder = ThreadedEncoder(fmt)
         try:
             async for chunk in self.chunks():
-                data = await in_thread(encoder.write, chunk.audio)
+                data = await encoder.write(chunk.audio)
                 if chunk.finished:
-                    data += await in_thread(encoder.finish)
-                    done = True
+                    data += await encoder.finish()
                 if data:
                     yield data
         finally:
-            if not done:
-                if work is not None and not work.done():
-                    # Cancelled (the client left) while the worker thread still encodes: a thread keeps
-                    # running when its awaiter is cancelled, so free the codec only once it is done with it.
-                    work.add_done_callback(lambda f: (f.cancelled() or f.exception(), encoder.close()))
-                else:
-                    encoder.close()
+            encoder.close()
 
     async def _close(self) -> None:
         if self._stream is not None:
@@ -185,9 +190,42 @@ class AudioResponse:
         self.metrics.requests.labels(self.endpoint, status).inc()
         if status == "aborted":
             self.metrics.aborted.inc()
+        elif status in _COMPLETE and not self._audio_samples:
+            self.metrics.empty_audio.labels(self.endpoint).inc()
         elapsed = time.monotonic() - self.t0
         self.metrics.latency.labels(self.endpoint).observe(elapsed)
         if self._audio_samples:
             audio_s = self._audio_samples / SAMPLE_RATE
             self.metrics.audio_seconds.inc(audio_s)
             self.metrics.rtf.observe(elapsed / audio_s)
+
+
+class ThreadedEncoder:
+    """A ``StreamingEncoder`` whose work runs in a worker thread: a 5 s mp3 or opus frame takes a few hundred ms
+    to encode, which on the event loop would stall every other client of the server."""
+
+    def __init__(self, fmt: str) -> None:
+        self._encoder = StreamingEncoder(fmt)
+        self._work: asyncio.Future | None = None
+
+    async def write(self, pcm: np.ndarray) -> bytes:
+        """The bytes ready after encoding ``pcm`` (maybe none)."""
+        return await self._in_thread(self._encoder.write, pcm)
+
+    async def finish(self) -> bytes:
+        """The bytes that complete the file; ``close`` then has nothing left to free."""
+        return await self._in_thread(self._encoder.finish)
+
+    async def _in_thread(self, fn, *args) -> bytes:
+        self._work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        return await asyncio.shield(self._work)
+
+    def close(self) -> None:
+        """Frees the codec without finishing the file (the client left, the request failed); nothing after
+        ``finish``. A worker thread keeps running when its awaiter is cancelled: the codec is freed only once
+        the thread is done with it (freeing it under the thread crashes in native code)."""
+        work = self._work
+        if work is not None and not work.done():
+            work.add_done_callback(lambda f: (f.cancelled() or f.exception(), self._encoder.close()))
+        else:
+            self._encoder.close()

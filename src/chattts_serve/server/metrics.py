@@ -36,6 +36,12 @@ class Metrics:
         self.audio_seconds = Counter("chattts_audio_seconds", "Seconds of audio produced", registry=r)
         self.rejected = Counter("chattts_rejected_requests", "Requests refused for capacity", ["reason"], registry=r)
         self.aborted = Counter("chattts_aborted_requests", "Requests aborted (client gone, shutdown)", registry=r)
+        self.empty_audio = Counter(
+            "chattts_empty_audio_responses",
+            "Requests that finished without any audio (their code pass ended at step 0)",
+            ["endpoint"],
+            registry=r,
+        )
         self.in_flight = Gauge("chattts_requests_in_flight", "Requests being served", registry=r)
         if engine is not None:
             Gauge("chattts_queue_depth", "Sequences waiting for a KV slot", registry=r).set_function(

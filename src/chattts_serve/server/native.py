@@ -40,7 +40,10 @@ async def tts(body: TTSRequest, request: Request):
     await resp.start(body.text, params, policy, request.state.request_id, request)
     if body.stream:
         return TimedStreamingResponse(
-            resp.encoded(body.format), st.config.timeouts.send_s, media_type=MEDIA_TYPES[body.format]
+            resp.encoded(body.format),
+            st.config.timeouts.send_s,
+            media_type=MEDIA_TYPES[body.format],
+            headers=resp.headers,
         )
     parts = []
     async with aclosing(resp.chunks()) as chunks:
@@ -50,4 +53,4 @@ async def tts(body: TTSRequest, request: Request):
                 raise ClientGone()
     audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
     data = await asyncio.to_thread(encode_whole, audio, body.format)  # encoding is not the event loop's work
-    return Response(data, media_type=MEDIA_TYPES[body.format])
+    return Response(data, media_type=MEDIA_TYPES[body.format], headers=resp.headers)

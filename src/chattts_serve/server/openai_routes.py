@@ -46,9 +46,10 @@ async def speech(body: SpeechRequest, request: Request):
     await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id, request)
     timeout = cfg.timeouts.send_s
     if body.stream_format == "sse":
-        return TimedStreamingResponse(_sse(resp, body.response_format), timeout, media_type="text/event-stream")
+        sse = _sse(resp, body.response_format)
+        return TimedStreamingResponse(sse, timeout, media_type="text/event-stream", headers=resp.headers)
     fmt = body.response_format
-    return TimedStreamingResponse(resp.encoded(fmt), timeout, media_type=MEDIA_TYPES[fmt])
+    return TimedStreamingResponse(resp.encoded(fmt), timeout, media_type=MEDIA_TYPES[fmt], headers=resp.headers)
 
 
 async def _sse(resp: AudioResponse, fmt: str):

@@ -75,7 +75,12 @@ def audio_responses(sse: bool) -> dict[int | str, dict[str, Any]]:
     content: dict[str, Any] = {media: _BINARY for media in dict.fromkeys(MEDIA_TYPES.values())}
     if sse:
         content["text/event-stream"] = {"schema": {"type": "string"}}
-    return {200: {"description": "Audio in the requested format, streamed as it is made", "content": content}}
+    empty = {
+        "description": "1 when the request finished without any audio (the body is the format's shortest silence)",
+        "schema": {"type": "string", "enum": ["1"]},
+    }
+    ok = {"description": "Audio in the requested format, streamed as it is made", "content": content}
+    return {200: {**ok, "headers": {"X-Audio-Empty": empty}}}
 
 
 VOICE_UPLOAD_BODY: dict[str, Any] = {

@@ -37,6 +37,8 @@ as for HTTP requests:
   block) and reads on as parts are spoken. Nothing is dropped and the session is not closed.
 * ``ws_idle_timeout_s``: a session that sends nothing for this long while nothing is being spoken or waiting
   (before its start message too) gets error ``idle_timeout`` + 1001.
+* ``send_timeout_s``: a send or close that the client does not take within this long (it stopped reading)
+  ends the session as HTTP ends a stalled body: its request is aborted and its slot freed, with no event.
 * Binary frames are not part of the protocol: error ``binary_frame`` + 1003.
 * A message that is not JSON, a start message that does not validate, an unknown message type: error + 1008.
 * Synthesis that fails once started (``StreamFailed``, engine errors, the engine stopped): error + 1011 (never an
@@ -48,20 +50,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from ..audio.encode import StreamingEncoder
 from ..engine.outputs import RequestOutput
 from ..model.config import SAMPLE_RATE
 from . import auth
+from .audio_response import ThreadedEncoder
 from .errors import APIError
 from .limits import synthesis
 from .native import _voice_and_params
 from .protocol import TTSRequest
 from .text_session import MAX_ERROR_CHARS, ErrorKind, Gone, SessionError, TextSession, TextStream, excerpt
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 _NO_INITIAL_TEXT = "-"
 """Stands in for the required ``text`` when a WebSocket start message has none; only validated, never spoken."""
@@ -107,7 +111,7 @@ class _Framing:
         # One sender at a time: a chunk event and its binary frame must never have an error event between them.
         self.send_lock = asyncio.Lock()
         self.format = "pcm"
-        self.encoder: StreamingEncoder | None = None
+        self.encoder: ThreadedEncoder | None = None
         self.chunks = 0
         self.samples = 0
 
@@ -162,14 +166,14 @@ class _Framing:
 
     async def audio(self, part: int, chunk: RequestOutput) -> None:
         if self.encoder is None:
-            self.encoder = StreamingEncoder(self.format)
+            self.encoder = ThreadedEncoder(self.format)  # as HTTP does: encoding stays off the event loop
         # Audio that piled up while the client read slowly arrives as one delta: sent in frames of at most
         # MAX_FRAME_SAMPLES, under the 1 MiB message limit of common clients (websockets' default).
         pieces = range(0, max(len(chunk.audio), 1), MAX_FRAME_SAMPLES)
         for i, start in enumerate(pieces):
             piece = chunk.audio[start : start + MAX_FRAME_SAMPLES]
             last = chunk.finished and i == len(pieces) - 1
-            data = self.encoder.write(piece) + (self.encoder.finish() if last else b"")
+            data = await self.encoder.write(piece) + (await self.encoder.finish() if last else b"")
             await self._send_chunk(part, len(piece), chunk.elapsed_s, data)
 
     def part_done(self) -> None:
@@ -214,13 +218,10 @@ class _Framing:
         async with self.send_lock:
             await self._guard(self.ws.send_text(json.dumps(event)))
 
-    @staticmethod
-    async def _guard(sending) -> None:
-        """Awaits a send or close; a client that has gone away becomes ``Gone``."""
-        try:
-            await sending
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            raise Gone from None
+    async def _guard(self, sending) -> None:
+        """Awaits a send or close within ``send_timeout_s``; a client that has gone away, or stopped reading,
+        becomes ``Gone`` (the session then ends, aborting its request and freeing its slot)."""
+        await _timed(sending, self.cfg.timeouts.send_s)
 
     async def close_with(self, error: SessionError) -> None:
         async with self.send_lock:
@@ -257,9 +258,22 @@ def _error_event(message: str, code: str, **extra) -> dict:
     return {"type": "error", "message": excerpt(message, MAX_ERROR_CHARS), "code": code, "fatal": True, **extra}
 
 
-async def _send_error(ws: WebSocket, message: str, code: str, close_code: int) -> None:
+async def _timed(sending, timeout_s: float) -> None:
+    """Every WebSocket send and close has the HTTP body's deadline: a client that stops reading would otherwise
+    hold its concurrency slot (and its connection) for as long as it keeps the socket open."""
     try:
-        await ws.send_text(json.dumps(_error_event(message, code)))
-        await ws.close(code=close_code)
+        await asyncio.wait_for(sending, timeout_s)
+    except asyncio.TimeoutError:  # (not the builtin TimeoutError before Python 3.11)
+        logger.warning("WebSocket client read nothing for %g s; ending its session", timeout_s)
+        raise Gone from None
     except (WebSocketDisconnect, RuntimeError, OSError):
+        raise Gone from None
+
+
+async def _send_error(ws: WebSocket, message: str, code: str, close_code: int) -> None:
+    timeout_s = ws.app.state.config.timeouts.send_s
+    try:
+        await _timed(ws.send_text(json.dumps(_error_event(message, code))), timeout_s)
+        await _timed(ws.close(code=close_code), timeout_s)
+    except Gone:
         pass
