@@ -90,7 +90,7 @@ def test_bad_input_raises_before_submission(aengine):
     with pytest.raises(ValueError, match="empty"):
         run(first("   ", p(1)))
     with pytest.raises(ValueError, match="unknown control token"):
-        run(first("你好[nope]", p(1)))
+        run(first("你好", p(1, prompt="[nope]")))
     with pytest.raises(ValueError):
         run(first("你好", p(1, speaker="not a speaker")))
     assert aengine.is_running

@@ -89,6 +89,18 @@ def build_cases(ckpt: Path) -> list[dict]:
             "split": True,
             "max_new_tokens": 120,
         },
+        # Brackets that are no control token (markdown links, a bracketed word): spoken as text, as LLM
+        # output is; refine on, so the refine pass reads them too.
+        {
+            "text": "请看 **[Dapr](https://dapr.io/)** 的文档，[oral] 写得很好。",
+            "speaker": s1,
+            "seed": 81,
+            "skip_refine": False,
+            "refine_max_new_tokens": 24,
+            "min_new_tokens": 30,
+            "max_new_tokens": 30,
+        },
+        {"text": "See [the docs](https://example.com/a?b=1) [here].", "seed": 82, "max_new_tokens": 40},
     ]
 
 

@@ -53,7 +53,9 @@ class InputProcessor:
             raise ValueError("text is empty")
         if len(text) > MAX_TEXT_CHARS:
             raise ValueError(f"text has {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
-        for what, value in (("text", text), ("prompt", params.prompt), ("refine.prompt", params.refine.prompt)):
+        # An unknown [tag] in the text is text, as in the reference (markdown links, [oral] in prose: LLM
+        # output is full of them); in the prompts, which hold only control tokens, it is a mistake.
+        for what, value in (("prompt", params.prompt), ("refine.prompt", params.refine.prompt)):
             unknown = self.tokenizer.unknown_tags(value)
             if unknown:
                 known = ", ".join(sorted(self.tokenizer.control_tokens))
