@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .model.config import NUM_VQ
+from .text.cleanup import TEXT_CLEANUPS
 
 LANGS = ("zh", "en")
 """``SamplingParams.lang``'s values (None: detect)."""
@@ -97,6 +98,10 @@ class SamplingParams:
     do_homophone_replacement: bool = True
     lang: str | None = None
     """"zh", "en" or None (detect)."""
+    text_cleanup: str = "none"
+    """"markdown": speak markdown (LLM output, READMEs) as a person reads it: link text without its target,
+    no emphasis, code, heading or bullet marks, a bare URL as its host, no emoji (``text/cleanup.py``).
+    "none" (the default, as the reference): the text as given."""
     split_text: bool = True
     """Split long text into sentences, generate each, and join the audio (as the reference)."""
     first_sentence_voice: bool = True
@@ -120,6 +125,8 @@ class SamplingParams:
             raise ValueError("speaker_sample must be a prompt-codes string or None")
         if not isinstance(self.speaker_sample_text, str):
             raise ValueError("speaker_sample_text must be a string")
+        if self.text_cleanup not in TEXT_CLEANUPS:
+            raise ValueError(f"text_cleanup must be one of {', '.join(TEXT_CLEANUPS)}, got {self.text_cleanup!r}")
         if self.lang is not None and self.lang not in LANGS:
             raise ValueError(f"lang must be 'zh', 'en' or None, got {self.lang!r}")
         if not isinstance(self.refine, RefineParams):
@@ -200,13 +207,15 @@ _CLI_HELP = {
     "speaker": "speaker string (see `speaker new`)",
     "prompt": "audio prompt, e.g. [speed_3]",
     "lang": "text language, zh or en (default: detected)",
+    "text_cleanup": "markdown: speak markdown as a person reads it (link text, no marks, URLs as hosts, no emoji)",
     "refine_prompt": "refine-pass prompt, e.g. [oral_2][laugh_0][break_6]",
     "refine_seed": "refine-pass seed (default: --seed)",
 }
 _NONE_TYPES = {"seed": int, "refine_seed": int, "speaker": str, "lang": str}
 SAMPLING_FLAGS: tuple[str, ...] = (
     *("seed", "speaker", "temperature", "top_p", "top_k", "repetition_penalty", "min_new_tokens"),
-    *("max_new_tokens", "prompt", "lang", "refine_text", "refine_prompt", "refine_temperature", "refine_top_p"),
+    *("max_new_tokens", "prompt", "lang", "text_cleanup", "refine_text", "refine_prompt", "refine_temperature"),
+    *("refine_top_p",),
     *("refine_top_k", "refine_repetition_penalty", "refine_min_new_tokens", "refine_max_new_tokens"),
     *("refine_seed", "do_text_normalization", "do_homophone_replacement", "split_text", "first_sentence_voice"),
 )
@@ -225,7 +234,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
             continue
         kind = _NONE_TYPES.get(name) or type(default)
         shown = _CLI_HELP.get(name, "") if default is None else f"{_CLI_HELP.get(name, '')} (default: {default!r})"
-        choices = LANGS if name == "lang" else None
+        choices = {"lang": LANGS, "text_cleanup": TEXT_CLEANUPS}.get(name)
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, dest=name, type=_bounded(name, kind), choices=choices, default=None, help=shown.strip())
 

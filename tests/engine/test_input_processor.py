@@ -51,3 +51,14 @@ def test_the_engine_stops_a_request_at_its_budget(tiny_ckpt):
     [r] = engine.synthesize("今天天气很好。明天见。", p(max_new_tokens=2048, first_sentence_voice=False))
     assert all(len(s.codes) <= int(TOKENS_PER_SECOND) // 2 for s in r.segments)
     assert r.duration <= 1.0
+
+
+def test_markdown_cleanup_is_opt_in(inputs):
+    text = "请看 **[Dapr](https://dapr.io/)** 的文档 🚀。"
+    assert "https" in "".join(inputs.prepare(text, p()).segments)  # as the reference: the target is spoken
+    cleaned = "".join(inputs.prepare(text, p(text_cleanup="markdown")).segments)
+    assert "Dapr" in cleaned and "https" not in cleaned and "*" not in cleaned and "🚀" not in cleaned
+    with pytest.raises(ValueError, match="nothing to speak"):
+        inputs.prepare("🚀 ✅", p(text_cleanup="markdown"))
+    with pytest.raises(ValueError, match="text_cleanup must be one of"):
+        p(text_cleanup="html")

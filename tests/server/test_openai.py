@@ -206,3 +206,18 @@ def test_sdk_raises_on_bad_request(client):
         client.audio.speech.create(model="tts-1", voice="no-such-voice", input=TEXT, extra_body=FIXED)
     assert info.value.status_code == 400
     assert info.value.body["code"] == "unknown_voice"
+
+
+def test_markdown_cleanup_through_extra_body(client):
+    """An LLM's markdown answer with ``text_cleanup: markdown`` is the same audio as the text a person reads."""
+    markdown = "**今天**天气[真不错](https://example.com/weather)。🌞"
+
+    def speech(text: str, **extra) -> bytes:
+        resp = client.audio.speech.create(
+            model="tts-1", voice="alloy", input=text, response_format="pcm", extra_body={**FIXED, **extra}
+        )
+        return resp.content
+
+    cleaned = speech(markdown, text_cleanup="markdown")
+    assert cleaned == speech("今天天气真不错。")
+    assert cleaned != speech(markdown)  # without it the link target and marks are spoken

@@ -15,6 +15,7 @@ from ..model.config import AUDIO_EOS, TOKENS_PER_SECOND
 from ..model.speaker import decode_prompt_codes, decode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
+from ..text.cleanup import clean_markdown
 from ..text.normalize import Normalizer, split_text
 
 MAX_TEXT_CHARS = 20_000
@@ -53,6 +54,8 @@ class InputProcessor:
             raise ValueError("text is empty")
         if len(text) > MAX_TEXT_CHARS:
             raise ValueError(f"text has {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+        if params.text_cleanup == "markdown":
+            text = clean_markdown(text)
         # An unknown [tag] in the text is text, as in the reference (markdown links, [oral] in prose: LLM
         # output is full of them); in the prompts, which hold only control tokens, it is a mistake.
         for what, value in (("prompt", params.prompt), ("refine.prompt", params.refine.prompt)):

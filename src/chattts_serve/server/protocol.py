@@ -51,6 +51,8 @@ class ChatTTSOptions(_Strict):
     do_text_normalization: bool | None = None
     do_homophone_replacement: bool | None = None
     lang: Literal["zh", "en"] | None = None  # sampling_params.LANGS
+    text_cleanup: Literal["none", "markdown"] | None = None  # text.cleanup.TEXT_CLEANUPS
+    """"markdown": speak markdown (LLM output) as a person reads it: link text, no marks, URLs as hosts."""
     split_text: bool | None = None
     first_sentence_voice: bool | None = None
     """With split text: speak the first sentence first and take every sentence's voice from it."""
