@@ -14,9 +14,11 @@ a tenant's cluster-wide concurrency is ``max_concurrent`` x replicas. A request 
 request waiting in its tenant's queue holds no KV slot. ``dedicated`` tenants get their own Serve
 application and replicas (see ``settings.plan_applications``).
 
-Only synthesis (the routes tagged ``server.limits.synthesis``: speech, /v1/tts, the WebSocket) is limited;
-voices, models, health and metrics are not. Which tenant a request is comes from ``server.auth``, which
-resolved its key once (``TenantsConfig.key_ring`` gives ``create_app`` the keys and their tenants).
+Only synthesis (the routes tagged ``server.limits.synthesis``: speech, /v1/tts, the WebSocket) and other
+costly work (tagged ``server.limits.limited``: creating a voice, an upload's decode and encode) are limited;
+listing and reading voices, models, health and metrics are not. Which tenant a request is comes from
+``server.auth``, which resolved its key once (``TenantsConfig.key_ring`` gives ``create_app`` the keys and
+their tenants).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 from starlette.middleware import Middleware
 
 from ..server import auth
-from ..server.limits import is_synthesis
+from ..server.limits import is_limited
 from ..server.openapi import error_response
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -239,7 +241,7 @@ class TenantMetrics:
         self.gates = gates
         self.requests = Counter(
             "chattts_tenant_requests",
-            "Synthesis requests by tenant and outcome",
+            "Limited requests (synthesis, voice creation) by tenant and outcome",
             ["tenant", "status"],
             registry=registry,
         )
@@ -265,10 +267,10 @@ class TenantMetrics:
 
 
 class TenantLimits:
-    """ASGI middleware: each synthesis request takes its tenant's limits (rate, concurrency, queue) for its
-    whole life, the streamed body included. Placed inside ``server.auth.Authenticate``, whose principal names
-    the tenant; a synthesis request without one of these tenants (an app built without ``key_ring``'s keys)
-    is refused as a bad key, never served unlimited."""
+    """ASGI middleware: each limited request (synthesis, voice creation: ``server.limits.is_limited``) takes its
+    tenant's limits (rate, concurrency, queue) for its whole life, the streamed body included. Placed inside
+    ``server.auth.Authenticate``, whose principal names the tenant; a limited request without one of these
+    tenants (an app built without ``key_ring``'s keys) is refused as a bad key, never served unlimited."""
 
     def __init__(self, app, config: TenantsConfig, max_wait_s: float, clock: Callable[[], float] = time.monotonic):
         self.app, self.config = app, config
@@ -284,7 +286,7 @@ class TenantLimits:
         return self.metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or not is_synthesis(scope):
+        if scope["type"] not in ("http", "websocket") or not is_limited(scope):
             return await self.app(scope, receive, send)
         who = auth.principal(scope)
         gate = self.gates.get(who.tenant) if who is not None and who.authorized and who.tenant else None

@@ -5,6 +5,10 @@ or a multipart form with ``name``, an audio ``file`` (wav, flac, mp3, ogg, m4a/m
 its transcript ``text`` (a zero-shot voice sample). GET lists voices by name, a page at a time
 (``?limit=``, ``?after=<name>``), in OpenAI's list shape.
 
+Creating a voice is limited work (``limits.limited``): a tenant's limits count it, and an upload holds one
+of the server's requests in flight while its audio is decoded and encoded (beyond them: 429), so a flood
+of uploads cannot take the worker threads and the engine from synthesis.
+
 Storage errors are JSON errors like any other: a database locked by another writer is a 503 with
 Retry-After, a full disk a 507. The store runs in worker threads, so a write that waits for a lock
 never holds up the event loop (and with it every audio stream).
@@ -25,6 +29,7 @@ from starlette.datastructures import UploadFile
 from ..model.config import SAMPLE_RATE
 from ..model.speaker import decode_speaker
 from .errors import APIError, check_length, storage_error
+from .limits import limited
 from .openapi import VOICE_UPLOAD_BODY, errors
 from .protocol import Voice, VoiceCreate
 from .voices import VoiceExistsError, VoiceLimitError, VoiceRecord, VoiceStoreError
@@ -94,7 +99,8 @@ async def delete_voice(name: str, request: Request):
     return {"deleted": name}
 
 
-@router.post("/v1/voices", status_code=201, responses=errors(409, 415, 507), openapi_extra=VOICE_UPLOAD_BODY)
+@router.post("/v1/voices", status_code=201, responses=errors(409, 415, 429, 507), openapi_extra=VOICE_UPLOAD_BODY)
+@limited
 async def create_voice(request: Request) -> Voice:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media == "multipart/form-data":
@@ -172,8 +178,9 @@ async def _create_from_upload(request: Request) -> Voice:
             raise APIError(400, "a voice sample needs its audio as a file part named 'file'", param="file")
         await _check_room(st, name)  # before the costly part: decoding and encoding the sample
         data = await upload.read()
-    wav = await asyncio.to_thread(decode_upload, data, cfg.voices.max_upload_seconds)
-    codes = await st.engine.speaker_from_audio(wav)
+    with st.limits.slot():  # the costly part is one of the server's requests in flight
+        wav = await asyncio.to_thread(decode_upload, data, cfg.voices.max_upload_seconds)
+        codes = await st.engine.speaker_from_audio(wav)
     return await _add(st, name, sample_codes=codes, sample_text=text)
 
 
