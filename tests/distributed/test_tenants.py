@@ -23,7 +23,7 @@ from chattts_serve.distributed.tenants import (
 )
 from chattts_serve.server.auth import Authenticate
 from chattts_serve.server.config import ServerConfig
-from chattts_serve.server.limits import synthesis, synthesis_routes
+from chattts_serve.server.limits import limited_routes, synthesis, synthesis_routes
 
 
 class Clock:
@@ -163,6 +163,7 @@ def _limited(app: Starlette, config: TenantsConfig, max_wait_s: float = 5, keys=
     ``create_app`` stacks them; ``keys``: other keys for ``auth`` than the tenants'."""
     app.state.config = ServerConfig()
     app.state.synthesis_routes = synthesis_routes(app.routes)
+    app.state.limited_routes = limited_routes(app.routes)
     app.add_middleware(TenantLimits, config=config, max_wait_s=max_wait_s)
     app.add_middleware(Authenticate, keys=config.key_ring() if keys is None else keys)
     return app

@@ -217,7 +217,7 @@ def test_voice_store_failure_during_synthesis_is_a_json_error(served, monkeypatc
 
     base, _ = served
 
-    def busy(self, name):
+    def busy(self, name, tenant=None):
         raise VoiceStoreError("busy", "the voices database is busy")
 
     monkeypatch.setattr(VoiceStore, "get", busy)

@@ -65,3 +65,11 @@ def test_the_apps_synthesis_routes_are_speech_tts_and_the_websocket():
         ("http", "POST", "/v1/tts"),
         ("websocket", "", "/v1/tts/stream"),
     }
+
+
+def test_limited_routes_are_synthesis_and_voice_creation():
+    from chattts_serve.server.app import create_app
+    from chattts_serve.server.config import ServerConfig
+
+    app = create_app(ServerConfig.from_flat(warmup=False))
+    assert app.state.limited_routes == {*app.state.synthesis_routes, ("http", "POST", "/v1/voices")}

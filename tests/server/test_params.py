@@ -57,6 +57,19 @@ def test_voice_resolution_order(store):
     assert resolve_voice(store, engine, "alloy", None, "voice") == ResolvedVoice(None, "codes", "hello")
 
 
+def test_a_saved_voice_is_found_only_in_its_tenant(store):
+    engine = FakeEngine()
+    store.add("mine", speaker=SPEAKER, tenant="b")
+    store.add("alloy", speaker=SPEAKER, tenant="b")  # shadows the built-in name for tenant b only
+    assert resolve_voice(store, engine, "mine", None, "voice", tenant="b") == ResolvedVoice(speaker=SPEAKER)
+    for tenant in ("a", None):
+        with pytest.raises(APIError) as exc:
+            resolve_voice(store, engine, "mine", None, "voice", tenant=tenant)
+        assert exc.value.code == "unknown_voice"
+        builtin = f"speaker-{BUILTIN_VOICES['alloy']}"
+        assert resolve_voice(store, engine, "alloy", None, "voice", tenant=tenant).speaker == builtin
+
+
 def test_builtin_voice_without_speaker_statistics_is_no_speaker(store):
     assert resolve_voice(store, FakeEngine(has_stats=False), "nova", None, "voice") == ResolvedVoice()
 

@@ -534,6 +534,42 @@ def test_other_storage_errors_are_json_500(inproc):
     assert client.get("/v1/voices/locked").status_code == 200
 
 
+def test_uploads_hold_the_servers_requests_in_flight(inproc, monkeypatch):
+    """An upload's decode and encode is one of the server's requests in flight: past the limit, an upload (and
+    a synthesis request) gets 429 as synthesis does, and the slot is free again once the upload is done."""
+    from chattts_serve.server import voices_routes
+    from chattts_serve.server.limits import Limits
+
+    app, client, _ = inproc
+    decoding, release = threading.Event(), threading.Event()
+
+    def slow_decode(data: bytes, max_seconds: float) -> np.ndarray:
+        decoding.set()
+        assert release.wait(30)
+        return decode_upload(data, max_seconds)
+
+    def upload(name: str):
+        files = {"file": ("s.wav", sine_wav(), "audio/wav")}
+        return client.post("/v1/voices", data={"name": name, "text": "你好。"}, files=files)
+
+    monkeypatch.setattr(voices_routes, "decode_upload", slow_decode)
+    monkeypatch.setattr(app.state, "limits", Limits(1))
+    results = {}
+    first = threading.Thread(target=lambda: results.update(first=upload("flood-1")))
+    first.start()
+    try:
+        assert decoding.wait(30)
+        assert check_openai_error(upload("flood-2"), 429)["code"] == "capacity"
+        tts = client.post("/v1/tts", json={"text": TEXT, "format": "pcm", **FIXED})
+        assert check_openai_error(tts, 429)["code"] == "capacity"
+    finally:
+        release.set()
+        first.join(60)
+    assert results["first"].status_code == 201, results["first"].text
+    assert app.state.limits.in_flight == 0
+    assert upload("flood-2").status_code == 201
+
+
 # ------------------------------------------------------------------------------------ crash consistency
 
 

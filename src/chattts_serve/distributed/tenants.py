@@ -4,7 +4,7 @@ A tenants file (JSON) lists them:
 
     {"tenants": [
         {"name": "acme", "api_keys": ["sk-acme-1"], "max_concurrent": 8, "max_queued": 16,
-         "rate_per_s": 2.0, "burst": 10},
+         "rate_per_s": 2.0, "burst": 10, "max_voices": 50},
         {"name": "vip", "api_keys": ["sk-vip"], "dedicated": {"num_replicas": 2}}
     ]}
 
@@ -14,9 +14,12 @@ a tenant's cluster-wide concurrency is ``max_concurrent`` x replicas. A request 
 request waiting in its tenant's queue holds no KV slot. ``dedicated`` tenants get their own Serve
 application and replicas (see ``settings.plan_applications``).
 
-Only synthesis (the routes tagged ``server.limits.synthesis``: speech, /v1/tts, the WebSocket) is limited;
-voices, models, health and metrics are not. Which tenant a request is comes from ``server.auth``, which
-resolved its key once (``TenantsConfig.key_ring`` gives ``create_app`` the keys and their tenants).
+Only synthesis (the routes tagged ``server.limits.synthesis``: speech, /v1/tts, the WebSocket) and other
+costly work (tagged ``server.limits.limited``: creating a voice, an upload's decode and encode) are limited;
+listing and reading voices, models, health and metrics are not. Saved voices belong to their tenant
+(``server.voices``); ``max_voices`` caps a tenant's own (default: the server's ``--max-voices``, which holds
+per tenant). Which tenant a request is comes from ``server.auth``, which resolved its key once
+(``TenantsConfig.key_ring`` gives ``create_app`` the keys and their tenants).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 from starlette.middleware import Middleware
 
 from ..server import auth
-from ..server.limits import is_synthesis
+from ..server.limits import is_limited
 from ..server.openapi import error_response
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -53,6 +56,8 @@ class Tenant:
     """Requests admitted per second on one replica (token bucket); 0: no rate limit."""
     burst: int = 0
     """Bucket size: requests admitted at once after a quiet spell; 0: max(1, ceil(rate_per_s))."""
+    max_voices: int = 0
+    """Saved voices the tenant may have; 0: the server's ``--max-voices`` (which holds per tenant)."""
     dedicated: dict[str, Any] | None = None
     """Own replicas: {"num_replicas": N} or {"autoscale": "MIN:MAX"}; None: the shared deployment."""
 
@@ -61,7 +66,7 @@ class Tenant:
             raise ValueError(f"tenant name must be 1-64 of [A-Za-z0-9_-], got {self.name!r}")
         if not self.api_keys or not all(isinstance(k, str) and k.strip() for k in self.api_keys):
             raise ValueError(f"tenant {self.name!r} needs at least one non-empty API key")
-        for name in ("max_concurrent", "max_queued", "burst"):
+        for name in ("max_concurrent", "max_queued", "burst", "max_voices"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"tenant {self.name!r}: {name} must be an int >= 0, got {value!r}")
@@ -239,7 +244,7 @@ class TenantMetrics:
         self.gates = gates
         self.requests = Counter(
             "chattts_tenant_requests",
-            "Synthesis requests by tenant and outcome",
+            "Limited requests (synthesis, voice creation) by tenant and outcome",
             ["tenant", "status"],
             registry=registry,
         )
@@ -265,10 +270,11 @@ class TenantMetrics:
 
 
 class TenantLimits:
-    """ASGI middleware: each synthesis request takes its tenant's limits (rate, concurrency, queue) for its
-    whole life, the streamed body included. Placed inside ``server.auth.Authenticate``, whose principal names
-    the tenant; a synthesis request without one of these tenants (an app built without ``key_ring``'s keys)
-    is refused as a bad key, never served unlimited."""
+    """ASGI middleware: each limited request (synthesis, voice creation: ``server.limits.is_limited``) takes its
+    tenant's limits (rate, concurrency, queue) for its whole life, the streamed body included, and carries the
+    tenant's voice cap (``scope["state"]["max_voices"]``, when it sets one). Placed inside
+    ``server.auth.Authenticate``, whose principal names the tenant; a limited request without one of these
+    tenants (an app built without ``key_ring``'s keys) is refused as a bad key, never served unlimited."""
 
     def __init__(self, app, config: TenantsConfig, max_wait_s: float, clock: Callable[[], float] = time.monotonic):
         self.app, self.config = app, config
@@ -284,7 +290,7 @@ class TenantLimits:
         return self.metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or not is_synthesis(scope):
+        if scope["type"] not in ("http", "websocket") or not is_limited(scope):
             return await self.app(scope, receive, send)
         who = auth.principal(scope)
         gate = self.gates.get(who.tenant) if who is not None and who.authorized and who.tenant else None
@@ -298,7 +304,10 @@ class TenantLimits:
                 metrics.rejected.labels(tenant.name, exc.reason).inc()
                 metrics.requests.labels(tenant.name, "rejected").inc()
             return await _refuse(scope, receive, send, exc)
-        scope.setdefault("state", {})["tenant"] = tenant.name
+        state = scope.setdefault("state", {})
+        state["tenant"] = tenant.name
+        if tenant.max_voices:
+            state["max_voices"] = tenant.max_voices
         if metrics is not None:
             metrics.requests.labels(tenant.name, "admitted").inc()
         try:

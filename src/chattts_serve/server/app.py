@@ -25,7 +25,7 @@ from . import native, openai_routes, openapi, voices_routes, websocket
 from .auth import Authenticate, KeyRing
 from .config import ServerConfig, resolve_device
 from .errors import APIError, ClientGone, ResponseCut
-from .limits import Limits, synthesis_routes
+from .limits import Limits, limited_routes, synthesis_routes
 from .logs import REQUEST_ID
 from .metrics import Metrics
 from .openapi import error_response
@@ -151,6 +151,7 @@ def create_app(
     for router in routers:
         app.include_router(router)
     app.state.synthesis_routes = synthesis_routes(route for router in routers for route in router.routes)
+    app.state.limited_routes = limited_routes(route for router in routers for route in router.routes)
     openapi.install(app)
     return app
 

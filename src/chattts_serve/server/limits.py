@@ -1,10 +1,13 @@
 """How many requests a server runs at once: beyond ``max_in_flight``, new ones are refused with a 429 at
-once instead of waiting in front of the engine's own queue. And which routes synthesise (``synthesis``):
-the ones the tenant limits and replica recycling count."""
+once instead of waiting in front of the engine's own queue. And which routes do work the limits count:
+the ones that synthesise (``synthesis``: the tenant limits and replica recycling count them), and other
+costly work (``limited``: a voice upload decodes and encodes audio in worker threads; the tenant limits count
+it, recycling does not)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from .errors import busy
 
@@ -24,10 +27,27 @@ class Limits:
     def release(self) -> None:
         self.in_flight -= 1
 
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """Holds one of the requests in flight for the block (429 at once when none is free)."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
 
 def synthesis(endpoint):
-    """Tags a route's endpoint as one that synthesises (put it under the route decorator)."""
-    endpoint.synthesis = True
+    """Tags a route's endpoint as one that synthesises (put it under the route decorator). Synthesis is
+    limited work too."""
+    endpoint.synthesis = endpoint.limited = True
+    return endpoint
+
+
+def limited(endpoint):
+    """Tags a route's endpoint as costly work other than synthesis (put it under the route decorator): the
+    tenant limits count it as they count synthesis."""
+    endpoint.limited = True
     return endpoint
 
 
@@ -36,9 +56,18 @@ def synthesis_routes(routes: Iterable) -> frozenset[tuple[str, str, str]]:
     WebSocket): what ``is_synthesis`` looks a request up in. Taken from the routes as the routers define them,
     where the tag is (an app's own route list is the framework's business: FastAPI may keep included routers
     there as opaque entries)."""
+    return _tagged(routes, "synthesis")
+
+
+def limited_routes(routes: Iterable) -> frozenset[tuple[str, str, str]]:
+    """The same for the routes tagged ``limited`` or ``synthesis``: what ``is_limited`` looks in."""
+    return _tagged(routes, "limited")
+
+
+def _tagged(routes: Iterable, tag: str) -> frozenset[tuple[str, str, str]]:
     found = set()
     for route in routes:
-        if getattr(getattr(route, "endpoint", None), "synthesis", False) is not True:
+        if getattr(getattr(route, "endpoint", None), tag, False) is not True:
             continue
         methods = getattr(route, "methods", None)
         if methods:
@@ -58,6 +87,15 @@ def is_synthesis(scope) -> bool:
     """Whether an HTTP or WebSocket scope goes to a route tagged ``synthesis``, by the app's
     ``state.synthesis_routes`` (``scope["app"]`` is set before any middleware runs). A path inside a route
     prefix (Serve's ``root_path``) is the route's; a method the route does not serve (a 405) is not synthesis."""
+    return _route_key(scope) in scope["app"].state.synthesis_routes
+
+
+def is_limited(scope) -> bool:
+    """Whether a scope goes to a route of limited work (``limited`` or ``synthesis``), by the app's
+    ``state.limited_routes``."""
+    return _route_key(scope) in scope["app"].state.limited_routes
+
+
+def _route_key(scope) -> tuple[str, str, str]:
     kind = scope["type"]
-    key = (kind, scope.get("method", "") if kind == "http" else "", route_path(scope))
-    return key in scope["app"].state.synthesis_routes
+    return (kind, scope.get("method", "") if kind == "http" else "", route_path(scope))

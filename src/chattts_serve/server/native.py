@@ -16,17 +16,17 @@ from .audio_response import AudioResponse
 from .errors import ClientGone, TimedStreamingResponse, check_length
 from .limits import synthesis
 from .openapi import audio_responses, errors
-from .params import build_params, build_policy, request_defaults, resolve_voice
+from .params import build_params, build_policy, request_defaults, resolve_voice, tenant_of
 from .protocol import MEDIA_TYPES, TTSRequest
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
 
 
-def _voice_and_params(st, body: TTSRequest):
+def _voice_and_params(st, body: TTSRequest, tenant: str | None):
     cfg = st.config
     check_length(body.text, cfg.max_input_chars, "text")
-    voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.voices.default, "voice")
+    voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.voices.default, "voice", tenant)
     params = build_params(body, voice, defaults=request_defaults(cfg.default_options))
     return params, build_policy(st.engine.stream_policy, body.chunking)
 
@@ -35,7 +35,7 @@ def _voice_and_params(st, body: TTSRequest):
 @synthesis
 async def tts(body: TTSRequest, request: Request):
     st = request.app.state
-    params, policy = _voice_and_params(st, body)
+    params, policy = _voice_and_params(st, body, tenant_of(request.scope))
     resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.timeouts.queue_wait_s)
     await resp.start(body.text, params, policy, request.state.request_id, request)
     if body.stream:

@@ -13,7 +13,7 @@ from .audio_response import AudioResponse
 from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
 from .limits import synthesis
 from .openapi import audio_responses, errors
-from .params import build_params, request_defaults, resolve_voice, speed_prompt
+from .params import build_params, request_defaults, resolve_voice, speed_prompt, tenant_of
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
 
 router = APIRouter()
@@ -39,7 +39,7 @@ async def speech(body: SpeechRequest, request: Request):
             code="model_not_found",
         )
     check_length(body.input, cfg.max_input_chars, "input")
-    voice = resolve_voice(st.voices, st.engine, body.voice, cfg.voices.default, "voice")
+    voice = resolve_voice(st.voices, st.engine, body.voice, cfg.voices.default, "voice", tenant_of(request.scope))
     implied = speed_prompt(body.speed) if body.speed != 1.0 else None  # 1.0 (normal) leaves the defaults' prompt
     params = build_params(body, voice, prompt=implied, defaults=request_defaults(cfg.default_options))
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.timeouts.queue_wait_s)

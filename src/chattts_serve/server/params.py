@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from ..audio.policy import StreamPolicy
 from ..sampling_params import SamplingParams
+from .auth import principal
 from .errors import APIError, storage_error
 from .protocol import ChatTTSOptions, StreamOptions, parse_options
 from .voices import BUILTIN_VOICES, VoiceStore, VoiceStoreError
@@ -26,17 +27,29 @@ class ResolvedVoice:
     sample_text: str = ""
 
 
+def tenant_of(scope) -> str | None:
+    """The tenant whose saved voices a request sees: the one its API key belongs to (``server.auth``); None
+    without tenants (the voices of no tenant)."""
+    who = principal(scope)
+    return who.tenant if who is not None else None
+
+
 def resolve_voice(
-    store: VoiceStore, engine, name_or_speaker: str | None, default: str | None, param: str
+    store: VoiceStore,
+    engine,
+    name_or_speaker: str | None,
+    default: str | None,
+    param: str,
+    tenant: str | None = None,
 ) -> ResolvedVoice:
-    """A saved voice's name, a built-in (OpenAI) voice name, or a speaker string; anything else is a
-    400 (speaker strings are validated when the request is prepared)."""
+    """A saved voice's name (``tenant``'s voices only: ``tenant_of``), a built-in (OpenAI) voice name, or a
+    speaker string; anything else is a 400 (speaker strings are validated when the request is prepared)."""
     if name_or_speaker is None:
         if default is None:
             return ResolvedVoice()
         name_or_speaker = default
     try:
-        rec = store.get(name_or_speaker)
+        rec = store.get(name_or_speaker, tenant=tenant)
     except VoiceStoreError as exc:
         raise storage_error(exc) from None
     if rec is not None:

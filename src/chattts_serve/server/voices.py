@@ -8,6 +8,11 @@ name shadows it.
 Durability: the database runs in WAL mode with ``synchronous=FULL`` and every write is its own
 transaction, committed before ``add``/``delete`` return; so a voice the server has answered 201 for
 survives a crash (``kill -9``, power loss) and the file never needs repair.
+
+Tenants: every voice belongs to one tenant (or to none, on a server without tenants), and every call names
+the tenant whose voices it sees (``tenant=None``: the voices of no tenant). A tenant never sees, speaks with
+or deletes another's voice, and ``max_voices`` counts one tenant's voices. A database from before tenants is
+migrated when it is opened: its voices become the voices of no tenant.
 """
 
 from __future__ import annotations
@@ -20,15 +25,22 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+_COLUMNS = "name, kind, speaker, sample_codes, sample_text, description, created_at"
+"""A ``VoiceRecord``'s columns, in its field order."""
+
+# ``tenant``: the tenant that owns the voice ('' for no tenant: a server without tenants). Names are unique
+# per tenant, so two tenants may each have a voice "narrator".
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS voices (
-    name TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL DEFAULT '',
+    name TEXT NOT NULL,
     kind TEXT NOT NULL CHECK (kind IN ('speaker', 'sample')),
     speaker TEXT,
     sample_codes TEXT,
     sample_text TEXT,
     description TEXT,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    PRIMARY KEY (tenant, name)
 )
 """
 
@@ -113,6 +125,10 @@ class VoiceStore:
         self._read_lock = self._write_lock if self._reader is self._writer else threading.Lock()
         with self._write_lock, self._translated():
             self._writer.execute(_SCHEMA)
+            migrate = not _has_tenant_column(self._writer)
+        if migrate:
+            with self._write() as conn:  # checked again inside: another process may have migrated it meanwhile
+                _add_tenant_column(conn)
 
     def _connect(self, busy_timeout_s: float) -> sqlite3.Connection:
         # isolation_level=None: no implicit transactions; each write opens its own (BEGIN IMMEDIATE).
@@ -142,19 +158,22 @@ class VoiceStore:
         with self._read_lock, self._translated():
             return self._reader.execute(sql, args).fetchall()
 
-    def list(self, limit: int | None = None, after: str | None = None) -> list[VoiceRecord]:
-        """Voices by name; ``after``: only names sorting after it (a page cursor); ``limit``: at most that many."""
+    def list(
+        self, limit: int | None = None, after: str | None = None, *, tenant: str | None = None
+    ) -> list[VoiceRecord]:
+        """A tenant's voices by name; ``after``: only names sorting after it (a page cursor); ``limit``: at most
+        that many."""
         rows = self._read(
-            "SELECT * FROM voices WHERE name > ? ORDER BY name LIMIT ?",
-            ("" if after is None else after, -1 if limit is None else limit),
+            f"SELECT {_COLUMNS} FROM voices WHERE tenant = ? AND name > ? ORDER BY name LIMIT ?",
+            (_owner(tenant), "" if after is None else after, -1 if limit is None else limit),
         )
         return [VoiceRecord(*r) for r in rows]
 
-    def count(self) -> int:
-        return self._read("SELECT COUNT(*) FROM voices")[0][0]
+    def count(self, *, tenant: str | None = None) -> int:
+        return self._read("SELECT COUNT(*) FROM voices WHERE tenant = ?", (_owner(tenant),))[0][0]
 
-    def get(self, name: str) -> VoiceRecord | None:
-        rows = self._read("SELECT * FROM voices WHERE name = ?", (name,))
+    def get(self, name: str, *, tenant: str | None = None) -> VoiceRecord | None:
+        rows = self._read(f"SELECT {_COLUMNS} FROM voices WHERE tenant = ? AND name = ?", (_owner(tenant), name))
         return VoiceRecord(*rows[0]) if rows else None
 
     @contextmanager
@@ -183,9 +202,10 @@ class VoiceStore:
         sample_text: str | None = None,
         description: str | None = None,
         max_voices: int | None = None,
+        tenant: str | None = None,
     ) -> VoiceRecord:
-        """Insert a voice. Raises VoiceExistsError, VoiceLimitError (``max_voices`` already stored) or
-        VoiceStoreError."""
+        """Insert a voice of ``tenant``. Raises VoiceExistsError, VoiceLimitError (the tenant already has
+        ``max_voices``) or VoiceStoreError."""
         if (speaker is None) == (sample_codes is None):
             raise ValueError("a voice has either a speaker string or a voice sample")
         rec = VoiceRecord(
@@ -194,12 +214,15 @@ class VoiceStore:
         try:
             with self._write() as conn:
                 if max_voices is not None:
-                    (count,) = conn.execute("SELECT COUNT(*) FROM voices").fetchone()
+                    (count,) = conn.execute(
+                        "SELECT COUNT(*) FROM voices WHERE tenant = ?", (_owner(tenant),)
+                    ).fetchone()
                     if count >= max_voices:
-                        raise VoiceLimitError(f"the server holds its maximum of {max_voices} voices; delete one first")
+                        raise VoiceLimitError(limit_message(max_voices, tenant))
                 conn.execute(
-                    "INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    f"INSERT INTO voices (tenant, {_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (
+                        _owner(tenant),
                         rec.name,
                         rec.kind,
                         rec.speaker,
@@ -213,7 +236,33 @@ class VoiceStore:
             raise VoiceExistsError(f"voice {name!r} already exists") from None
         return rec
 
-    def delete(self, name: str) -> bool:
+    def delete(self, name: str, *, tenant: str | None = None) -> bool:
         with self._write() as conn:
-            cur = conn.execute("DELETE FROM voices WHERE name = ?", (name,))
+            cur = conn.execute("DELETE FROM voices WHERE tenant = ? AND name = ?", (_owner(tenant), name))
         return cur.rowcount > 0
+
+
+def limit_message(max_voices: int, tenant: str | None) -> str:
+    holder = "the server holds" if tenant is None else f"tenant {tenant!r} has"
+    return f"{holder} its maximum of {max_voices} voices; delete one first"
+
+
+def _owner(tenant: str | None) -> str:
+    """The ``tenant`` column's value: '' for no tenant (a tenant name is never empty)."""
+    return "" if tenant is None else tenant
+
+
+def _has_tenant_column(conn: sqlite3.Connection) -> bool:
+    return "tenant" in {row[1] for row in conn.execute("PRAGMA table_info(voices)")}
+
+
+def _add_tenant_column(conn: sqlite3.Connection) -> None:
+    """Migrates a database from before tenants (``name`` alone the key): its voices become the voices of no
+    tenant. SQLite cannot change a primary key in place, so the table is copied (inside the caller's
+    transaction: a crash midway leaves the old table as it was)."""
+    if _has_tenant_column(conn):
+        return
+    conn.execute(_SCHEMA.replace("voices (", "voices_new (", 1))
+    conn.execute(f"INSERT INTO voices_new (tenant, {_COLUMNS}) SELECT '', {_COLUMNS} FROM voices")
+    conn.execute("DROP TABLE voices")
+    conn.execute("ALTER TABLE voices_new RENAME TO voices")

@@ -5,6 +5,14 @@ or a multipart form with ``name``, an audio ``file`` (wav, flac, mp3, ogg, m4a/m
 its transcript ``text`` (a zero-shot voice sample). GET lists voices by name, a page at a time
 (``?limit=``, ``?after=<name>``), in OpenAI's list shape.
 
+Voices belong to the tenant of the request's API key (``params.tenant_of``; none without tenants): each
+route sees, counts and changes only that tenant's voices, and ``max_voices`` holds per tenant (a tenant's
+own ``max_voices`` when its config sets one). Built-in voice names are not stored: every tenant has them.
+
+Creating a voice is limited work (``limits.limited``): a tenant's limits count it, and an upload holds one
+of the server's requests in flight while its audio is decoded and encoded (beyond them: 429), so a flood
+of uploads cannot take the worker threads and the engine from synthesis.
+
 Storage errors are JSON errors like any other: a database locked by another writer is a 503 with
 Retry-After, a full disk a 507. The store runs in worker threads, so a write that waits for a lock
 never holds up the event loop (and with it every audio stream).
@@ -25,9 +33,11 @@ from starlette.datastructures import UploadFile
 from ..model.config import SAMPLE_RATE
 from ..model.speaker import decode_speaker
 from .errors import APIError, check_length, storage_error
+from .limits import limited
 from .openapi import VOICE_UPLOAD_BODY, errors
+from .params import tenant_of
 from .protocol import Voice, VoiceCreate
-from .voices import VoiceExistsError, VoiceLimitError, VoiceRecord, VoiceStoreError
+from .voices import VoiceExistsError, VoiceLimitError, VoiceRecord, VoiceStoreError, limit_message
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -68,7 +78,8 @@ async def list_voices(
     after: str | None = Query(None, max_length=256),
 ):
     # One row more than the page tells whether another page follows.
-    recs = await _store(request.app.state.voices.list, limit=limit + 1, after=after)
+    voices = request.app.state.voices
+    recs = await _store(voices.list, limit=limit + 1, after=after, tenant=tenant_of(request.scope))
     page = recs[:limit]
     return {
         "object": "list",
@@ -81,7 +92,7 @@ async def list_voices(
 
 @router.get("/v1/voices/{name}", responses=errors(404))
 async def get_voice(name: str, request: Request) -> Voice:
-    rec = await _store(request.app.state.voices.get, name)
+    rec = await _store(request.app.state.voices.get, name, tenant=tenant_of(request.scope))
     if rec is None:
         raise APIError(404, f"no voice {name!r}", code="voice_not_found")
     return _public(rec)
@@ -89,12 +100,13 @@ async def get_voice(name: str, request: Request) -> Voice:
 
 @router.delete("/v1/voices/{name}", responses=errors(404))
 async def delete_voice(name: str, request: Request):
-    if not await _store(request.app.state.voices.delete, name):
+    if not await _store(request.app.state.voices.delete, name, tenant=tenant_of(request.scope)):
         raise APIError(404, f"no voice {name!r}", code="voice_not_found")
     return {"deleted": name}
 
 
-@router.post("/v1/voices", status_code=201, responses=errors(409, 415, 507), openapi_extra=VOICE_UPLOAD_BODY)
+@router.post("/v1/voices", status_code=201, responses=errors(409, 415, 429, 507), openapi_extra=VOICE_UPLOAD_BODY)
+@limited
 async def create_voice(request: Request) -> Voice:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media == "multipart/form-data":
@@ -123,7 +135,7 @@ async def _create_from_json(request: Request) -> Voice:
         raise APIError(400, "body must be a JSON object") from None
     if (body.speaker is None) == (body.seed is None):
         raise APIError(400, "give exactly one of 'speaker' or 'seed'")
-    return await _add(st, body.name, speaker=_speaker(st, body), description=body.description)
+    return await _add(request, body.name, speaker=_speaker(st, body), description=body.description)
 
 
 def _speaker(st, body: VoiceCreate) -> str:
@@ -146,9 +158,16 @@ def _invalid(exc: ValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
-async def _add(st, name: str, **kw) -> Voice:
+def _max_voices(request: Request) -> int:
+    """The voices the request's tenant may have: its own cap when the tenant limits set one
+    (``scope["state"]["max_voices"]``), else the server's (which holds per tenant)."""
+    return request.scope.get("state", {}).get("max_voices") or request.app.state.config.voices.max_count
+
+
+async def _add(request: Request, name: str, **kw) -> Voice:
+    st, tenant = request.app.state, tenant_of(request.scope)
     try:
-        return _public(await _store(st.voices.add, name, max_voices=st.config.voices.max_count, **kw))
+        return _public(await _store(st.voices.add, name, max_voices=_max_voices(request), tenant=tenant, **kw))
     except VoiceExistsError as exc:
         raise APIError(409, str(exc), code="voice_exists") from None
     except VoiceLimitError as exc:
@@ -170,11 +189,12 @@ async def _create_from_upload(request: Request) -> Voice:
         check_length(text, cfg.voices.max_text_chars, "text")
         if not isinstance(upload, UploadFile):
             raise APIError(400, "a voice sample needs its audio as a file part named 'file'", param="file")
-        await _check_room(st, name)  # before the costly part: decoding and encoding the sample
+        await _check_room(request, name)  # before the costly part: decoding and encoding the sample
         data = await upload.read()
-    wav = await asyncio.to_thread(decode_upload, data, cfg.voices.max_upload_seconds)
-    codes = await st.engine.speaker_from_audio(wav)
-    return await _add(st, name, sample_codes=codes, sample_text=text)
+    with st.limits.slot():  # the costly part is one of the server's requests in flight
+        wav = await asyncio.to_thread(decode_upload, data, cfg.voices.max_upload_seconds)
+        codes = await st.engine.speaker_from_audio(wav)
+    return await _add(request, name, sample_codes=codes, sample_text=text)
 
 
 def _form_name(name) -> str:
@@ -186,15 +206,13 @@ def _form_name(name) -> str:
         raise _invalid(exc) from None
 
 
-async def _check_room(st, name: str) -> None:
+async def _check_room(request: Request, name: str) -> None:
     """Refuse early what ``_add`` would refuse anyway (which stays the authoritative check)."""
-    if await _store(st.voices.get, name) is not None:
+    voices, tenant, limit = request.app.state.voices, tenant_of(request.scope), _max_voices(request)
+    if await _store(voices.get, name, tenant=tenant) is not None:
         raise APIError(409, f"voice {name!r} already exists", code="voice_exists")
-    if await _store(st.voices.count) >= st.config.voices.max_count:
-        limit = st.config.voices.max_count
-        raise APIError(
-            409, f"the server holds its maximum of {limit} voices; delete one first", code="voice_limit_reached"
-        )
+    if await _store(voices.count, tenant=tenant) >= limit:
+        raise APIError(409, limit_message(limit, tenant), code="voice_limit_reached")
 
 
 def decode_upload(data: bytes, max_seconds: float) -> np.ndarray:

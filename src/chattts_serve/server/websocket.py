@@ -62,6 +62,7 @@ from .audio_response import ThreadedEncoder
 from .errors import APIError
 from .limits import synthesis
 from .native import _voice_and_params
+from .params import tenant_of
 from .protocol import TTSRequest
 from .text_session import MAX_ERROR_CHARS, ErrorKind, Gone, SessionError, TextSession, TextStream, excerpt
 
@@ -141,7 +142,7 @@ class _Framing:
             first.setdefault("text", _NO_INITIAL_TEXT)
             first.setdefault("format", "pcm")
             body = TTSRequest(**first)
-            params, policy = _voice_and_params(self.st, body)
+            params, policy = _voice_and_params(self.st, body, tenant_of(self.ws.scope))
         except (ValueError, ValidationError, APIError, RecursionError, TypeError) as exc:
             raise SessionError(ErrorKind.BAD_INPUT, str(getattr(exc, "detail", exc)), "invalid_request") from None
         self.format = body.format
