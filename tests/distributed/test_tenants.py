@@ -14,12 +14,15 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from chattts_serve.distributed.tenants import (
+    MAX_RETRY_AFTER_S,
+    MIN_RATE_PER_S,
     Tenant,
     TenantGate,
     TenantLimited,
     TenantLimits,
     TenantsConfig,
     TokenBucket,
+    _refuse,
 )
 from chattts_serve.server.auth import Authenticate
 from chattts_serve.server.config import ServerConfig
@@ -105,6 +108,26 @@ def test_gate_rate_limit():
         await gate.acquire()
 
     asyncio.run(run())
+
+
+def test_a_vanishing_rate_is_refused_and_retry_after_stays_finite():
+    with pytest.raises(ValueError, match="rate_per_s must be 0"):
+        Tenant("t", ("k",), rate_per_s=1e-320)  # was accepted, and its refusal path raised OverflowError (500)
+    assert Tenant("t", ("k",), rate_per_s=MIN_RATE_PER_S).bucket_size == 1
+    # Whatever wait a limit computes, the refusal is a 429 whose Retry-After is a whole number of seconds.
+    for wait, expected in ((float("inf"), MAX_RETRY_AFTER_S), (1e300, MAX_RETRY_AFTER_S), (0.2, 1), (2.5, 3)):
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict, sent=sent) -> None:
+            sent.append(message)
+
+        exc = TenantLimited("t", "rate", "over its rate", wait)
+        asyncio.run(_refuse({"type": "http", "method": "POST", "path": "/v1/tts", "headers": []}, receive, send, exc))
+        assert sent[0]["status"] == 429
+        assert dict(sent[0]["headers"])[b"retry-after"] == str(expected).encode()
 
 
 def test_gate_concurrency_queue_fifo_and_caps():
