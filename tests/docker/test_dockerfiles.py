@@ -73,9 +73,8 @@ def test_recipe_facts(kind):
     assert "/health" in health and "--start-period=" in health
     assert _args(text, "EXPOSE") == ["8000"]
     # Keys on: the entrypoint refuses `serve` without API keys (tested below), since the host is 0.0.0.0.
-    assert _args(text, "ENTRYPOINT") == ['["/usr/local/bin/chattts-entrypoint"]'] and _args(text, "CMD") == [
-        '["serve"]'
-    ]
+    assert _args(text, "ENTRYPOINT") == ['["/usr/local/bin/chattts-entrypoint"]']
+    assert _args(text, "CMD") == ['["serve"]']
     assert "COPY --chmod=0755 docker/entrypoint.sh /usr/local/bin/chattts-entrypoint" in text
     assert "CHATTTS_SERVE_API_KEYS=" not in " ".join(_args(text, "ENV"))  # no key baked into the image
     # Every CHATTTS_SERVE_* variable set is one the server reads (a typo would be silently ignored).
