@@ -392,3 +392,22 @@ def test_a_tenant_at_its_cap_gets_no_second_stream_by_any_key_trick(replica):
         held.send_json({"type": "end"})
         assert held.receive_json()["type"] == "end"
     assert _tts(replica, "s2").status_code == 200  # the stream is over: the slot is free again
+
+
+def test_the_replica_app_caps_bodies_and_websocket_messages_itself(replica):
+    """Serve's proxy is plain uvicorn with none of ``serve``'s size limits (``ws_max_size``): the replica's own
+    ASGI layer refuses a body past ``max_body_bytes`` (streamed, no Content-Length) and a WebSocket message
+    past ``ws_max_message_bytes``."""
+    config = ServerConfig()
+
+    def chunks():
+        for _ in range(config.max_body_bytes // 4096 + 1):
+            yield b" " * 4096
+
+    r = replica.post("/v1/tts", content=chunks(), headers={"Authorization": "Bearer b1", "Content-Type": "text/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large", r.text
+    with replica.websocket_connect("/v1/tts/stream?api_key=b1") as ws:
+        ws.send_text(json.dumps({"type": "start", "format": "pcm", "text": "x" * config.ws.max_message_bytes}))
+        event = ws.receive_json()
+        assert (event["type"], event["code"]) == ("error", "message_too_big"), event
+        assert ws.receive()["code"] == 1009
