@@ -370,3 +370,22 @@ def test_a_recycled_replica_finishes_its_stream_then_is_replaced(serve_app, tiny
         wait_for(new_replica, 120, "a fresh replica in place of the recycled one", interval=0.5)
     finally:
         serve.delete(settings.name)
+
+
+def test_sigterm_ends_a_local_ray_serve_cleanly(tiny_ckpt, tmp_path):
+    """``ray serve`` that started its own cluster: SIGTERM deletes the application, stops the cluster and exits 0
+    (Ray's own handler, installed when the cluster starts, used to print and exit 1 without deleting it)."""
+    port = free_port()
+    cmd = cli(
+        "ray", "serve", "--model", str(tiny_ckpt), "--host", "127.0.0.1", "--port", str(port), "--num-cpus", "1",
+        "--num-replicas", "1", "--num-cpus-per-replica", "0.25", "--max-num-seqs", "2", "--threads", "1",
+        "--voices-db", str(tmp_path / "voices.sqlite3"), "--log-level", "warning",
+    )  # fmt: skip
+    log = tmp_path / "ray-serve.log"
+    with background(cmd, log) as proc:
+        wait_for(lambda: "serving chattts" in log.read_text(errors="replace"), 240, "the application", log=log)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text(errors="replace")[-3000:]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)  # the proxy is gone with the cluster

@@ -20,7 +20,8 @@ def test_fixed_replicas_options_from_the_slot_count():
     s = ServeSettings.from_dict({"server": {"model": "/m", "max_num_seqs": 8}, "num_replicas": 2, "num_cpus": 0.5})
     opts = s.deployment_options(cluster_gpus=0)
     assert opts["num_replicas"] == 2 and "autoscaling_config" not in opts
-    assert opts["max_ongoing_requests"] == 16  # two batches of 8 slots, not Ray's default of 5
+    # Two batches of 8 slots (not Ray's default of 5), plus 16 open WebSockets (each is ongoing for Ray).
+    assert opts["max_ongoing_requests"] == 2 * 8 + 16
     assert opts["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.0}
     assert opts["graceful_shutdown_timeout_s"] >= 600  # the longest request (max_audio_seconds) can finish
     assert s.deployment_options(cluster_gpus=2)["ray_actor_options"]["num_gpus"] == 1.0
@@ -70,6 +71,43 @@ def test_settings_round_trip_and_checks():
         ServeSettings.from_dict({"server": {"api_keys": ["k"]}, "tenants": TENANTS})
 
 
+def test_queued_and_idle_requests_cannot_fill_a_replica_for_ray():
+    """A request waiting for its tenant's slot, and an open WebSocket, are ongoing for Serve: its cap leaves room
+    for every served tenant's queue and the WebSocket allowance on top of the two batches of KV slots."""
+    tenants = {
+        "tenants": [
+            {"name": "a", "api_keys": ["ka"], "max_concurrent": 2, "max_queued": 10},
+            {"name": "b", "api_keys": ["kb"], "max_concurrent": 1, "max_queued": 5},
+            {"name": "c", "api_keys": ["kc"], "max_queued": 7},  # no cap: it never queues
+            {"name": "v", "api_keys": ["kv"], "max_concurrent": 1, "max_queued": 100, "dedicated": {"num_replicas": 1}},
+        ]
+    }
+    s = ServeSettings.from_dict({"server": {"max_num_seqs": 4}, "tenants": tenants, "websocket_sessions": "8"})
+    shared, vip = plan_applications(s)
+    assert shared.deployment_options(0)["max_ongoing_requests"] == 2 * 4 + 10 + 5 + 8
+    assert vip.deployment_options(0)["max_ongoing_requests"] == 2 * 4 + 100 + 8
+    assert ServeSettings(max_ongoing_requests=3).deployment_options(0)["max_ongoing_requests"] == 3  # as given
+    with pytest.raises(ValueError, match="websocket_sessions"):
+        ServeSettings(websocket_sessions=-1)
+
+
+@pytest.mark.parametrize("server", [{"wyoming_uri": "tcp://0.0.0.0:10200"}, {"wyoming_uri": "tcp://127.0.0.1:1"}])
+def test_wyoming_is_refused_on_ray(server):
+    """Every replica would bind the same port, and Wyoming has no authentication."""
+    with pytest.raises(ValueError, match="does not serve Wyoming"):
+        ServeSettings.from_dict({"server": server})
+
+
+def test_proxy_options_and_what_only_a_proxy_in_front_enforces():
+    from chattts_serve.distributed.settings import PROXY_ONLY_LIMITS
+    from chattts_serve.server.config import ServerConfig
+
+    s = ServeSettings.from_dict({"server": {"host": "0.0.0.0", "port": 8100}})
+    http = s.http_options()
+    assert http == {"host": "0.0.0.0", "port": 8100, "request_timeout_s": None, "keep_alive_timeout_s": 5}
+    assert set(PROXY_ONLY_LIMITS) <= set(ServerConfig.flat_defaults())
+
+
 def test_dedicated_tenants_get_their_own_application():
     s = ServeSettings.from_dict({"server": {"model": "/m"}, "tenants": TENANTS, "num_replicas": 2})
     shared, vip = plan_applications(s)
@@ -112,10 +150,12 @@ def test_mirror_copies_every_series_with_its_labels():
     assert made["chattts_kv_slots_used"].values == {(): 5.0}
 
 
-def test_the_documented_serve_config_is_valid():
-    """deploy/ray-serve.yaml passes Serve's own schema, and each application's args make ServeSettings."""
+def test_the_documented_serve_config_is_valid(tmp_path):
+    """deploy/ray-serve.yaml passes Serve's own schema, and each application's args make ServeSettings; it
+    listens on every interface, so it ships with keys on (a tenants file, mounted from a secret)."""
     yaml = pytest.importorskip("yaml")
     pytest.importorskip("ray", reason="needs the .[ray] extra")
+    import json
     from pathlib import Path
 
     from ray.serve.schema import ServeDeploySchema
@@ -123,7 +163,14 @@ def test_the_documented_serve_config_is_valid():
     path = Path(__file__).parents[2] / "deploy" / "ray-serve.yaml"
     config = yaml.safe_load(path.read_text())
     ServeDeploySchema.model_validate(config)
+    assert config["http_options"]["host"] == "0.0.0.0"
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": [{"name": "default", "api_keys": ["sk-test"]}]}))
     for app in config["applications"]:
         assert app["import_path"] == "chattts_serve.distributed.serve_app:app"
-        settings = ServeSettings.from_dict(app["args"])
-        assert settings.deployment_options(cluster_gpus=0)["max_ongoing_requests"] == 32
+        args = app["args"]
+        assert args["tenants"].startswith("/etc/"), "keys on: every application reads a tenants file"
+        settings = ServeSettings.from_dict({**args, "tenants": str(tenants)})
+        assert settings.server_config().api_keys == ("sk-test",)
+        assert settings.deployment_options(cluster_gpus=0)["max_ongoing_requests"] == 2 * 16 + 16
+        assert "wyoming_uri" not in args["server"]

@@ -14,12 +14,15 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from chattts_serve.distributed.tenants import (
+    MAX_RETRY_AFTER_S,
+    MIN_RATE_PER_S,
     Tenant,
     TenantGate,
     TenantLimited,
     TenantLimits,
     TenantsConfig,
     TokenBucket,
+    _refuse,
 )
 from chattts_serve.server.auth import Authenticate
 from chattts_serve.server.config import ServerConfig
@@ -105,6 +108,26 @@ def test_gate_rate_limit():
         await gate.acquire()
 
     asyncio.run(run())
+
+
+def test_a_vanishing_rate_is_refused_and_retry_after_stays_finite():
+    with pytest.raises(ValueError, match="rate_per_s must be 0"):
+        Tenant("t", ("k",), rate_per_s=1e-320)  # was accepted, and its refusal path raised OverflowError (500)
+    assert Tenant("t", ("k",), rate_per_s=MIN_RATE_PER_S).bucket_size == 1
+    # Whatever wait a limit computes, the refusal is a 429 whose Retry-After is a whole number of seconds.
+    for wait, expected in ((float("inf"), MAX_RETRY_AFTER_S), (1e300, MAX_RETRY_AFTER_S), (0.2, 1), (2.5, 3)):
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict, sent=sent) -> None:
+            sent.append(message)
+
+        exc = TenantLimited("t", "rate", "over its rate", wait)
+        asyncio.run(_refuse({"type": "http", "method": "POST", "path": "/v1/tts", "headers": []}, receive, send, exc))
+        assert sent[0]["status"] == 429
+        assert dict(sent[0]["headers"])[b"retry-after"] == str(expected).encode()
 
 
 def test_gate_concurrency_queue_fifo_and_caps():
@@ -370,3 +393,22 @@ def test_a_tenant_at_its_cap_gets_no_second_stream_by_any_key_trick(replica):
         held.send_json({"type": "end"})
         assert held.receive_json()["type"] == "end"
     assert _tts(replica, "s2").status_code == 200  # the stream is over: the slot is free again
+
+
+def test_the_replica_app_caps_bodies_and_websocket_messages_itself(replica):
+    """Serve's proxy is plain uvicorn with none of ``serve``'s size limits (``ws_max_size``): the replica's own
+    ASGI layer refuses a body past ``max_body_bytes`` (streamed, no Content-Length) and a WebSocket message
+    past ``ws_max_message_bytes``."""
+    config = ServerConfig()
+
+    def chunks():
+        for _ in range(config.max_body_bytes // 4096 + 1):
+            yield b" " * 4096
+
+    r = replica.post("/v1/tts", content=chunks(), headers={"Authorization": "Bearer b1", "Content-Type": "text/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large", r.text
+    with replica.websocket_connect("/v1/tts/stream?api_key=b1") as ws:
+        ws.send_text(json.dumps({"type": "start", "format": "pcm", "text": "x" * config.ws.max_message_bytes}))
+        event = ws.receive_json()
+        assert (event["type"], event["code"]) == ("error", "message_too_big"), event
+        assert ws.receive()["code"] == 1009

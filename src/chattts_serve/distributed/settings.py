@@ -5,12 +5,22 @@ it into Serve's deployment options and applications. No ray import here.
 Sizing rules (why the numbers are what they are):
 
 * ``max_ongoing_requests`` (what Ray's router sends one replica at once; Ray's default of 5 would starve
-  continuous batching): twice the KV slots: one batch decoding and one waiting inside the engine, so a
-  slot that frees is refilled at the next step instead of a router round trip later.
+  continuous batching): twice the KV slots (one batch decoding and one waiting inside the engine, so a
+  slot that frees is refilled at the next step instead of a router round trip later), plus what holds a
+  place without using a slot: the served tenants' ``max_queued`` (a request waiting for its tenant's
+  slot is ongoing for Ray) and ``websocket_sessions`` (a WebSocket is ongoing for as long as it is open,
+  idle or not). Without those, one tenant's queue or a few idle sockets would fill the replica for Ray,
+  and every other request would wait in Serve's router, where no limit of ours answers it.
 * autoscaling ``target_ongoing_requests``: the KV slots: scale out when a replica's slots are full on
   average.
 * ``graceful_shutdown_timeout_s``: the longest request (``max_audio_seconds`` of audio, generated at
   real-time speed or better) plus a margin, so a replica being replaced finishes its streams.
+
+Connection limits: Serve's HTTP proxy (plain uvicorn) takes only host, port, keep-alive and request
+timeouts (``http_options``). The request body cap and deadline (``max_body_bytes``, ``body_timeout_s``),
+the WebSocket message cap (``ws_max_message_bytes``) and every session limit hold inside each replica's
+app. ``PROXY_ONLY_LIMITS`` cannot: Serve's proxy accepts any number of connections, waits for headers
+forever and buffers WebSocket messages up to 16 MiB; a proxy in front (docs/ray.md) enforces those.
 """
 
 from __future__ import annotations
@@ -24,6 +34,9 @@ from .recycling import RecyclePolicy
 from .tenants import TenantsConfig
 
 DEFAULT_NAME = "chattts"
+PROXY_ONLY_LIMITS = ("max_connections", "header_timeout_s")
+"""Server options a replica cannot enforce behind Serve's proxy (see the module doc); a WebSocket
+message is also buffered whole by the proxy, up to its own 16 MiB, before a replica can refuse it."""
 TENANT_ROUTE_PREFIX = "/tenants/"
 
 
@@ -52,7 +65,9 @@ class ServeSettings:
     target_ongoing_requests: float | None = None
     """Autoscaling target per replica; None: the KV slots."""
     max_ongoing_requests: int | None = None
-    """Requests Ray sends one replica at once; None: twice the KV slots."""
+    """Requests Ray sends one replica at once; None: twice the KV slots + tenants' queues + WebSockets."""
+    websocket_sessions: int = 16
+    """Open WebSocket sessions a replica takes beyond its working requests (see the module doc)."""
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     autoscaling_extra: dict[str, Any] = field(default_factory=dict)
@@ -80,6 +95,15 @@ class ServeSettings:
             raise ValueError(f"route_prefix must start with '/', got {self.route_prefix!r}")
         if self.max_ongoing_requests is not None and self.max_ongoing_requests < 1:
             raise ValueError(f"max_ongoing_requests must be >= 1, got {self.max_ongoing_requests!r}")
+        if isinstance(self.websocket_sessions, bool) or not isinstance(self.websocket_sessions, int):
+            raise ValueError(f"websocket_sessions must be an int >= 0, got {self.websocket_sessions!r}")
+        if self.websocket_sessions < 0:
+            raise ValueError(f"websocket_sessions must be an int >= 0, got {self.websocket_sessions!r}")
+        if self.server.get("wyoming_uri") or self.server.get("wyoming_zeroconf"):
+            raise ValueError(
+                "ray serve does not serve Wyoming: every replica would bind the same port, and the protocol has "
+                "no authentication; run `chattts-serve wyoming` (or `serve --wyoming-uri`) on a trusted host"
+            )
         if self.max_memory_fraction is not None and not 0 < self.max_memory_fraction <= 1:
             raise ValueError(f"max_memory_fraction must be in (0, 1], got {self.max_memory_fraction!r}")
         for name in ("num_cpus", "health_check_period_s", "metrics_period_s"):
@@ -118,7 +142,7 @@ class ServeSettings:
             values["recycle"] = RecyclePolicy(**values["recycle"])
         if values.get("serve_tenants") is not None:
             values["serve_tenants"] = tuple(values["serve_tenants"])
-        for name in ("num_replicas", "max_ongoing_requests"):
+        for name in ("num_replicas", "max_ongoing_requests", "websocket_sessions"):
             if isinstance(values.get(name), str):
                 values[name] = int(values[name])
         return cls(**values)
@@ -168,6 +192,13 @@ class ServeSettings:
         """The KV slots of each replica's engine."""
         return self.server_config().engine.scheduler.max_num_seqs
 
+    @property
+    def default_max_ongoing_requests(self) -> int:
+        """Twice the KV slots, plus the served tenants' queues and the WebSocket allowance (module doc)."""
+        served = self.served_tenants
+        queued = sum(t.max_queued for t in served.tenants if t.max_concurrent) if served is not None else 0
+        return 2 * self.max_num_seqs + queued + self.websocket_sessions
+
     def deployment_options(self, cluster_gpus: float) -> dict[str, Any]:
         """Serve's deployment options (``serve.deployment(...).options(**these)``)."""
         slots = self.max_num_seqs
@@ -176,7 +207,7 @@ class ServeSettings:
         longest_s = config.engine.max_audio_seconds
         options: dict[str, Any] = {
             "name": self.name,
-            "max_ongoing_requests": self.max_ongoing_requests or 2 * slots,
+            "max_ongoing_requests": self.max_ongoing_requests or self.default_max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": gpus},
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": max(30.0, 2 * self.health_check_period_s),
@@ -199,9 +230,10 @@ class ServeSettings:
         return options
 
     def http_options(self) -> dict[str, Any]:
+        """Serve's proxy options: all that Serve lets us set (``PROXY_ONLY_LIMITS`` need a proxy in front)."""
         config = self.server_config()
         # Streams last as long as their audio: no proxy timeout (the app has its own send timeout and
-        # audio cap); keep-alive as long as the app's idle WebSocket limit.
+        # audio cap); keep-alive as ``chattts-serve serve`` has it (server.run.uvicorn_config).
         return {"host": config.host, "port": config.port, "request_timeout_s": None, "keep_alive_timeout_s": 5}
 
 

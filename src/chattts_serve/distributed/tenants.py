@@ -42,6 +42,10 @@ from ..server.limits import is_limited
 from ..server.openapi import error_response
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MIN_RATE_PER_S = 1e-6
+"""The smallest rate limit (one request per ~11.6 days): below it the wait for a token is not a number."""
+MAX_RETRY_AFTER_S = 86_400
+"""Retry-After never says more than a day, whatever the wait computed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,8 @@ class Tenant:
         rate = self.rate_per_s
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 0:
             raise ValueError(f"tenant {self.name!r}: rate_per_s must be a number >= 0, got {rate!r}")
+        if 0 < rate < MIN_RATE_PER_S:  # a wait of 1/rate seconds overflows (1e-320: infinite)
+            raise ValueError(f"tenant {self.name!r}: rate_per_s must be 0 (off) or >= {MIN_RATE_PER_S:g}, got {rate!r}")
         if self.dedicated is not None and (
             not isinstance(self.dedicated, dict) or not set(self.dedicated) <= {"num_replicas", "autoscale"}
         ):
@@ -325,7 +331,8 @@ def replica_app_options(tenants: TenantsConfig | None, max_wait_s: float) -> dic
 
 
 async def _refuse(scope, receive, send, exc: TenantLimited) -> None:
-    retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+    wait = exc.retry_after_s if math.isfinite(exc.retry_after_s) else MAX_RETRY_AFTER_S
+    retry_after = str(max(1, math.ceil(min(wait, MAX_RETRY_AFTER_S))))
     code = "tenant_rate_limited" if exc.reason == "rate" else "tenant_capacity"
     if scope["type"] == "websocket":
         # As the WebSocket route answers its own capacity errors: an error event, then 1013 (try again later).

@@ -123,6 +123,9 @@ class VoiceStore:
         self._reader = self._writer if self.path == ":memory:" else self._connect(busy_timeout_s)
         self._write_lock = threading.Lock()
         self._read_lock = self._write_lock if self._reader is self._writer else threading.Lock()
+        self.version = 0
+        """Bumped by every write this store commits: a cache of what it holds (Wyoming's describe) is stale
+        when it changes (writes by another process on the same file are not seen: keep such caches short)."""
         with self._write_lock, self._translated():
             self._writer.execute(_SCHEMA)
             migrate = not _has_tenant_column(self._writer)
@@ -186,6 +189,7 @@ class VoiceStore:
             try:
                 yield conn
                 conn.execute("COMMIT")
+                self.version += 1
             except BaseException:
                 # Some errors (SQLITE_FULL) end the transaction themselves; a failed COMMIT leaves it open.
                 if conn.in_transaction:

@@ -3,8 +3,10 @@
 
 Events are the ``wyoming`` package's own types and its server loop accepts the connections:
 
-* ``describe`` -> ``info``: one TTS program (``chattts``) with the saved voices and OpenAI's voice names, languages
-  zh and en, ``supports_synthesize_streaming``.
+* ``describe`` -> ``info``: one TTS program (``chattts``) with OpenAI's voice names and the first
+  ``DESCRIBED_SAVED_VOICES`` saved voices (names only), languages zh and en, ``supports_synthesize_streaming``.
+  Anyone may ask, so the answer is cached, built off the event loop, and sent at most once a second per
+  connection.
 * ``synthesize {text, voice: {name}}`` -> ``audio-start`` (24000 Hz, 16-bit, mono), ``audio-chunk``s as the engine
   makes them, ``audio-stop``.
 * ``synthesize-start {voice}``, ``synthesize-chunk {text}``..., ``synthesize-stop``: text arrives as a language
@@ -37,6 +39,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import time
 from urllib.parse import SplitResult, urlsplit
 
 from pydantic import ValidationError
@@ -77,6 +80,15 @@ CHANNELS = 1
 SAMPLES_PER_CHUNK = 1024
 """Audio is sent in events of at most this many samples (43 ms), as the Wyoming TTS servers do: a player
 starts on the first small one instead of waiting for a whole engine chunk (up to seconds)."""
+DESCRIBED_SAVED_VOICES = 100
+"""At most this many saved voices (the first by name) are listed in ``info``, after the built-in ones: describe
+needs no key, so its answer must stay small however many voices the store holds (a client that needs them all
+reads ``GET /v1/voices``; any saved voice can be named in ``synthesize``, listed or not)."""
+DESCRIBE_INTERVAL_S = 1.0
+"""A connection gets at most one ``info`` per this many seconds; a faster ``describe`` waits its turn."""
+INFO_MAX_AGE_S = 10.0
+"""The cached ``info`` is rebuilt when the voice store changes, and at least this often (a write by another
+process on the same database file does not reach this process's store's version counter)."""
 _CHATTTS = Attribution(name="2noise", url="https://github.com/2noise/ChatTTS")
 _SERVER = Attribution(name="chattts-serve", url="https://github.com/2noise/ChatTTS")
 
@@ -147,6 +159,19 @@ class WyomingServer:
         self.connections: set[asyncio.Task] = set()
         self._server = AsyncServer.from_uri(self.config.wyoming.uri)
         self._zeroconf = None
+        self._info: tuple[int, float, Event] | None = None  # (store version, built at, info event)
+        self._info_lock = asyncio.Lock()
+
+    async def info(self) -> Event:
+        """The ``info`` event, cached: rebuilt (in a worker thread: the voice store is a blocking database)
+        only when the voices changed or it is older than ``INFO_MAX_AGE_S``, by one caller at a time."""
+        async with self._info_lock:
+            version = self.state.voices.version
+            cached = self._info
+            if cached is None or cached[0] != version or time.monotonic() - cached[1] > INFO_MAX_AGE_S:
+                event = (await asyncio.to_thread(_build_info, self.state.voices)).event()
+                self._info = cached = (version, time.monotonic(), event)
+            return cached[2]
 
     async def start(self) -> None:
         uri = self.config.wyoming.uri
@@ -250,6 +275,7 @@ class Connection(AsyncEventHandler):
         self.session = TextSession(self.st, "wyoming", request_prefix="wyoming-")
         self.stream: TextStream | None = None
         self.send_lock = asyncio.Lock()
+        self.last_describe = -DESCRIBE_INTERVAL_S
 
     async def run(self) -> None:
         task = asyncio.current_task()
@@ -301,7 +327,11 @@ class Connection(AsyncEventHandler):
         kind, data = event.type, event.data
         policy = self.st.engine.stream_policy
         if Describe.is_type(kind):
-            await self.send(self._info().event())
+            wait = self.last_describe + DESCRIBE_INTERVAL_S - time.monotonic()
+            if wait > 0:  # throttled: the reader waits, so a flood of describes is read no faster than this
+                await asyncio.sleep(wait)
+            self.last_describe = time.monotonic()
+            await self.send(await self.server.info())
         elif Ping.is_type(kind):
             text = data.get("text")
             await self.send(Pong(text=text if isinstance(text, str) else None).event())
@@ -361,25 +391,27 @@ class Connection(AsyncEventHandler):
         except APIError as exc:
             raise error_from_api(exc) from None
 
-    def _info(self) -> Info:
-        try:
-            saved = self.st.voices.list(limit=self.cfg.voices.max_count)
-        except VoiceStoreError as exc:  # describe still answers, with the built-in voices
-            logger.error("wyoming describe: voices database: %s", exc)
-            saved = []
-        voices = [_voice(v.name, v.description or f"saved voice ({v.kind})") for v in saved]
-        names = {v.name for v in saved}
-        voices += [_voice(name, f"{name} (OpenAI voice name)") for name in BUILTIN_VOICES if name not in names]
-        program = TtsProgram(
-            name=PROGRAM,
-            attribution=_CHATTTS,
-            installed=True,
-            description="ChatTTS text to speech (chattts-serve)",
-            version=__version__,
-            voices=voices,
-            supports_synthesize_streaming=True,
-        )
-        return Info(tts=[program])
+
+def _build_info(store) -> Info:
+    """The built-in voices, then at most ``DESCRIBED_SAVED_VOICES`` saved ones, by name only: a saved voice's
+    description is the client's text and stays out of an answer anyone may ask for."""
+    try:
+        saved = [v.name for v in store.list(limit=DESCRIBED_SAVED_VOICES)]
+    except VoiceStoreError as exc:  # describe still answers, with the built-in voices
+        logger.error("wyoming describe: voices database: %s", exc)
+        saved = []
+    voices = [_voice(name, f"{name} (OpenAI voice name)") for name in BUILTIN_VOICES if name not in saved]
+    voices += [_voice(name, "saved voice") for name in saved]
+    program = TtsProgram(
+        name=PROGRAM,
+        attribution=_CHATTTS,
+        installed=True,
+        description="ChatTTS text to speech (chattts-serve)",
+        version=__version__,
+        voices=voices,
+        supports_synthesize_streaming=True,
+    )
+    return Info(tts=[program])
 
 
 def _voice(name: str, description: str) -> TtsVoice:
