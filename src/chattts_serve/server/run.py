@@ -35,7 +35,6 @@ def run_server(config: ServerConfig) -> int:
     import uvicorn
 
     from .app import create_app
-    from .logs import install_log_redaction
 
     _configure_logging(config)
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a no-op handler lets a clean
@@ -43,7 +42,6 @@ def run_server(config: ServerConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     app = create_app(config)
     server = uvicorn.Server(uvicorn_config(config, app))
-    install_log_redaction()
     exit_handler = server.handle_exit
 
     def handle_exit(sig, frame) -> None:
@@ -59,12 +57,14 @@ def run_server(config: ServerConfig) -> int:
 
 
 def uvicorn_config(config: ServerConfig, app):
-    """uvicorn's settings for serving ``app`` as ``config`` says (tests serve in-process with the same)."""
+    """uvicorn's settings for serving ``app`` as ``config`` says (tests serve in-process with the same), and
+    its loggers' secret masking (uvicorn configures its loggers when the settings are made)."""
     import uvicorn
 
+    from .logs import install_log_redaction
     from .timeouts import protocol_with_header_timeout
 
-    return uvicorn.Config(
+    settings = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
@@ -82,6 +82,8 @@ def uvicorn_config(config: ServerConfig, app):
         # over it, uvicorn refuses it (1009) before buffering it whole.
         ws_max_size=2 * config.ws.max_message_bytes,
     )
+    install_log_redaction()
+    return settings
 
 
 def run_wyoming(config: ServerConfig) -> int:
