@@ -9,7 +9,8 @@ What uvicorn does not do on its own, and how it is added here:
   engine as visible failures, instead of being cancelled mid-write (``handle_exit`` wrapped);
 * a start-up banner printed once the model is warm and the socket is bound, with the address it really
   listens on (``startup`` wrapped);
-* a header deadline (``timeouts.protocol_with_header_timeout``) and secrets masked in every log record.
+* a header deadline (``timeouts.protocol_with_header_timeout``) and secrets masked in every log record;
+* a warning when it listens beyond loopback without API keys (``auth.open_to_anyone``).
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ def run_server(config: ServerConfig) -> int:
     import uvicorn
 
     from .app import create_app
+    from .auth import KeyRing, open_to_anyone
 
     _configure_logging(config)
+    if warning := open_to_anyone(config.host, KeyRing.from_keys(config.api_keys)):
+        logger.warning(warning)  # a warning, not a refusal: images and clusters that bind 0.0.0.0 still start
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a no-op handler lets a clean
     # shutdown end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
