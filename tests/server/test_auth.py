@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from .conftest import HTTP_TIMEOUT, check_openai_error, expected_samples, running_server, start_server
@@ -293,3 +293,93 @@ def test_websocket_key_rules(local, query, headers, ok):
         return
     assert len(events) == 1 and code == 1008, events
     assert events[0]["type"] == "error" and events[0]["code"] == "invalid_api_key" and "key" in events[0]["message"]
+
+
+# ------------------------------------------------------------------ Host and Origin (DNS rebinding, other sites)
+
+
+def test_a_loopback_server_answers_loopback_host_names_only(auth_server, http):
+    """Bound to 127.0.0.1 and no allowed_hosts: a page of another site whose name was rebound to 127.0.0.1
+    sends its own name as Host, and is refused; the loopback names, with any port, are served."""
+    for host in ("attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example", "localhost.example"):
+        check_openai_error(http.get("/health", headers={"Host": host}), 400)
+    for host in ("localhost", "LOCALHOST:1", "127.0.0.1", "127.0.0.1:8000", "[::1]", "[::1]:8000"):
+        assert http.get("/health", headers={"Host": host}).status_code == 200, host
+    url = auth_server.replace("http://", "ws://") + "/v1/tts/stream?api_key=k1"
+    rebound = {"Host": "attacker.example", "Origin": "http://attacker.example"}
+    with pytest.raises(InvalidStatus) as refused:
+        connect(url, additional_headers=rebound, open_timeout=10, close_timeout=5)
+    assert refused.value.response.status_code == 403
+
+
+def test_http_from_another_origin_is_refused(auth_server, http):
+    """A browser page of another site may send simple requests (a form's multipart POST) without asking:
+    a request with a foreign Origin is refused before it does anything; the server's own page (same
+    origin, as the playground calls the API) and clients without Origin are served."""
+    key = {"Authorization": "Bearer k1"}
+    upload = {"files": {"file": ("a.wav", b"RIFF", "audio/wav")}, "data": {"name": "x-origin"}}
+    for origin in ("http://attacker.example", "null", auth_server.replace("127.0.0.1", "localhost")):
+        r = http.post("/v1/voices", headers={**key, "Origin": origin}, **upload)
+        assert check_openai_error(r, 403)["code"] == "bad_origin", origin
+        check_openai_error(http.get("/health", headers={"Origin": origin}), 403)
+    assert http.get("/v1/voices/x-origin", headers=key).status_code == 404  # nothing was done
+    same = http.post("/v1/voices", json={"name": "same", "seed": 1}, headers={**key, "Origin": auth_server})
+    assert same.status_code == 201, same.text
+    assert http.delete("/v1/voices/same", headers=key).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("bound", "local", "allowed", "host", "ok"),
+    [
+        ("127.0.0.1", "127.0.0.1", (), "attacker.example", False),
+        ("::1", "::1", (), "attacker.example", False),
+        ("localhost", "127.0.0.1", (), "[::1]:80", True),
+        ("127.0.0.1", "127.0.0.1", (), None, True),  # no Host: not a browser, so not a rebound page
+        ("0.0.0.0", "10.0.0.5", (), "attacker.example", True),  # bound elsewhere: any host unless listed
+        ("0.0.0.0", "127.0.0.1", (), "tts.example", True),  # (a sidecar proxy passing on its Host)
+        ("127.0.0.1", "10.0.0.5", (), "tts.example", True),  # Ray Serve: its proxy listens, not `host`
+        ("127.0.0.1", "127.0.0.1", ("tts.example",), "TTS.example:443", True),
+        ("127.0.0.1", "127.0.0.1", ("tts.example",), "localhost", False),  # a list replaces the default
+        ("127.0.0.1", "127.0.0.1", ("*",), "attacker.example", True),
+        ("127.0.0.1", "127.0.0.1", ("[::1]",), "[::1]:8000", True),
+    ],
+)
+def test_host_check(bound, local, allowed, host, ok):
+    from chattts_serve.server.auth import foreign
+    from chattts_serve.server.config import ServerConfig
+
+    scope = {**_scope("http", [("Host", host)] if host else []), "server": (local, 8000)}
+    config = ServerConfig(host=bound, allowed_hosts=allowed)
+    assert foreign(scope, config) == (None if ok else "host")
+
+
+def test_origin_check():
+    from chattts_serve.server.auth import foreign
+    from chattts_serve.server.config import ServerConfig
+
+    def check(origin: str, host: str = "localhost:8000", allowed: tuple[str, ...] = ()) -> str | None:
+        scope = {**_scope("http", [("Host", host), ("Origin", origin)]), "server": ("127.0.0.1", 8000)}
+        return foreign(scope, ServerConfig(allowed_origins=allowed))
+
+    assert check("http://localhost:8000") is None and check("http://localhost:8000/") is None
+    assert check("http://localhost", host="localhost") is None  # the default port on both sides
+    for origin in ("http://localhost:8001", "http://127.0.0.1:8000", "http://localhost.example:8000", "null", "x"):
+        assert check(origin) == "origin", origin
+    assert check("https://app.example", allowed=("https://app.example",)) is None
+    assert check("http://localhost:8000", allowed=("https://app.example",)) == "origin"  # a list replaces it
+    assert check("null", allowed=("*",)) is None
+
+
+@pytest.mark.parametrize(
+    ("host", "keys", "warns"),
+    [("127.0.0.1", (), False), ("::1", (), False), ("localhost", (), False), ("0.0.0.0", (), True),
+     ("::", (), True), ("192.168.1.5", (), True), ("0.0.0.0", ("k",), False)],
+)  # fmt: skip
+def test_an_open_bind_without_keys_is_warned_about(host, keys, warns):
+    from chattts_serve.server.auth import KeyRing, open_to_anyone
+
+    message = open_to_anyone(host, KeyRing.from_keys(keys))
+    assert (message is not None) == warns
+    if warns:
+        assert host in message and "--api-keys" in message
+    assert open_to_anyone("0.0.0.0", KeyRing.from_tenants({"a": ("k",)})) is None

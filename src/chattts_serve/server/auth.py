@@ -1,7 +1,14 @@
 """Who may use the server, decided once per connection for HTTP requests and WebSocket handshakes alike:
 the API key and the tenant it belongs to (``resolve`` -> ``Principal``, kept in ``scope["state"]["auth"]``),
-and the Host and Origin checks (``host_allowed``). ``Authenticate`` is the one middleware that refuses;
+and the Host and Origin checks (``foreign``). ``Authenticate`` is the one middleware that refuses;
 routes, the WebSocket handler and the tenant limits only read the ``Principal`` it stored.
+
+The Host and Origin rules protect browsers' users: any web page may make their browser send requests here
+(and a page whose name the attacker re-points at 127.0.0.1, DNS rebinding, may read the answers). A request
+is refused when its ``Host`` is not an allowed name (by default, on a server listening on loopback, only
+loopback names), or when it carries an ``Origin`` (browsers add it to cross-site requests, WebSocket
+handshakes and same-site POSTs) that is neither allowed nor the server's own. Clients that are not browsers
+send no ``Origin`` and pass.
 
 The key rules. A key is ``Authorization: Bearer <key>`` or, on a WebSocket only (browsers cannot give one
 headers), ``?api_key=<key>``; over HTTP a key in the URL would end up in logs and histories, so it counts
@@ -15,6 +22,7 @@ accepted.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -126,20 +134,68 @@ def principal(scope) -> Principal | None:
     return scope.get("state", {}).get("auth")
 
 
-def host_allowed(scope, config) -> bool:
-    """The Host check (DNS rebinding) of HTTP requests and WebSocket handshakes, and the Origin check of a
-    handshake. ``config``: the ``ServerConfig`` (``allowed_hosts``, ``allowed_origins``)."""
+def foreign(scope, config) -> str | None:
+    """Why an HTTP request or WebSocket handshake may not be served here: "host" (its ``Host`` names another
+    server: DNS rebinding), "origin" (a browser page of another site sent it), or None. ``config``: the
+    ``ServerConfig`` (``host``, ``allowed_hosts``, ``allowed_origins``)."""
     headers = Headers(scope=scope)
-    host = headers.get("host", "")
-    if config.allowed_hosts and host.rsplit(":", 1)[0] not in config.allowed_hosts:
-        return False
+    host = headers.get("host")
+    if not _host_allowed(host, scope, config):
+        return "host"
     # Without the host check a rebound name would pass the origin check too (page and Host both the attacker's).
-    return scope["type"] != "websocket" or _origin_allowed(headers.get("origin"), host, config.allowed_origins)
+    if not _origin_allowed(headers.get("origin"), host or "", config.allowed_origins):
+        return "origin"
+    return None
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a name or an IP address; IPv6 with or without brackets) is this machine's loopback."""
+    name = (host or "").strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def open_to_anyone(host: str, keys: KeyRing) -> str | None:
+    """The start-up warning for a server that listens beyond this machine without API keys, or None."""
+    if keys.required or is_loopback(host):
+        return None
+    return (
+        f"listening on {host} without API keys: anyone who can reach this address can use the server "
+        "(set --api-keys, or listen on 127.0.0.1 behind a proxy that authenticates)"
+    )
+
+
+def _host_allowed(host: str | None, scope, config) -> bool:
+    """``allowed_hosts`` ("*": any); when empty, only loopback names on a server that listens on loopback,
+    any elsewhere. "Listens on loopback": ``config.host`` is a loopback address and the connection came to
+    one (``scope["server"]``); under Ray Serve, ``config.host`` need not be where its proxy listens."""
+    name = _host_name(host)
+    if config.allowed_hosts:
+        return "*" in config.allowed_hosts or name in {h.strip().strip("[]").lower() for h in config.allowed_hosts}
+    local = (scope.get("server") or (None,))[0]
+    if is_loopback(config.host) and is_loopback(local):
+        return host is None or is_loopback(name)  # browsers always send Host: a request without one is no page's
+    return True
+
+
+def _host_name(host: str | None) -> str | None:
+    """The name in a ``Host`` header, lower case, without its port (an IPv6 address without brackets)."""
+    try:
+        return urlsplit("//" + host.strip()).hostname if host else None
+    except ValueError:
+        return None
 
 
 def _origin_allowed(origin: str | None, host: str, allowed: tuple[str, ...]) -> bool:
-    """Browsers always send ``Origin`` on a WebSocket handshake, and a page of any site may open one: without
-    this check any web page a user visits could use the server (and its API key in the page's URL)."""
+    """Browsers always send ``Origin`` on a WebSocket handshake, and a page of any site may open one or send
+    a form's POST: without this check any web page a user visits could use the server (and its API key in
+    the page's URL)."""
     if origin is None:
         return True  # not a browser: the check protects browsers' users only
     if allowed:
@@ -179,8 +235,9 @@ async def refuse(scope, receive, send, problem: str = _INVALID) -> None:
 
 class Authenticate:
     """ASGI middleware: resolves each HTTP and WebSocket connection's principal once, into
-    ``scope["state"]["auth"]``, and refuses a foreign Host or Origin (HTTP 400; a WebSocket handshake is
-    refused: HTTP 403) and, on every route but ``PUBLIC_PATHS``, credentials that do not let it in.
+    ``scope["state"]["auth"]``, and refuses a foreign Host (HTTP 400) or Origin (HTTP 403) on every route
+    (a WebSocket handshake is refused: HTTP 403) and, on every route but ``PUBLIC_PATHS``, credentials that
+    do not let it in.
     The config is read at each connection from ``app.state.config``, as the routes read it."""
 
     def __init__(self, app, keys: KeyRing) -> None:
@@ -191,10 +248,11 @@ class Authenticate:
             return await self.app(scope, receive, send)
         who = resolve(scope, self.keys)
         scope.setdefault("state", {})["auth"] = who
-        if not host_allowed(scope, scope["app"].state.config):
+        if problem := foreign(scope, scope["app"].state.config):
             if scope["type"] == "websocket":  # closing before accepting refuses the handshake: nothing is read
                 return await send({"type": "websocket.close", "code": 1008})
-            return await error_response(400, "host not allowed", code="bad_host")(scope, receive, send)
+            status = 400 if problem == "host" else 403
+            return await error_response(status, f"{problem} not allowed", code=f"bad_{problem}")(scope, receive, send)
         if not who.authorized and not (scope["type"] == "http" and scope["path"] in PUBLIC_PATHS):
             return await refuse(scope, receive, send, who.problem)
         await self.app(scope, receive, send)

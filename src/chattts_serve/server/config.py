@@ -172,6 +172,8 @@ class ServerConfig:
     device: str = "auto"
     """auto (CUDA if available, else CPU; see ``resolve_device``), cpu, cuda, cuda:1, ..."""
     host: str = "127.0.0.1"
+    """Where to listen. Beyond loopback without ``api_keys`` the server starts with a warning (anyone who can
+    reach it can use it); it does not refuse to."""
     port: int = 8000
     api_keys: tuple[str, ...] = ()
     """When set, every endpoint except /health needs ``Authorization: Bearer <key>``."""
@@ -186,9 +188,14 @@ class ServerConfig:
     """Audio a request may have waiting for a client that stopped reading; beyond it the request is
     aborted (a stalled reader does not pin memory and a KV slot)."""
     allowed_origins: tuple[str, ...] = ()
-    """Browser origins allowed to open WebSockets (and to POST with a browser); empty: same origin only."""
+    """Browser origins (``https://app.example``; ``*``: any) whose pages may use the server: an HTTP request
+    or WebSocket handshake with another ``Origin`` header is refused (403). Empty: the server's own origin
+    only (its playground page). Requests without ``Origin`` (clients that are not browsers) pass."""
     allowed_hosts: tuple[str, ...] = ()
-    """Host headers accepted (DNS-rebinding defence); empty: any."""
+    """Host names (no port; ``*``: any) a request or WebSocket handshake may name in its ``Host`` header,
+    against DNS rebinding; others are refused (400). Empty: when the server listens on a loopback address
+    (``host`` 127.0.0.1, ::1, localhost), only loopback names (localhost, 127.0.0.1, [::1], any port);
+    elsewhere any. Behind a proxy that passes its own Host to a server on loopback, list that name."""
     default_options: str = ""
     """ChatTTS options (a JSON object, the fields of a ``/v1/tts`` body, e.g. ``{"refine_text": false, "seed":
     7}``) for every request that does not set them: the only way to tune clients that cannot send them

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -50,26 +51,38 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
-_SECRET_QUERY = re.compile(r"((?:api_key|key|token)=)[^&\s\"']+", re.IGNORECASE)
+# The query string of a path or URL in a message: from its "?" to the next space or quote. Keys travel
+# there (``?api_key=`` on a WebSocket) under spellings no list of names catches (``api_k%65y``, which
+# parsers decode), and any other value may be private too: none of it is kept.
+_QUERY = re.compile(r"(/[^\s?\"'<>]*)\?[^\s\"'<>]+")
+_SECRET = re.compile(r"((?:api_key|key|token)=)[^&\s\"']+", re.IGNORECASE)  # outside a URL too
+
+
+def redact(text: str) -> str:
+    """``text`` with every query string and every ``key=``/``token=`` value masked."""
+    return _SECRET.sub(r"\1***", _QUERY.sub(r"\1?***", text))
 
 
 class RedactSecrets(logging.Filter):
-    """Masks ``api_key=...`` (and key=, token=) in log records: uvicorn logs each WebSocket handshake
-    with its full path, query string included."""
+    """Masks query strings (and key=, token= values) in log records, in the message and its arguments:
+    uvicorn logs each WebSocket handshake with its full path, query string included."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str):
-            record.msg = _SECRET_QUERY.sub(r"\1***", record.msg)
-        if record.args:
-            args = record.args if isinstance(record.args, tuple) else (record.args,)
-            record.args = tuple(_SECRET_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in args)
+            record.msg = redact(record.msg)
+        if isinstance(record.args, Mapping):  # ``log("%(name)s", {...})``
+            record.args = {k: redact(v) if isinstance(v, str) else v for k, v in record.args.items()}
+        elif record.args:
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
         return True
 
 
 def install_log_redaction() -> None:
-    """Call after uvicorn configured its loggers (``uvicorn.Config``)."""
+    """Call after uvicorn configured its loggers (``uvicorn.Config``); again is harmless."""
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "chattts_serve"):
-        logging.getLogger(name).addFilter(RedactSecrets())
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactSecrets) for f in logger.filters):
+            logger.addFilter(RedactSecrets())
 
 
 @dataclass(frozen=True, slots=True)

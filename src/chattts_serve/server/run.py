@@ -9,7 +9,8 @@ What uvicorn does not do on its own, and how it is added here:
   engine as visible failures, instead of being cancelled mid-write (``handle_exit`` wrapped);
 * a start-up banner printed once the model is warm and the socket is bound, with the address it really
   listens on (``startup`` wrapped);
-* a header deadline (``timeouts.protocol_with_header_timeout``) and secrets masked in every log record.
+* a header deadline (``timeouts.protocol_with_header_timeout``) and secrets masked in every log record;
+* a warning when it listens beyond loopback without API keys (``auth.open_to_anyone``).
 """
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ def run_server(config: ServerConfig) -> int:
     import uvicorn
 
     from .app import create_app
-    from .logs import install_log_redaction
+    from .auth import KeyRing, open_to_anyone
 
     _configure_logging(config)
+    if warning := open_to_anyone(config.host, KeyRing.from_keys(config.api_keys)):
+        logger.warning(warning)  # a warning, not a refusal: images and clusters that bind 0.0.0.0 still start
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a no-op handler lets a clean
     # shutdown end with exit code 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     app = create_app(config)
     server = uvicorn.Server(uvicorn_config(config, app))
-    install_log_redaction()
     exit_handler = server.handle_exit
 
     def handle_exit(sig, frame) -> None:
@@ -59,12 +61,14 @@ def run_server(config: ServerConfig) -> int:
 
 
 def uvicorn_config(config: ServerConfig, app):
-    """uvicorn's settings for serving ``app`` as ``config`` says (tests serve in-process with the same)."""
+    """uvicorn's settings for serving ``app`` as ``config`` says (tests serve in-process with the same), and
+    its loggers' secret masking (uvicorn configures its loggers when the settings are made)."""
     import uvicorn
 
+    from .logs import install_log_redaction
     from .timeouts import protocol_with_header_timeout
 
-    return uvicorn.Config(
+    settings = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
@@ -82,6 +86,8 @@ def uvicorn_config(config: ServerConfig, app):
         # over it, uvicorn refuses it (1009) before buffering it whole.
         ws_max_size=2 * config.ws.max_message_bytes,
     )
+    install_log_redaction()
+    return settings
 
 
 def run_wyoming(config: ServerConfig) -> int:

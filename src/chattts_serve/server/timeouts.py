@@ -4,7 +4,8 @@
 uvicorn has neither: its keep-alive timer stops at the first byte, so a client that sends one header
 byte every few seconds holds a connection (and with it one of ``limit_concurrency``'s places) forever.
 The header deadline lives in the HTTP protocol (the ASGI app only sees a request once its headers are
-in); the body deadline in an ASGI middleware that also enforces the body-size limit.
+in) and runs only while the connection waits for headers (never while a request, pipelined or not, is
+served); the body deadline in an ASGI middleware that also enforces the body-size limit.
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def protocol_with_header_timeout(seconds: float) -> type:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():  # keep-alive: the next request's headers get a deadline
+            # Keep-alive: the next request's headers get a deadline, unless they are in already (pipelined:
+            # the base class has just started that request, and ``cycle`` is it). Arming here regardless
+            # cut a pipelined request's stream at the deadline.
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting and not self.transport.is_closing():
                 self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
