@@ -80,3 +80,20 @@ def test_sigterm_while_deploying_stops_at_once_and_leaves_a_joined_cluster_runni
     _signal_when(None, signal.SIGTERM, delay_s=0.5)
     assert serve_app.serve_forever(ServeSettings(name="app"), address="auto") == 0
     assert ray.calls == ["connect", "deploy", "delete app", "ray.shutdown"]  # no serve.shutdown: not ours
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        (("--host", "0.0.0.0"), True),
+        (("--host", "0.0.0.0", "--api-keys", "k1"), False),
+        (("--host", "127.0.0.1"), False),
+    ],
+)
+def test_ray_serve_warns_when_open_to_anyone(tiny_ckpt, monkeypatch, caplog, flags, warned):
+    from chattts_serve.cli import main
+
+    monkeypatch.setattr(serve_app, "serve_forever", lambda settings, address, num_cpus=None: 0)
+    with caplog.at_level("WARNING"):
+        assert main(["ray", "serve", "--model", str(tiny_ckpt), *flags]) == 0
+    assert ("without API keys" in caplog.text) == warned

@@ -127,7 +127,13 @@ def serve_settings(args: argparse.Namespace):
 
 def _serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args)
+    from ..server.auth import KeyRing, open_to_anyone
     from .serve_app import serve_forever
+
+    config = settings.server_config()
+    keys = KeyRing.from_keys(config.api_keys) if settings.tenants is None else KeyRing(by_tenant=True)
+    if warning := open_to_anyone(config.host, keys):
+        logger.warning(warning)
 
     return serve_forever(settings, args.address, num_cpus=args.num_cpus)
 
