@@ -203,6 +203,31 @@ def test_a_voice_created_on_one_replica_is_used_on_the_other(base):
     assert "shared-voice" in [v["name"] for v in listed["data"]]
 
 
+def test_keys_and_voices_hold_per_tenant_through_the_proxy(base):
+    """The tenant rules of tests/distributed/test_tenants.py and test_tenant_voices.py, once through Serve's
+    proxy: a key of no tenant, a repeated api_key and two Bearer headers are refused; a voice is its
+    tenant's alone."""
+    body = tts_body(8)
+    assert (
+        httpx.post(base + "/v1/tts", json=body, headers={"Authorization": "Bearer junk"}, timeout=60).status_code == 401
+    )
+    twice = f"{base}/v1/tts?api_key=junk&api_key={KEYS['main']}"
+    assert httpx.post(twice, json=body, headers=auth(), timeout=60).status_code == 401
+    two_headers = [("Authorization", "Bearer junk"), ("Authorization", f"Bearer {KEYS['main']}")]
+    assert httpx.post(base + "/v1/tts", json=body, headers=two_headers, timeout=60).status_code == 401
+    created = httpx.post(base + "/v1/voices", json={"name": "mains-own", "seed": 5}, headers=auth(), timeout=60)
+    assert created.status_code == 201, created.text
+    try:
+        theirs = httpx.get(base + "/v1/voices", headers=auth("small"), timeout=60).json()["data"]
+        assert "mains-own" not in [v["name"] for v in theirs]
+        assert httpx.get(base + "/v1/voices/mains-own", headers=auth("small"), timeout=60).status_code == 404
+        spoken = httpx.post(base + "/v1/tts", json=tts_body(8, voice="mains-own"), headers=auth("small"), timeout=60)
+        assert spoken.status_code == 400 and spoken.json()["error"]["code"] == "unknown_voice"
+        assert httpx.delete(base + "/v1/voices/mains-own", headers=auth("small"), timeout=60).status_code == 404
+    finally:
+        assert httpx.delete(base + "/v1/voices/mains-own", headers=auth(), timeout=60).status_code in (200, 204)
+
+
 def test_client_disconnect_aborts_on_the_replica(serve_app):
     base, cluster, _ = serve_app
     stream = Stream(base, LONG)
