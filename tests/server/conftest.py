@@ -97,9 +97,9 @@ def start_server(
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if in_process:
         assert env is None, "an in-process server shares this process's environment"
-        with _in_process(flags) as (alive, stop):
-            _wait_ready(base, headers, alive)
-            yield ServerProcess(base, None, tmp / f"server-{port}.log", stop)
+        with _in_process(flags) as srv:
+            _wait_ready(base, headers, srv.alive)
+            yield ServerProcess(base, None, tmp / f"server-{port}.log", srv.stop)
         return
     cmd = [sys.executable, "-m", "chattts_serve.cli", "serve", *flags]
     log_path = tmp / f"server-{port}.log"
@@ -129,21 +129,30 @@ def start_server(
         log.close()
 
 
-@contextmanager
-def _in_process(flags: list[str]) -> Iterator[tuple[Callable[[], None], Callable[[], None]]]:
-    """The app of ``serve FLAGS`` under uvicorn in a daemon thread; yields a liveness check and a stop."""
-    import argparse
+@dataclass
+class InProcessServer:
+    base: str
+    alive: Callable[[], None]
+    """Raises if the server thread died."""
+    stop: Callable[[], None]
 
+
+@contextmanager
+def serving(app, config=None) -> Iterator[InProcessServer]:
+    """``app`` under uvicorn in a daemon thread on 127.0.0.1, once it has started (its lifespan done and
+    the socket bound); stopped after. With a ``ServerConfig``, uvicorn runs with the serve command's own
+    settings (``run.uvicorn_config``: header deadline, connection cap, WebSocket size, log redaction) on
+    the config's port; without one, uvicorn's defaults on a free port."""
     import uvicorn
 
-    from chattts_serve.server.app import create_app
-    from chattts_serve.server.config import ServerConfig, add_server_arguments
     from chattts_serve.server.run import uvicorn_config
 
-    parser = argparse.ArgumentParser()
-    add_server_arguments(parser)
-    config = ServerConfig.from_args(parser.parse_args(flags), environ={})
-    server = uvicorn.Server(uvicorn_config(config, create_app(config)))
+    if config is None:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    else:
+        port = config.port
+        server = uvicorn.Server(uvicorn_config(config, app))
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -152,7 +161,7 @@ def _in_process(flags: list[str]) -> Iterator[tuple[Callable[[], None], Callable
         except BaseException as exc:  # noqa: BLE001 - reported by alive()
             failure.append(exc)
 
-    thread = threading.Thread(target=run, name=f"serve-{config.port}", daemon=True)
+    thread = threading.Thread(target=run, name=f"serve-{port}", daemon=True)
     thread.start()
 
     def alive() -> None:
@@ -165,9 +174,29 @@ def _in_process(flags: list[str]) -> Iterator[tuple[Callable[[], None], Callable
         assert not thread.is_alive(), "the in-process server did not stop within 30 s"
 
     try:
-        yield alive, stop
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while not server.started:
+            alive()
+            assert time.monotonic() < deadline, "the in-process server did not start"
+            time.sleep(0.05)
+        yield InProcessServer(f"http://127.0.0.1:{port}", alive, stop)
     finally:
         stop()
+
+
+@contextmanager
+def _in_process(flags: list[str]) -> Iterator[InProcessServer]:
+    """The app of ``serve FLAGS``, served by ``serving``."""
+    import argparse
+
+    from chattts_serve.server.app import create_app
+    from chattts_serve.server.config import ServerConfig, add_server_arguments
+
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    config = ServerConfig.from_args(parser.parse_args(flags), environ={})
+    with serving(create_app(config), config) as srv:
+        yield srv
 
 
 @contextmanager

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from chattts_serve.engine.async_engine import AsyncEngine
 from chattts_serve.engine.config import EngineConfig
@@ -22,7 +21,7 @@ from chattts_serve.engine.engine import Engine
 from chattts_serve.server.app import create_app
 from chattts_serve.server.config import ServerConfig
 
-from .conftest import HTTP_TIMEOUT, check_openai_error, expected_samples, free_port, metric, wait_until
+from .conftest import HTTP_TIMEOUT, check_openai_error, expected_samples, free_port, metric, serving, wait_until
 
 TEXT = "今天天气真不错。"
 TOKENS = 24
@@ -38,20 +37,14 @@ BODY = {
 
 @contextmanager
 def in_process_server(engine: AsyncEngine, tmp: Path, log_level: str = "warning", **settings) -> Iterator[str]:
-    """``create_app`` around ``engine`` under uvicorn in a thread on 127.0.0.1; yields the base URL.
+    """``create_app`` around ``engine``, served in-process (``serving``); yields the base URL once ready.
     ``settings``: more ``ServerConfig`` options (flat names, as the flags)."""
-    config = ServerConfig.from_flat(voices_db=str(tmp / "voices.sqlite3"), warmup=False, port=free_port(), **settings)
-    app = create_app(config, engine)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=config.port, log_level=log_level))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{config.port}"
-    try:
-        assert wait_until(lambda: _ready(base), timeout=60)
-        yield base
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    config = ServerConfig.from_flat(
+        voices_db=str(tmp / "voices.sqlite3"), warmup=False, port=free_port(), log_level=log_level, **settings
+    )
+    with serving(create_app(config, engine), config) as srv:
+        assert wait_until(lambda: _ready(srv.base), timeout=60)
+        yield srv.base
 
 
 @pytest.fixture(scope="module")

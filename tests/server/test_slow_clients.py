@@ -8,20 +8,18 @@ import base64
 import json
 import os
 import socket
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 from .conftest import (
     HTTP_TIMEOUT,
-    STARTUP_TIMEOUT,
     check_openai_error,
     expected_samples,
     free_port,
     metric,
+    serving,
     start_server,
     tts_body,
     wait_until,
@@ -160,17 +158,8 @@ def one_stream(tiny_ckpt, tmp_path_factory):
         wyoming_uri=f"tcp://127.0.0.1:{wyoming_port}",
     )
     engine = AsyncEngine.from_pretrained(tiny_ckpt, "cpu", EngineConfig.with_slots(2), max_buffered_audio_s=1000)
-    app = create_app(config, engine=engine)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="stall-inproc", daemon=True)
-    thread.start()
-    assert wait_until(lambda: server.started, timeout=STARTUP_TIMEOUT), "in-process server did not start"
-    try:
-        yield f"http://127.0.0.1:{port}", wyoming_port
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with serving(create_app(config, engine=engine)) as srv:
+        yield srv.base, wyoming_port
 
 
 # Three sentences of 2000 steps: 6 MB of PCM, far more than the socket buffers on both sides hold.

@@ -11,7 +11,6 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 import pytest
-import uvicorn
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
@@ -21,9 +20,8 @@ from chattts_serve.server import text_parts, websocket
 from .conftest import (
     HTTP_TIMEOUT,
     SR,
-    STARTUP_TIMEOUT,
     expected_samples,
-    free_port,
+    serving,
     wait_until,
     ws_url,
 )
@@ -308,17 +306,11 @@ def inproc(tiny_ckpt, tmp_path_factory):
     engine.stream = _planned_stream(engine, plan)
     app = create_app(config, engine=engine)
     counter = CountingApp(app)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(counter, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="ws-inproc", daemon=True)
-    thread.start()
-    assert wait_until(lambda: server.started, timeout=STARTUP_TIMEOUT), "in-process server did not start"
-    try:
-        yield InProcess(f"http://127.0.0.1:{port}", app, counter, plan)
-    finally:
-        plan.reset()
-        server.should_exit = True
-        thread.join(30)
+    with serving(counter) as srv:
+        try:
+            yield InProcess(srv.base, app, counter, plan)
+        finally:
+            plan.reset()
 
 
 @pytest.fixture
