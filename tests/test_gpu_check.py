@@ -30,6 +30,7 @@ def test_gpu_check_quick_on_cpu(tiny_ckpt, tmp_path):
     checks = [r["check"] for r in lines]
     assert checks == ["environment", "cuda_graph_vs_eager", "precision_vs_fp32", "offline", "streams", "summary"]
     assert lines[1]["codes_identical"] and lines[-1]["passed"]
+    assert lines[1]["graph_replays"] == 0 and lines[1]["eager_fallbacks"] > 0  # no graphs on a CPU
     assert lines[3]["audio_s_per_s"] > 0 and lines[4]["levels"][0]["n"] == 1
 
 

@@ -147,7 +147,8 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self.static: StaticDecoder | None = None
         if self.decode_mode == "static":
-            self.static = StaticDecoder(model.gpt, self.cache, self.config.cuda_graphs, self.config.compile)
+            cfg = self.config
+            self.static = StaticDecoder(model.gpt, self.cache, cfg.cuda_graphs, cfg.compile, cfg.strict_cuda_graphs)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
