@@ -171,7 +171,13 @@ class EngineCore:
             for request_id, _, _ in windows:
                 self._fail(request_id, f"audio decode failed: {exc}")
             return
-        self.pipeline.accept(windows, pcm)
+        # A window that failed alone (out of memory even by itself, or another error) fails its request only.
+        failed = {rid: r for (rid, _, _), r in zip(windows, pcm, strict=True) if isinstance(r, Exception)}
+        for request_id, exc in failed.items():
+            logger.error("audio decode failed for %s", request_id, exc_info=exc)
+            self._fail(request_id, f"audio decode failed: {exc}")
+        ok = [i for i, (rid, _, _) in enumerate(windows) if rid not in failed]
+        self.pipeline.accept([windows[i] for i in ok], [pcm[i] for i in ok])
 
     def _make_voice_samples(self) -> None:
         """DVAE-encode each finished voice step's audio into its request's voice sample."""
