@@ -3,7 +3,9 @@
     python scripts/gpu_check.py --out gpu_results.jsonl          # writes a full-size random checkpoint first
     python scripts/gpu_check.py --model DIR --out results.jsonl  # or uses yours
 
-1. CUDA graphs: the graph decode step gives the same codes as the same step run eagerly.
+1. CUDA graphs: every captured graph passes its start-up self-check (replay vs an eager step), and
+   the graph decode step gives the same codes as the same step run eagerly; replays vs eager steps
+   are counted.
 2. Precision: bf16 / fp16 / int8 against fp32 on the GPU (``chattts-serve eval``: teacher-forced code
    agreement and KL, free-run agreement, mel distance, waveform SNR).
 3. Offline throughput: 256 texts of ~10 s (``bench offline``), fp32 and bf16.
@@ -64,18 +66,48 @@ def check_graphs(model: str, device: str, steps: int) -> dict:
         n_graphs = len(eng.core.runner.static.graphs)
         t0 = time.perf_counter()
         res = eng.synthesize(texts, params)
-        runs[graphs] = (res, time.perf_counter() - t0, n_graphs)
+        runs[graphs] = (res, time.perf_counter() - t0, n_graphs, eng.core.stats())
         del eng
     same = all(np.array_equal(a.codes, b.codes) for a, b in zip(runs[False][0], runs[True][0], strict=True))
     wav = max(float(np.abs(a.audio - b.audio).max()) for a, b in zip(runs[False][0], runs[True][0], strict=True))
+    stats = runs[True][3]
+    on_gpu = device != "cpu"
+    second = _second_device(model, device, texts, params, runs[True][0]) if on_gpu else {}
     return {
         "check": "cuda_graph_vs_eager",
         "codes_identical": same,
         "max_abs_wav_diff": wav,
         "graphs_captured": runs[True][2],
+        "graphs_refused": stats.graphs_refused,  # failed the self-check: replay != eager step
+        "graph_replays": stats.graph_replays,
+        "eager_fallbacks": stats.eager_steps,
         "eager_wall_s": round(runs[False][1], 3),
         "graph_wall_s": round(runs[True][1], 3),
-        "passed": same and (device == "cpu" or runs[True][2] > 0),
+        **second,
+        "passed": same
+        and stats.graphs_refused == 0
+        and second.get("second_device_passed", True)
+        and (not on_gpu or (runs[True][2] > 0 and stats.graph_replays > 0)),
+    }
+
+
+def _second_device(model: str, device: str, texts: list[str], params: SamplingParams, want: list) -> dict:
+    """The same graph step on another card (the first device's graphs were recorded with it current;
+    this one's must be recorded on its own): every graph passes its self-check, the codes match."""
+    if torch.cuda.device_count() < 2:
+        return {"second_device": None}
+    other = "cuda:1" if torch.device(device).index in (None, 0) else "cuda:0"
+    eng = Engine.from_pretrained(model, other, EngineConfig.with_slots(4, runner=RunnerConfig(decode="static")))
+    got = eng.synthesize(texts, params)
+    stats = eng.core.stats()
+    same = all(np.array_equal(a.codes, b.codes) for a, b in zip(want, got, strict=True))
+    return {
+        "second_device": other,
+        "second_device_graphs": len(eng.core.runner.static.graphs),
+        "second_device_graphs_refused": stats.graphs_refused,
+        "second_device_graph_replays": stats.graph_replays,
+        "second_device_codes_identical": same,
+        "second_device_passed": same and stats.graphs_refused == 0 and stats.graph_replays > 0,
     }
 
 

@@ -42,3 +42,104 @@ def test_the_cpu_probe_reads_cpuinfo_flags(monkeypatch, tmp_path, flags, expecte
     real_path = decode_module.Path
     monkeypatch.setattr(decode_module, "Path", lambda p: real_path(cpuinfo) if p == "/proc/cpuinfo" else real_path(p))
     assert decode_module.cpu_has_bf16() is expected
+
+
+# --------------------------------------------------------------------------------------------------
+# Bounded batches and out-of-memory retries (decode_windows)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    from chattts_serve.model import checkpoint
+
+    return checkpoint.load(tiny_ckpt)
+
+
+def _windows(model, lengths: list[int]):
+    import torch
+
+    from chattts_serve.audio.policy import StreamPolicy
+    from chattts_serve.audio.stream import AudioStream, Window
+
+    g = torch.Generator().manual_seed(0)
+    hidden = model.config.gpt.hidden_size
+    out = []
+    for n in lengths:
+        stream = AudioStream(StreamPolicy.one_shot(), hidden, n, torch.device("cpu"))
+        stream.hidden.copy_(torch.randn(n, hidden, generator=g))
+        out.append(Window(stream, 0, n, 0, 512 * n - 256, n, True))
+    return out
+
+
+LENGTHS = [6, 6, 9, 6, 6, 6, 9, 6]  # 6 windows of 6 steps, 2 of 9
+
+
+def _spy(monkeypatch, oom_above: int | None = None, error: type = RuntimeError) -> list[int]:
+    """Record every batch size ``_decode_batch`` sees; raise an OOM for batches above ``oom_above``."""
+    import torch
+
+    real = decode_module._decode_batch
+    sizes: list[int] = []
+
+    def fake(model, h, bf16):
+        sizes.append(h.shape[0])
+        if oom_above is not None and h.shape[0] > oom_above:
+            if error is RuntimeError:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 6.00 GiB")
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real(model, h, bf16)
+
+    monkeypatch.setattr(decode_module, "_decode_batch", fake)
+    return sizes
+
+
+def _same_audio(whole, split) -> None:
+    """Every window's audio as in the unsplit call. Not to the bit on a CPU: the ConvNeXt linears run
+    on B x T rows and MKL/oneDNN block a matmul by its row count (measured: <= 5e-9 apart)."""
+    for a, b in zip(whole, split, strict=True):
+        assert isinstance(b, np.ndarray) and a.shape == b.shape
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-7)
+
+
+def test_activation_estimate_of_the_full_model():
+    from chattts_serve.model.config import ModelConfig
+
+    per_step = decode_module.activation_bytes_per_step(ModelConfig())
+    assert 40 * 2**10 <= per_step <= 64 * 2**10
+    assert 5e9 < per_step * 256 * 469 < 7e9  # 256 windows of 10 s: the ~5-6 GB the unbounded batch took
+
+
+def test_batches_are_bounded_by_bytes_with_the_same_audio(model, monkeypatch):
+    windows = _windows(model, LENGTHS)
+    whole = decode_module.decode_windows(model, windows)
+    sizes = _spy(monkeypatch)
+    per_step = decode_module.activation_bytes_per_step(model.config)
+    bound = per_step * 6 * 2  # two 6-step windows per call
+    split = decode_module.decode_windows(model, windows, max_bytes=bound)
+    assert sorted(sizes) == [1, 1, 2, 2, 2]  # the 6-step windows in pairs, the 9-step ones alone
+    _same_audio(whole, split)
+
+
+@pytest.mark.parametrize("error", ["torch.cuda.OutOfMemoryError", "RuntimeError"])
+def test_out_of_memory_retries_in_halves_and_every_window_gets_its_audio(model, monkeypatch, error):
+    import torch
+
+    windows = _windows(model, LENGTHS)
+    whole = decode_module.decode_windows(model, windows)
+    sizes = _spy(
+        monkeypatch, oom_above=2, error=torch.cuda.OutOfMemoryError if error != "RuntimeError" else RuntimeError
+    )
+    retried = decode_module.decode_windows(model, windows)
+    assert sizes[:3] == [6, 3, 1] and max(s for s in sizes if s <= 2) == 2
+    _same_audio(whole, retried)
+
+
+def test_a_window_that_runs_out_of_memory_alone_fails_alone(model, monkeypatch):
+    windows = _windows(model, LENGTHS)
+    _spy(monkeypatch, oom_above=0)  # even one window is too much
+    out = decode_module.decode_windows(model, windows[:3])
+    assert all(decode_module.is_oom(r) for r in out)
+    sizes = _spy(monkeypatch)
+    monkeypatch.setattr(decode_module, "_decode_batch", lambda *a: (_ for _ in ()).throw(ValueError("bad")))
+    out = decode_module.decode_windows(model, windows[:2])
+    assert [type(r) for r in out] == [ValueError, ValueError] and sizes == []  # not retried: not an OOM

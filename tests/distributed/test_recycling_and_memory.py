@@ -53,15 +53,79 @@ def test_rss_of_this_process_is_plausible():
 
 def test_kv_slots_fit_inside_the_fraction():
     budget = MemoryBudget(total_bytes=80 * 2**30, fraction=0.25, weights_bytes=2 * 2**30, kv_bytes_per_slot=100 * MiB)
-    # 20 GiB cap, 25 % reserve -> 15 GiB, minus 2 GiB of weights -> 13 GiB / 100 MiB = 133 slots
-    assert budget.cap_bytes == 20 * 2**30
-    assert budget.num_slots(max_slots=1000) == 133
+    # 20 GiB share, 1 GiB of it for the CUDA context -> 19 GiB allocator cap, 25 % reserve -> 14.25 GiB,
+    # minus 2 GiB of weights -> 12.25 GiB / 100 MiB = 125 slots
+    assert budget.cap_bytes == 20 * 2**30 and budget.allocator_bytes == 19 * 2**30
+    assert budget.num_slots(max_slots=1000) == 125
     assert budget.num_slots(max_slots=16) == 16  # never more than configured
     tight = MemoryBudget(total_bytes=8 * 2**30, fraction=0.1, weights_bytes=2 * 2**30, kv_bytes_per_slot=MiB)
     with pytest.raises(ValueError, match="no room"):
         tight.num_slots(16)
     with pytest.raises(ValueError, match="max_memory_fraction"):
         MemoryBudget(8, 1.5, 1, 1)
+    no_context = MemoryBudget(80 * 2**30, 0.25, 2 * 2**30, 100 * MiB, context_bytes=0)  # configurable
+    assert no_context.num_slots(max_slots=1000) == 133
+    small = MemoryBudget(total_bytes=2 * 2**30, fraction=0.5, weights_bytes=0, kv_bytes_per_slot=MiB)
+    with pytest.raises(ValueError, match="MiB for the CUDA context"):  # the whole share is the context
+        small.num_slots(16)
+
+
+def test_replica_fractions_adding_up_to_one_leave_room_for_each_context():
+    total = 141 * 2**30
+    budgets = [MemoryBudget(total, f, 4 * 2**30, 100 * MiB) for f in (0.5, 0.25, 0.25)]
+    assert sum(b.allocator_bytes + b.context_bytes for b in budgets) <= total
+    assert all(b.allocator_fraction * total == b.cap_bytes - 2**30 for b in budgets)
+
+
+def _fake_cuda(monkeypatch, total: int) -> list[tuple]:
+    import types
+
+    import torch
+
+    capped: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: capped.append((f, d)))
+    return capped
+
+
+def test_budget_sizes_kv_slots_by_the_kv_cache_dtype(tiny_ckpt, monkeypatch):
+    import torch
+
+    from chattts_serve.distributed.memory import budget_for
+    from chattts_serve.engine.config import EngineConfig, RunnerConfig
+    from chattts_serve.model import checkpoint
+    from chattts_serve.model.gpt import KVCache
+
+    _fake_cuda(monkeypatch, 80 * 2**30)
+    g = checkpoint.read_config(tiny_ckpt).gpt
+    fp32 = EngineConfig.with_slots(4)
+    bf16_kv = EngineConfig.with_slots(4, runner=RunnerConfig(kv_cache_dtype="bf16"))
+    dev = torch.device("cuda", 0)
+    max_len = fp32.scheduler.max_model_len
+    assert budget_for(str(tiny_ckpt), fp32, dev, 0.5).kv_bytes_per_slot == KVCache.bytes_per_slot(
+        g, max_len, torch.float32
+    )
+    half = budget_for(str(tiny_ckpt), bf16_kv, dev, 0.5).kv_bytes_per_slot
+    assert (
+        half
+        == KVCache.bytes_per_slot(g, max_len, torch.bfloat16)
+        == budget_for(str(tiny_ckpt), fp32, dev, 0.5).kv_bytes_per_slot // 2
+    )
+
+
+def test_cap_device_memory_caps_the_allocator_below_the_share(tiny_ckpt, monkeypatch):
+    from chattts_serve.distributed.memory import cap_device_memory
+    from chattts_serve.engine.config import EngineConfig
+
+    total = 80 * 2**30
+    capped = _fake_cuda(monkeypatch, total)
+    config = cap_device_memory(str(tiny_ckpt), EngineConfig.with_slots(8), "cuda:1", 0.5)
+    [(fraction, device)] = capped
+    assert fraction == (total // 2 - 2**30) / total and str(device) == "cuda:1"
+    assert config.scheduler.max_num_seqs == 8 and not config.auto_slots
+    cap_device_memory(str(tiny_ckpt), EngineConfig.with_slots(8), "cuda:0", 0.5, context_reserve=0)
+    assert capped[-1][0] == 0.5
 
 
 def test_weights_bytes_follow_the_precision(tiny_ckpt):

@@ -438,3 +438,75 @@ def test_a_request_ended_by_its_pipeline_leaves_the_scheduler(engine):
     run.step()  # the step that releases what was running
     assert not core.scheduler.has_unfinished()
     assert_idle(core)
+
+
+# ---------------------------------------------------------------- audio decode out of memory
+
+
+def _run_all(core: EngineCore, params: SamplingParams, n: int) -> Run:
+    run = Run(core)
+    for i in range(n):
+        run.add(f"r{i}", TEXTS[i], params, StreamPolicy())
+    run.drain()
+    return run
+
+
+def test_audio_decode_oom_retries_smaller_and_every_request_gets_its_audio(engine, monkeypatch):
+    """Streams of one length decode their windows as one batch; a device OOM above one window
+    (injected) is retried in halves: every request still finishes with its own audio."""
+    import torch
+
+    from chattts_serve.audio import decode as decode_module
+
+    core = engine.core
+    p = base(seed=8, min_new_tokens=24, max_new_tokens=24)
+    want = _run_all(core, p, 4)
+    real, sizes = decode_module._decode_batch, []
+
+    def oom_above_one(model, h, bf16):
+        sizes.append(h.shape[0])
+        if h.shape[0] > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+        return real(model, h, bf16)
+
+    monkeypatch.setattr(decode_module, "_decode_batch", oom_above_one)
+    got = _run_all(core, p, 4)
+    assert max(sizes) == 4  # the injected OOM was hit, at the whole batch
+    for i in range(4):
+        rid = f"r{i}"
+        assert got.final(rid).finish_reason == "length", got.final(rid).error
+        assert_same_result(got.final(rid), want.final(rid), rid)
+        a, b = want.audio(rid), got.audio(rid)
+        assert a.shape == b.shape and b.size > 0
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-7, err_msg=rid)  # see tests/audio/test_decode.py
+    assert_idle(core)
+
+
+def test_a_window_that_fails_alone_fails_only_its_request(engine, monkeypatch):
+    from chattts_serve.engine import core as core_module
+
+    core = engine.core
+    real = core_module.decode_windows
+
+    def doomed_fails(model, windows, dtype="fp32"):
+        out = real(model, windows, dtype)
+        for i, w in enumerate(windows):
+            if w.stream is doomed_stream[0]:
+                out[i] = RuntimeError("CUDA out of memory (one window)")
+        return out
+
+    doomed_stream: list = []
+    monkeypatch.setattr(core_module, "decode_windows", doomed_fails)
+    run = Run(core)
+    p = base(seed=9, min_new_tokens=24, max_new_tokens=24)
+    for i in range(3):
+        run.add(f"r{i}", TEXTS[i], p, StreamPolicy())
+    while not doomed_stream:  # the first audio stream of r0, once it exists
+        run.step()
+        req = core.pipeline.requests.get("r0")
+        streams = [s.stream for s in getattr(req, "segments", []) if getattr(s, "stream", None) is not None]
+        doomed_stream += streams[:1]
+    run.drain()
+    assert run.final("r0").finish_reason == "error" and "one window" in run.final("r0").error
+    assert [run.final(r).finish_reason for r in ("r1", "r2")] == ["length", "length"]
+    assert_idle(core)

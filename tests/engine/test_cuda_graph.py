@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chattts_serve.engine.config import EngineConfig, RunnerConfig
-from chattts_serve.engine.cuda_graph import StaticDecoder, batch_buckets, ctx_buckets
+from chattts_serve.engine.cuda_graph import StaticDecoder, batch_buckets, ctx_buckets, graph_matches_eager
 from chattts_serve.engine.engine import Engine
 from chattts_serve.engine.scheduler import SchedulerConfig
 from chattts_serve.model.checkpoint import load
@@ -106,3 +106,147 @@ def test_graph_replay_equals_eager_on_cuda(tiny_ckpt):
     assert graph.core.runner.static.graphs
     for a, b in zip(eager.synthesize(TEXTS, params), graph.synthesize(TEXTS, params), strict=True):
         np.testing.assert_array_equal(a.codes, b.codes)
+
+
+# --------------------------------------------------------------------------------------------------
+# The graph self-check and the device context, on the CPU: fake graphs stand in for CUDA ones.
+
+
+def test_self_check_passes_a_graph_that_writes_the_eager_result():
+    out = torch.zeros(3, 4)
+    want = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    ok, diff = graph_matches_eager(lambda: out.copy_(want), out, lambda: want.clone())
+    assert ok and diff == 0.0
+
+
+@pytest.mark.parametrize("replay", ["writes nothing", "stale capture-time output"])
+def test_self_check_refuses_a_graph_that_does_not_compute(replay):
+    out = torch.zeros(3, 4)
+    stale = torch.ones(3, 4)
+    want = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    fake = (lambda: None) if replay == "writes nothing" else (lambda: out.copy_(stale))
+    ok, diff = graph_matches_eager(fake, out, lambda: want.clone())
+    assert not ok and diff > 0
+
+
+class _FakeGraph:
+    """Stands in for a CUDAGraph: ``replay`` recomputes the step into the static output (a good graph)
+    or does nothing (an empty graph, as a capture on the wrong device leaves)."""
+
+    def __init__(self, dec: StaticDecoder, bs: int, ctx: int, good: bool) -> None:
+        self.dec, self.bs, self.ctx, self.good = dec, bs, ctx, good
+        self.out = dec._eager(bs, ctx).clone()
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        if self.good:
+            self.out.copy_(self.dec._eager(self.bs, self.ctx))
+
+    def pool(self):
+        return None
+
+
+def _fake_captured(gpt, monkeypatch, bad: set[tuple[int, int]], strict: bool = False) -> StaticDecoder:
+    cache = gpt.new_cache(4, 32 + 1)
+    cache.k.zero_(), cache.v.zero_()
+    dec = StaticDecoder(gpt, cache, use_graphs=False, strict_graphs=strict)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+    def capture(bs, ctx, pool):
+        g = _FakeGraph(dec, bs, ctx, good=(bs, ctx) not in bad)
+        return g, g.out
+
+    dec._capture = capture
+    dec.capture_all()
+    return dec
+
+
+def test_capture_all_drops_graphs_that_fail_the_self_check_with_one_warning(gpt, monkeypatch, caplog):
+    with caplog.at_level("WARNING", logger="chattts_serve.engine.cuda_graph"):
+        dec = _fake_captured(gpt, monkeypatch, bad={(2, 32)})
+    assert (2, 32) not in dec.graphs and (4, 32) in dec.graphs and (1, 32) in dec.graphs
+    assert dec.graphs_refused == 1
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "batch 2 ctx 32" in warnings[0].getMessage()
+    # Steps: a good bucket replays its graph, the refused one runs eagerly; both give the eager result.
+    emb = torch.randn(2, gpt.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    replay = dec(emb[:1], [0], [3])  # batch bucket 1
+    eager = dec(emb, [0, 1], [4, 5])  # batch bucket 2: refused
+    assert (dec.graph_replays, dec.eager_steps) == (1, 1)
+    assert torch.isfinite(replay).all() and torch.isfinite(eager).all()
+
+
+def test_capture_all_raises_on_a_mismatch_when_strict(gpt, monkeypatch):
+    with pytest.raises(RuntimeError, match="differ from the eager step"):
+        _fake_captured(gpt, monkeypatch, bad={(4, 32)}, strict=True)
+
+
+def test_capture_and_replay_run_on_the_engines_device(gpt, monkeypatch):
+    """``cuda:1``: the device context is entered with it around capture and replay, and the capture
+    records on a side stream made for it (torch.cuda's APIs recorded, nothing runs on a GPU)."""
+    events: list[tuple] = []
+    cuda1 = torch.device("cuda", 1)
+
+    class Ctx:
+        def __init__(self, *a, **k):
+            self.a, self.k = a, k
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class FakeDevice(Ctx):
+        def __enter__(self):
+            events.append(("device", self.a[0]))
+            return self
+
+    class FakeStream:
+        def __init__(self, device=None):
+            self.device = device
+            events.append(("stream", device))
+
+        def wait_stream(self, other):
+            pass
+
+    class FakeCUDAGraph:
+        def replay(self):
+            events.append(("replay",))
+
+        def pool(self):
+            return "pool"
+
+    class FakeGraphCtx(Ctx):
+        def __enter__(self):
+            events.append(("capture", self.k.get("stream")))
+            return self
+
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", Ctx)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeCUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeGraphCtx)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    cache = gpt.new_cache(1, 16 + 1)
+    cache.k.zero_(), cache.v.zero_()
+    dec = StaticDecoder(gpt, cache, use_graphs=False)
+    dec.device = cuda1  # the tensors stay on the CPU; only the CUDA calls see the device
+    dec.check_graphs = lambda: None  # checked above; the fake graphs compute nothing
+    dec.capture_all()
+    assert events[0] == ("device", cuda1)
+    captures = [e for e in events if e[0] == "capture"]
+    assert captures and all(isinstance(s, FakeStream) and s.device == cuda1 for _, s in captures)
+    assert {e[1] for e in events if e[0] == "stream"} == {cuda1}
+    events.clear()
+    dec(torch.zeros(1, gpt.cfg.hidden_size), [0], [2])
+    assert events == [("device", cuda1), ("replay",)] and dec.graph_replays == 1
+
+
+def test_engine_stats_count_eager_static_steps(tiny_ckpt):
+    eng = Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(2, runner=RunnerConfig(decode="static")))
+    eng.synthesize(TEXTS[:1], SamplingParams(seed=3, max_new_tokens=8, refine_text=False))
+    stats = eng.core.stats()
+    assert stats.eager_steps > 0 and stats.graph_replays == 0 and stats.graphs_refused == 0

@@ -9,8 +9,8 @@ import torch
 
 from chattts_serve import Engine, SamplingParams
 from chattts_serve.engine.config import EngineConfig, RunnerConfig, from_flat
-from chattts_serve.engine.runner import kv_bytes_per_slot
 from chattts_serve.model import checkpoint
+from chattts_serve.model.gpt import KVCache
 
 PARAMS = SamplingParams(seed=5, max_new_tokens=24, refine_text=False)
 TEXTS = ["你好，世界。", "Hello there, my friend.", "Good morning."]
@@ -72,7 +72,8 @@ def test_bf16_cache_with_int8_static_and_the_static_step(tiny_ckpt):
 
 def test_bf16_cache_halves_the_bytes_per_slot(tiny_ckpt):
     model = checkpoint.load(tiny_ckpt)
-    assert kv_bytes_per_slot(model, 256, torch.bfloat16) * 2 == kv_bytes_per_slot(model, 256, torch.float32)
+    g = model.config.gpt
+    assert KVCache.bytes_per_slot(g, 256, torch.bfloat16) * 2 == KVCache.bytes_per_slot(g, 256, torch.float32)
 
 
 def test_bad_values_and_ort_are_refused(tiny_ckpt, tmp_path):

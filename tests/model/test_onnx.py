@@ -18,7 +18,7 @@ from chattts_serve.model import checkpoint, onnx_cache, onnx_export  # noqa: E40
 from chattts_serve.model.onnx_cache import Manifest  # noqa: E402
 from chattts_serve.model.onnx_export import cached_export, export  # noqa: E402
 from chattts_serve.model.onnx_quant import int8_reduce_range  # noqa: E402
-from chattts_serve.model.onnx_trunk import OnnxTrunk  # noqa: E402
+from chattts_serve.model.onnx_trunk import OnnxTrunk, check_export, gqa_providers  # noqa: E402
 from chattts_serve.model.quant import check_supported, parse_precision  # noqa: E402
 
 NUM_SLOTS, MAX_LEN = 6, 64
@@ -321,6 +321,50 @@ def test_export_cli_writes_a_checked_export(tiny_ckpt, tmp_path, capsys):
     assert main(argv) == 0  # again into the same directory: replaced, not appended to
     assert (out / onnx_cache.DATA_FILE).stat().st_size == size
     capsys.readouterr()
-    assert main([*argv, "--provider", "cuda"]) == 2  # this ONNX Runtime build has no CUDA provider
-    assert "CUDAExecutionProvider" in capsys.readouterr().err
+    for provider in ("cuda", "tensorrt"):  # this ONNX Runtime build has no GPU provider: refused, exit 2
+        assert main([*argv, "--provider", provider]) == 2
+        err = capsys.readouterr().err
+        assert f"--provider {provider} refused" in err and "ExecutionProvider" in err
+        assert "no fp32 CUDA kernel" in err and "--device cuda with --precision bf16 or fp16" in err
     assert main(["export", "onnx", "--model", str(tmp_path / "missing"), "--out", str(out)]) == 2
+
+
+def test_gqa_placement_is_read_from_the_profiler(model, exports):
+    """What the GPU check relies on: ORT's profiler names the provider each GroupQueryAttention ran on."""
+    assert gqa_providers(_trunk(model, exports, "fp32"), torch.device("cpu")) == {"CPUExecutionProvider"}
+
+
+def _pretend_gpu(monkeypatch, placed: set[str]) -> None:
+    import onnxruntime
+
+    import chattts_serve.model.onnx_trunk as onnx_trunk
+
+    names = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: names)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(onnx_trunk, "OnnxTrunk", lambda *a, **k: None)
+    monkeypatch.setattr(onnx_trunk, "gqa_providers", lambda trunk, device: placed)
+
+
+@pytest.mark.parametrize("provider", ["cuda", "tensorrt"])
+def test_gpu_provider_refused_when_gqa_falls_back_to_the_cpu(model, exports, monkeypatch, provider):
+    _pretend_gpu(monkeypatch, {"CPUExecutionProvider"})
+    with pytest.raises(ValueError, match=rf"--provider {provider} refused: GroupQueryAttention ran on CPUExec"):
+        check_export(exports["fp32"], model.config.gpt, "fp32", provider)
+    _pretend_gpu(monkeypatch, set())  # nothing recorded: cannot be verified, so refused
+    with pytest.raises(ValueError, match="no provider ORT reported"):
+        check_export(exports["fp32"], model.config.gpt, "fp32", provider)
+
+
+def test_gpu_provider_accepted_only_when_gqa_runs_on_it(model, exports, monkeypatch):
+    _pretend_gpu(monkeypatch, {"CUDAExecutionProvider"})
+    check_export(exports["fp32"], model.config.gpt, "fp32", "cuda")
+    with pytest.raises(ValueError, match="refused"):  # TensorRT wanted, the CUDA EP ran it
+        check_export(exports["fp32"], model.config.gpt, "fp32", "tensorrt")
+
+
+def test_gpu_provider_refused_without_a_cuda_device(model, exports, monkeypatch):
+    _pretend_gpu(monkeypatch, {"CUDAExecutionProvider"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        check_export(exports["fp32"], model.config.gpt, "fp32", "cuda")

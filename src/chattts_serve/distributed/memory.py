@@ -1,20 +1,30 @@
 """A replica's share of a CUDA device: ``max_memory_fraction`` caps what its allocator may take
 (``torch.cuda.set_per_process_memory_fraction``), and its KV slots are sized to fit inside that cap, so
-several replicas (or tenants) can share a card and one of them cannot take it down."""
+several replicas (or tenants) can share a card and one of them cannot take it down.
+
+The allocator cap is the share less ``CUDA_CONTEXT_RESERVE``: memory the process holds outside torch's
+allocator, which the cap does not see. Replica fractions that add up to 1.0 then leave each context
+its room instead of running the card out of memory."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 from ..engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 ACTIVATION_RESERVE = 0.25
-"""Share of the capped budget kept for activations, the audio decoders and CUDA graphs (not KV)."""
+"""Share of the capped budget kept for activations, the audio decoders and CUDA graphs (not KV); the
+audio decode batch is bounded by bytes (``audio.decode.AUDIO_BATCH_BYTES``) to stay inside it."""
+
+CUDA_CONTEXT_RESERVE = 1 << 30
+"""Bytes of a replica's share kept outside the allocator cap (1 GiB): the CUDA context and its loaded
+kernel images (~0.3-0.6 GiB on Hopper with lazy module loading), library handles (cuBLAS, cuBLASLt)
+and any workspace a library allocates itself: none of it is counted by the allocator cap.
+``MemoryBudget.context_bytes`` / ``cap_device_memory``'s ``context_reserve`` change it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,25 +36,41 @@ class MemoryBudget:
     weights_bytes: int
     """The model's weights as loaded."""
     kv_bytes_per_slot: int
+    context_bytes: int = CUDA_CONTEXT_RESERVE
+    """Held outside torch's allocator (CUDA context, workspaces): taken off the allocator's cap."""
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
             raise ValueError(f"max_memory_fraction must be in (0, 1], got {self.fraction!r}")
+        if self.context_bytes < 0:
+            raise ValueError(f"the CUDA context reserve must be >= 0 bytes, got {self.context_bytes!r}")
 
     @property
     def cap_bytes(self) -> int:
+        """This process's share of the device, context included."""
         return int(self.total_bytes * self.fraction)
 
+    @property
+    def allocator_bytes(self) -> int:
+        """What torch's allocator may take: the share less the context reserve."""
+        return max(0, self.cap_bytes - self.context_bytes)
+
+    @property
+    def allocator_fraction(self) -> float:
+        """``allocator_bytes`` as the fraction ``set_per_process_memory_fraction`` takes."""
+        return self.allocator_bytes / self.total_bytes
+
     def num_slots(self, max_slots: int, reserve: float = ACTIVATION_RESERVE) -> int:
-        """KV slots that fit in the cap once the weights and the reserve are set aside, at most
-        ``max_slots``. Raises ValueError when not even one fits (the replica could not serve)."""
-        free = self.cap_bytes * (1 - reserve) - self.weights_bytes
+        """KV slots that fit in the allocator's cap once the weights and the reserve are set aside, at
+        most ``max_slots``. Raises ValueError when not even one fits (the replica could not serve)."""
+        free = self.allocator_bytes * (1 - reserve) - self.weights_bytes
         fit = int(free // self.kv_bytes_per_slot) if free > 0 else 0
         if fit < 1:
             raise ValueError(
                 f"max_memory_fraction {self.fraction:g} of {self.total_bytes / 2**30:.1f} GiB leaves no room for "
                 f"one KV slot ({self.kv_bytes_per_slot / 2**20:.0f} MiB) after "
-                f"{self.weights_bytes / 2**20:.0f} MiB of weights"
+                f"{self.weights_bytes / 2**20:.0f} MiB of weights and {self.context_bytes / 2**20:.0f} MiB for the "
+                "CUDA context"
             )
         return min(max_slots, fit)
 
@@ -62,26 +88,35 @@ def weights_bytes(root: Path, precision: str) -> int:
     return total - gpt + gpt * width // 4
 
 
-def budget_for(model: str, config: EngineConfig, device, fraction: float) -> MemoryBudget:
+def budget_for(
+    model: str, config: EngineConfig, device, fraction: float, context_reserve: int = CUDA_CONTEXT_RESERVE
+) -> MemoryBudget:
     """The budget of ``fraction`` of ``device`` for the checkpoint at ``model``, read without loading it."""
     import torch
 
-    from ..engine.runner import kv_bytes_per_slot
     from ..model import checkpoint
+    from ..model.gpt import KVCache
     from ..model.quant import parse_precision
 
     root = checkpoint.resolve(model)
     dims = checkpoint.read_config(root)
-    dtype = parse_precision(config.precision).trunk_dtype
-    # kv_bytes_per_slot reads only the model's dimensions (model.config.gpt).
-    per_slot = kv_bytes_per_slot(SimpleNamespace(config=dims), config.scheduler.max_model_len, dtype)
+    # The runner's own rule: the cache holds kv_cache_dtype (bf16 halves it), not always the trunk's.
+    dtype = KVCache.dtype_for(config.runner.kv_cache_dtype, parse_precision(config.precision).trunk_dtype)
+    per_slot = KVCache.bytes_per_slot(dims.gpt, config.scheduler.max_model_len, dtype)
     total = torch.cuda.get_device_properties(device).total_memory
-    return MemoryBudget(total, fraction, weights_bytes(root, config.precision), per_slot)
+    return MemoryBudget(total, fraction, weights_bytes(root, config.precision), per_slot, context_reserve)
 
 
-def cap_device_memory(model: str, config: EngineConfig, device: str, fraction: float | None) -> EngineConfig:
-    """On CUDA with a fraction: cap this process's allocator and return ``config`` with the KV slots that
-    fit (at most its own ``max_num_seqs``). Elsewhere ``config`` unchanged (a CPU has no such cap)."""
+def cap_device_memory(
+    model: str,
+    config: EngineConfig,
+    device: str,
+    fraction: float | None,
+    context_reserve: int = CUDA_CONTEXT_RESERVE,
+) -> EngineConfig:
+    """On CUDA with a fraction: cap this process's allocator at the share less ``context_reserve`` and
+    return ``config`` with the KV slots that fit (at most its own ``max_num_seqs``). Elsewhere
+    ``config`` unchanged (a CPU has no such cap)."""
     import torch
 
     if fraction is None or not device.startswith("cuda") or not torch.cuda.is_available():
@@ -89,8 +124,15 @@ def cap_device_memory(model: str, config: EngineConfig, device: str, fraction: f
             logger.info("max_memory_fraction applies to CUDA devices only; ignored on %s", device)
         return config
     dev = torch.device(device)
-    budget = budget_for(model, config, dev, fraction)
-    torch.cuda.set_per_process_memory_fraction(fraction, dev)
-    slots = budget.num_slots(config.scheduler.max_num_seqs)
-    logger.info("memory cap %.0f MiB (%g of %s): %d KV slots", budget.cap_bytes / 2**20, fraction, device, slots)
+    budget = budget_for(model, config, dev, fraction, context_reserve)
+    slots = budget.num_slots(config.scheduler.max_num_seqs)  # refuses before capping anything
+    torch.cuda.set_per_process_memory_fraction(budget.allocator_fraction, dev)
+    logger.info(
+        "memory cap %.0f MiB for torch + %.0f MiB for the CUDA context (%g of %s): %d KV slots",
+        budget.allocator_bytes / 2**20,
+        budget.context_bytes / 2**20,
+        fraction,
+        device,
+        slots,
+    )
     return replace(config, scheduler=replace(config.scheduler, max_num_seqs=slots), auto_slots=False)

@@ -52,6 +52,10 @@ def _device_worker(
 
     if threads:
         torch.set_num_threads(threads)
+    if device.startswith("cuda"):
+        # This process's current device (per thread; 0 unless set): what library calls that take no
+        # device use. The engine's CUDA graphs enter their own device anyway (engine.cuda_graph).
+        torch.cuda.set_device(torch.device(device))
     engine = Engine.from_pretrained(model, device=device, config=config)
     return synthesize_items(engine, items, base, Path(out_dir))
 

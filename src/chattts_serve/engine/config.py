@@ -35,6 +35,9 @@ class RunnerConfig:
     "static": ``GPT.decode_static`` (graph-capturable; CUDA default); "auto" picks by device."""
     cuda_graphs: bool = True
     """Capture the static step in CUDA graphs (CUDA only; ignored elsewhere)."""
+    strict_cuda_graphs: bool = False
+    """A captured graph that differs from the eager step at its start-up self-check raises (default:
+    that graph is dropped with one warning and its shape runs eagerly; see ``engine.cuda_graph``)."""
     compile: bool = False
     """``torch.compile`` the static step (inductor; fuses the elementwise ops between matmuls)."""
     onnx_cache_dir: str | None = None

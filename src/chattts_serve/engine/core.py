@@ -43,6 +43,13 @@ class EngineStats:
     """Sequences queued for a KV slot."""
     kv_slots: int
     kv_slots_used: int
+    graph_replays: int = 0
+    """Static decode steps run by replaying a CUDA graph (since start)."""
+    eager_steps: int = 0
+    """Static decode steps run eagerly: no graphs (CPU, graphs off), a shape without one, or a graph
+    refused by its self-check. 0 in the "rows" and "onnx" decode modes."""
+    graphs_refused: int = 0
+    """CUDA graphs that failed their start-up self-check (not used)."""
 
 
 class EngineCore:
@@ -107,11 +114,15 @@ class EngineCore:
     def stats(self) -> EngineStats:
         sched = self.scheduler  # one read: ``reset`` may replace it from the engine thread
         slots = sched.config.max_num_seqs
+        static = self.runner.static
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             kv_slots=slots,
             kv_slots_used=slots - sched.num_free_slots,
+            graph_replays=static.graph_replays if static else 0,
+            eager_steps=static.eager_steps if static else 0,
+            graphs_refused=static.graphs_refused if static else 0,
         )
 
     # ------------------------------------------------------------------ one step
@@ -160,7 +171,13 @@ class EngineCore:
             for request_id, _, _ in windows:
                 self._fail(request_id, f"audio decode failed: {exc}")
             return
-        self.pipeline.accept(windows, pcm)
+        # A window that failed alone (out of memory even by itself, or another error) fails its request only.
+        failed = {rid: r for (rid, _, _), r in zip(windows, pcm, strict=True) if isinstance(r, Exception)}
+        for request_id, exc in failed.items():
+            logger.error("audio decode failed for %s", request_id, exc_info=exc)
+            self._fail(request_id, f"audio decode failed: {exc}")
+        ok = [i for i, (rid, _, _) in enumerate(windows) if rid not in failed]
+        self.pipeline.accept([windows[i] for i in ok], [pcm[i] for i in ok])
 
     def _make_voice_samples(self) -> None:
         """DVAE-encode each finished voice step's audio into its request's voice sample."""

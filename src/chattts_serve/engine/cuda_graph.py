@@ -8,11 +8,21 @@ nothing this step point at a scratch cache position (``max_len``) that nothing r
 bucket bounds how many cache positions attention scans (256, 512, 1024, ... max_len), so short
 sequences do not pay for the longest possible one. Graphs are captured at start-up, largest first,
 into one shared memory pool; a shape without a graph (or no CUDA) runs the same function eagerly.
+
+Device: torch captures on a stream of the *current* device and replays on the current device's
+stream, and the current device is per thread (0 unless set). So capture and replay both run inside
+``torch.cuda.device(self.device)``, capture on a side stream of that device: an engine on ``cuda:1``
+(or any worker after the first of ``--devices``) would otherwise record on the wrong card, and an
+empty graph replays its capture-time output: garbage codes, no error. Every captured graph is checked
+once against an eager step (``graph_matches_eager``); one that differs is not used.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -42,8 +52,32 @@ def _bucket(sizes: list[int], need: int) -> int:
     raise ValueError(f"{need} exceeds the largest bucket {sizes[-1]}")
 
 
+_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
+"""(rtol, atol) of a replay against the eager step: the same kernels should agree to the bit; this
+leaves room for a different cuBLAS algorithm, and none for a graph that did not write (NaN) or that
+returns another input's output."""
+
+
+def graph_matches_eager(
+    replay: Callable[[], None], out: torch.Tensor, eager: Callable[[], torch.Tensor]
+) -> tuple[bool, float]:
+    """Run ``eager`` (the step outside the graph, same inputs), poison the graph's static output
+    ``out`` with NaN, ``replay`` and compare. Returns (equal within tolerance, max abs difference)."""
+    want = eager().clone()
+    out.fill_(math.nan)
+    replay()
+    rtol, atol = _TOLERANCE.get(out.dtype, (1e-5, 1e-5))
+    ok = bool(torch.allclose(out, want, rtol=rtol, atol=atol))
+    diff = (out.float() - want.float()).abs().nan_to_num(math.inf).max().item() if out.numel() else 0.0
+    return ok, diff
+
+
 class StaticDecoder:
-    def __init__(self, gpt: GPT, cache: KVCache, use_graphs: bool, compile: bool = False) -> None:
+    def __init__(
+        self, gpt: GPT, cache: KVCache, use_graphs: bool, compile: bool = False, strict_graphs: bool = False
+    ) -> None:
+        """``strict_graphs``: a captured graph that fails its self-check raises (default: it is dropped,
+        with one warning, and its shape runs eagerly)."""
         self.gpt, self.cache = gpt, cache
         self.device = cache.k.device
         self.scratch = cache.max_len - 1  # the cache has one position more than any sequence uses
@@ -63,32 +97,77 @@ class StaticDecoder:
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, n_shapes + 8)
             self.fn = torch.compile(gpt.decode_static, dynamic=False)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.strict_graphs = strict_graphs
+        self.graph_replays = 0
+        """Steps run by replaying a graph."""
+        self.eager_steps = 0
+        """Steps run eagerly: no graphs (CPU, ``cuda_graphs`` off), a shape without one, or a refused one."""
+        self.graphs_refused = 0
+        """Captured graphs that failed their self-check (their shapes run eagerly)."""
         self.use_graphs = use_graphs and self.device.type == "cuda"
         if self.use_graphs:
             self.capture_all()
 
+    def _on_device(self) -> AbstractContextManager:
+        """The engine's CUDA device as the current one (capture and replay use the current device)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """One graph per (batch, ctx) bucket, largest first, sharing one memory pool. Every row points
-        at the scratch position while capturing, so no sequence's cache is touched."""
-        self.pos.fill_(self.scratch)
-        pool = None
-        for bs in reversed(self.batch_sizes):
-            for ctx in reversed(self.ctx_sizes):
-                args = (self.emb[:bs], self.cache, self.pos[:bs], ctx)
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for _ in range(2):  # warm-up: lazy init, autotuning, compile
-                        self.fn(*args)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.fn(*args)
-                pool = graph.pool()
-                self.graphs[(bs, ctx)] = (graph, out)
-        torch.cuda.synchronize(self.device)
-        logger.info("captured %d CUDA graphs for decode", len(self.graphs))
+        """One graph per (batch, ctx) bucket, largest first, sharing one memory pool, each checked once
+        against an eager step. Every row points at the scratch position while capturing and checking,
+        so no sequence's cache is touched."""
+        with self._on_device():
+            self.pos.fill_(self.scratch)
+            pool = None
+            for bs in reversed(self.batch_sizes):
+                for ctx in reversed(self.ctx_sizes):
+                    graph, out = self._capture(bs, ctx, pool)
+                    pool = graph.pool()
+                    self.graphs[(bs, ctx)] = (graph, out)
+            torch.cuda.synchronize(self.device)
+            self.check_graphs()
+        logger.info("captured %d CUDA graphs for decode (%d refused)", len(self.graphs), self.graphs_refused)
+
+    def _capture(self, bs: int, ctx: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up, then capture one bucket on a side stream of the engine's device (under ``_on_device``)."""
+        args = (self.emb[:bs], self.cache, self.pos[:bs], ctx)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: lazy init, autotuning, compile
+                self.fn(*args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=side):
+            out = self.fn(*args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        return graph, out
+
+    @torch.inference_mode()
+    def check_graphs(self) -> None:
+        """Replay every graph once on inputs unlike the capture's and compare with the eager step; drop
+        (or, ``strict_graphs``, raise on) any that differs. Rows stay at the scratch position."""
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        probe = torch.randn(self.emb.shape, generator=gen).to(self.device, self.emb.dtype)
+        bad = []
+        for (bs, ctx), (graph, out) in list(self.graphs.items()):
+            self.emb.copy_(probe)
+            self.pos[:bs].fill_(self.scratch)
+            ok, diff = graph_matches_eager(graph.replay, out, lambda bs=bs, ctx=ctx: self._eager(bs, ctx))
+            if not ok:
+                bad.append(f"batch {bs} ctx {ctx} (max diff {diff:.3g})")
+                del self.graphs[(bs, ctx)]
+        self.emb.zero_()
+        self.graphs_refused += len(bad)
+        if bad:
+            msg = f"{len(bad)} CUDA graph(s) on {self.device} differ from the eager step: " + ", ".join(bad)
+            if self.strict_graphs:
+                raise RuntimeError(msg)
+            logger.warning("%s; those shapes run eagerly", msg)
+
+    def _eager(self, bs: int, ctx: int) -> torch.Tensor:
+        return self.fn(self.emb[:bs], self.cache, self.pos[:bs], ctx)
 
     @torch.inference_mode()
     def __call__(self, emb_rows: torch.Tensor, slots: list[int], lengths: list[int]) -> torch.Tensor:
@@ -97,16 +176,20 @@ class StaticDecoder:
             raise ValueError(f"position {max(lengths)} exceeds cache {self.scratch}")
         bs = _bucket(self.batch_sizes, max(slots) + 1)
         ctx = _bucket(self.ctx_sizes, max(lengths) + 1)
-        pin = self.device.type == "cuda"
-        idx = torch.tensor(slots, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=pin)
-        pos = torch.tensor(lengths, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=pin)
+        dev = self.emb.device
+        pin = dev.type == "cuda"
+        idx = torch.tensor(slots, dtype=torch.long, pin_memory=pin).to(dev, non_blocking=pin)
+        pos = torch.tensor(lengths, dtype=torch.long, pin_memory=pin).to(dev, non_blocking=pin)
         self.pos[:bs].fill_(self.scratch)
         self.pos[idx] = pos
         self.emb[idx] = emb_rows.to(self.emb.dtype)
         entry = self.graphs.get((bs, ctx))
         if entry is not None:
-            entry[0].replay()
+            with self._on_device():
+                entry[0].replay()
+            self.graph_replays += 1
             out = entry[1]
         else:
-            out = self.fn(self.emb[:bs], self.cache, self.pos[:bs], ctx)
+            out = self._eager(bs, ctx)
+            self.eager_steps += 1
         return out[idx]

@@ -25,6 +25,7 @@ from ..audio.policy import StreamPolicy
 from ..model import checkpoint
 from ..model.checkpoint import LoadedModel
 from ..model.config import DEFAULT_MODEL
+from ..model.gpt import KVCache
 from ..model.prepare import ModelLayout, prepare_model
 from ..model.quant import check_supported, parse_precision
 from ..model.speaker import MIN_VOICE_SAMPLES, SpeakerStats, encode_prompt_codes, encode_speaker
@@ -84,7 +85,7 @@ class Engine:
         # Every mode starts from the fp32 weights (int8 scales are taken from them, not from bf16).
         model = checkpoint.load(path_or_repo, device=device, dtype=torch.float32)
         if config.auto_slots:  # as many KV slots as half the free memory holds
-            kv_dtype = torch.bfloat16 if config.runner.kv_cache_dtype == "bf16" else spec.trunk_dtype
+            kv_dtype = KVCache.dtype_for(config.runner.kv_cache_dtype, spec.trunk_dtype)
             n = auto_num_slots(model, config.scheduler.max_model_len, device, kv_dtype)
             logger.info("KV cache: %d slots sized from free memory", n)
             config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=n), auto_slots=False)

@@ -20,6 +20,7 @@ import torch
 
 from ..model.checkpoint import LoadedModel
 from ..model.config import AUDIO_EOS
+from ..model.gpt import KVCache
 from ..model.prepare import ModelLayout
 from .config import RunnerConfig
 from .cuda_graph import StaticDecoder
@@ -57,22 +58,18 @@ class StageTimer(Protocol):
     def stage(self, name: str) -> AbstractContextManager: ...
 
 
-def kv_bytes_per_slot(model: LoadedModel, max_len: int, dtype: torch.dtype) -> int:
-    g = model.config.gpt
-    return 2 * g.num_layers * g.num_kv_heads * g.head_dim * max_len * torch.empty(0, dtype=dtype).element_size()
-
-
 def auto_num_slots(
     model: LoadedModel, max_len: int, device: torch.device, dtype: torch.dtype, fraction: float = 0.5
 ) -> int:
-    """KV slots that fit in ``fraction`` of the free device memory (host RAM on CPU), 1..256."""
+    """KV slots of ``dtype`` (``KVCache.dtype_for``) that fit in ``fraction`` of the free device
+    memory (host RAM on CPU), 1..256."""
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
         import os
 
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    per_slot = kv_bytes_per_slot(model, max_len, dtype)
+    per_slot = KVCache.bytes_per_slot(model.config.gpt, max_len, dtype)
     return max(1, min(256, int(free * fraction // per_slot)))
 
 
@@ -126,12 +123,12 @@ class ModelRunner:
         self.decode_mode = "onnx" if self.trunk is not None else self.config.resolve(self.device.type)
         # The static step needs one scratch position past the last real one (see engine.cuda_graph).
         extra = 1 if self.decode_mode == "static" else 0
-        kv_dtype = torch.bfloat16 if self.config.kv_cache_dtype == "bf16" else None
         if self.trunk is not None:
-            if kv_dtype is not None:
+            if self.config.kv_cache_dtype == "bf16":
                 raise ValueError("kv_cache_dtype bf16 is for the torch precisions; the ort-* cache is fp32")
             self.cache = self.trunk.new_cache(num_slots, max_model_len)
         else:
+            kv_dtype = KVCache.dtype_for(self.config.kv_cache_dtype, layout.precision.trunk_dtype)
             self.cache = model.gpt.new_cache(num_slots, max_model_len + extra, dtype=kv_dtype)
         if self.decode_mode == "static":
             self.cache.k.zero_(), self.cache.v.zero_()  # rows that decode nothing read finite values
@@ -147,7 +144,8 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self.static: StaticDecoder | None = None
         if self.decode_mode == "static":
-            self.static = StaticDecoder(model.gpt, self.cache, self.config.cuda_graphs, self.config.compile)
+            cfg = self.config
+            self.static = StaticDecoder(model.gpt, self.cache, cfg.cuda_graphs, cfg.compile, cfg.strict_cuda_graphs)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:

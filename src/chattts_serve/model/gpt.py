@@ -79,6 +79,17 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.empty(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.empty(shape, dtype=dtype, device=device), persistent=False)
 
+    @staticmethod
+    def bytes_per_slot(cfg: GPTConfig, max_len: int, dtype: torch.dtype) -> int:
+        """Keys and values of one slot of ``max_len`` positions, all layers: the one KV-size rule (the
+        runner's auto slots and a replica's memory budget both size the cache by it)."""
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * dtype.itemsize
+
+    @staticmethod
+    def dtype_for(kv_cache_dtype: str, trunk_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the cache holds for ``RunnerConfig.kv_cache_dtype``: "bf16", or "auto" (the trunk's)."""
+        return torch.bfloat16 if kv_cache_dtype == "bf16" else trunk_dtype
+
     @property
     def num_slots(self) -> int:
         return self.k.shape[1]

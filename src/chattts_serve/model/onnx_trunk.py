@@ -8,7 +8,8 @@ do this step are idle (``query_seqlens = 0``): the op leaves their cache alone.
 
 Providers: ``cpu`` (default on a CPU device), ``cuda`` and ``tensorrt`` (the cache and the embeddings
 then live on that CUDA device and are bound there). GroupQueryAttention on CUDA runs in fp16/bf16
-only, so the fp32 graph of this module needs a half-precision export there (not written yet).
+only, so the fp32 graph of this module would run it on the CPU: ``check_export`` refuses the GPU
+providers unless ORT's profiler shows the node placed on them (a half-precision export is not written).
 """
 
 from __future__ import annotations
@@ -208,12 +209,70 @@ class OnnxTrunk:
 
 def check_export(directory: str | Path, cfg: GPTConfig, weights: str, provider: str = "cpu") -> None:
     """Load an export on ``provider`` and run one prefill and one decode step on random input;
-    ValueError when it cannot load or its output is not finite."""
-    device = torch.device("cpu" if provider == "cpu" else "cuda")
-    trunk = OnnxTrunk(directory, cfg, weights, device, provider)
-    cache = trunk.new_cache(1, 8)
-    x = torch.randn(1, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
-    prefill = trunk.run(x, cache, 0, np.array([2], np.int32), np.array([3], np.int32))
-    decode = trunk.run(x[:, :1], cache, 0, np.array([3], np.int32), np.array([1], np.int32))
+    ValueError when it cannot load or its output is not finite. ``cuda``/``tensorrt`` are refused
+    unless ORT has the provider and really runs GroupQueryAttention on it (``GPU_REFUSAL``)."""
+    if provider != "cpu":
+        _check_gpu_placement(directory, cfg, weights, provider)
+        return
+    trunk = OnnxTrunk(directory, cfg, weights, torch.device("cpu"), provider)
+    prefill, decode = _two_steps(trunk, torch.device("cpu"))
     if not (torch.isfinite(prefill).all() and torch.isfinite(decode).all()):
         raise ValueError(f"the export in {directory} gives non-finite hidden states on {trunk.providers[0]}")
+
+
+GPU_REFUSAL = (
+    "--provider {provider} refused: {why}. The export is fp32, and ONNX Runtime's GroupQueryAttention has "
+    "no fp32 CUDA kernel: ORT places it on the CPU, so a check would pass without running on the GPU. On a "
+    "GPU use the torch path instead (--device cuda with --precision bf16 or fp16: CUDA graphs); the ort-* "
+    "modes are CPU-only. The export in {directory} is written; --provider cpu checks it."
+)
+"""Why ``export onnx --provider cuda|tensorrt`` stops (exit 2): no "checked on cuda" that did not run there."""
+
+
+def _check_gpu_placement(directory: str | Path, cfg: GPTConfig, weights: str, provider: str) -> None:
+    import onnxruntime as ort
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(GPU_REFUSAL.format(provider=provider, why=why, directory=directory))
+
+    if provider not in _PROVIDER_NAMES:
+        raise ValueError(f"onnx provider must be one of cpu, cuda, tensorrt; got {provider!r}")
+    wanted = _PROVIDER_NAMES[provider][0]
+    if wanted not in ort.get_available_providers():
+        raise refuse(f"this ONNX Runtime has no {wanted} (available: {', '.join(ort.get_available_providers())})")
+    if not torch.cuda.is_available():
+        raise refuse("torch sees no CUDA device to bind the cache on")
+    device = torch.device("cuda")
+    try:
+        placed = gqa_providers(OnnxTrunk(directory, cfg, weights, device, provider), device)
+    except Exception as exc:  # a session or kernel that cannot run there is a refusal, not a crash
+        raise refuse(f"ORT could not run the step on {wanted} ({exc})") from exc
+    if placed != {wanted}:
+        raise refuse(f"GroupQueryAttention ran on {', '.join(sorted(placed)) or 'no provider ORT reported'}")
+
+
+def gqa_providers(trunk: OnnxTrunk, device: torch.device) -> set[str]:
+    """The execution providers ORT ran the GroupQueryAttention nodes on during one prefill and one
+    decode step (read from its profiler: the only record of where each node was placed)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trunk.start_op_profile(tmp)
+        try:
+            _two_steps(trunk, device)
+        finally:
+            profile = trunk.end_op_profile()
+    return {
+        e.get("args", {}).get("provider", "")
+        for e in profile.events
+        if e.get("cat") == "Node" and e.get("args", {}).get("op_name") == "GroupQueryAttention"
+    } - {""}
+
+
+def _two_steps(trunk: OnnxTrunk, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One prefill of 3 positions and one decode step on a fresh one-slot cache (random input)."""
+    cache = trunk.new_cache(1, 8)
+    x = torch.randn(1, 3, trunk.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    prefill = trunk.run(x, cache, 0, np.array([2], np.int32), np.array([3], np.int32))
+    decode = trunk.run(x[:, :1], cache, 0, np.array([3], np.int32), np.array([1], np.int32))
+    return prefill, decode

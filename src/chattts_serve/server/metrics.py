@@ -4,6 +4,7 @@ do not collide."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -54,6 +55,27 @@ class Metrics:
             Gauge("chattts_kv_slots_used", "KV-cache slots in use", registry=r).set_function(
                 lambda: engine.stats().kv_slots_used
             )
+            r.register(_DecodeStepCollector(engine))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _DecodeStepCollector:
+    """How static decode steps ran (``EngineStats``): CUDA graph replays vs eager steps, and graphs
+    refused by their self-check. Counters read from the engine at scrape time."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def describe(self) -> list:
+        return []  # collected on each scrape only (no engine read at registration)
+
+    def collect(self):
+        stats = self.engine.stats()
+        for name, doc, attr in (
+            ("chattts_cuda_graph_replays", "Static decode steps run by replaying a CUDA graph", "graph_replays"),
+            ("chattts_decode_eager_steps", "Static decode steps run eagerly (no graph for the shape)", "eager_steps"),
+            ("chattts_cuda_graphs_refused", "CUDA graphs that failed their start-up self-check", "graphs_refused"),
+        ):
+            yield CounterMetricFamily(name, doc, value=getattr(stats, attr, 0))
