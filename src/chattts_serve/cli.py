@@ -127,7 +127,8 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=("cpu", "cuda", "tensorrt"),
         default="cpu",
         help="ONNX Runtime execution provider to load the export on and run one step with, as a check "
-        "(cuda/tensorrt need onnxruntime-gpu and a CUDA device)",
+        "(cuda/tensorrt: refused unless onnxruntime-gpu, a CUDA device, and GroupQueryAttention really "
+        "running on that provider; use --device cuda with bf16/fp16 instead)",
     )
     onnx.add_argument(
         "--reduce-range",
