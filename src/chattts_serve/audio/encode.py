@@ -135,11 +135,11 @@ class StreamingEncoder:
             raise RuntimeError("encoder already finished")
         if self._resampler is not None:
             pcm = self._resampler.process(pcm)
+        self.samples_out += len(pcm)
         return self._encode(pcm)
 
     def _encode(self, pcm: np.ndarray) -> bytes:
         """``pcm``, at ``sample_rate`` already, into the format."""
-        self.samples_out += len(pcm)
         if self.fmt == "pcm":
             return to_pcm16(pcm)
         if self.fmt == "wav":
@@ -170,9 +170,11 @@ class StreamingEncoder:
             return b""
         head = b""
         if self._resampler is not None:  # the filter's last samples
-            head = self._encode(self._resampler.flush())
+            tail = self._resampler.flush()
+            self.samples_out += len(tail)
+            head = self._encode(tail)
         if self._pts == 0 and self.fmt in _NEEDS_A_FRAME:  # no audio at all: still a file its decoder opens
-            head = self.write(np.zeros(1, np.float32))
+            head = self._encode(np.zeros(1, np.float32))  # (filler, not counted in samples_out)
         self._closed = True
         if self.fmt in ("pcm", *_G711):  # (G.711 encoders hold nothing back)
             return head
