@@ -98,7 +98,7 @@ CASES = [
     ("unknown-stream-format", "POST", S, speech(stream_format="chunks"), 400, "stream_format"),
     ("unknown-model", "POST", S, speech(model="tts-9000"), 400, "model_not_found"),
     ("unknown-extra-field", "POST", S, speech(foo=1), 400, "foo"),
-    ("unknown-extra-field-tts", "POST", T, tts(sample_rate=16000), 400, "sample_rate"),
+    ("unknown-extra-field-tts", "POST", T, tts(bit_rate=16000), 400, "bit_rate"),
     # In the text an unknown [tag] is spoken as text (as in the reference); in a prompt it is refused.
     ("unknown-control-token", "POST", S, speech(prompt="[speed_5][foo]"), 400, None),
     ("unknown-control-token-tts", "POST", T, tts(refine_prompt="[laugh_9000]"), 400, None),

@@ -172,3 +172,43 @@ def test_tts_error_shapes(http):
 # ------------------------------------------------------------------------------ WebSocket limits and failures
 # An app in this process (uvicorn on 127.0.0.1 in a thread), so a test can make its engine stall or fail at a
 # chosen step, change its config, and count the messages the handler has read.
+
+
+@pytest.mark.parametrize(("fmt", "rate"), [("wav", 16000), ("mulaw", None), ("alaw", 16000), ("pcm", 44100)])
+def test_tts_sample_rate_streamed_and_whole(http, fmt, rate):
+    """``sample_rate`` in the native body: streamed and whole give the same audio (a whole wav has exact sizes
+    at the new rate); mulaw and alaw default to 8 kHz, one byte a sample."""
+    body = {"text": TEXT, "format": fmt, **FIXED, **({"sample_rate": rate} if rate else {})}
+    streamed = http.post("/v1/tts", json=body)
+    whole = http.post("/v1/tts", json={**body, "stream": False})
+    assert streamed.status_code == whole.status_code == 200, streamed.text
+    out_rate = rate or 8000
+    n = round(EXPECTED * out_rate / SR)
+    width = 1 if fmt in ("mulaw", "alaw") else 2
+    if fmt == "wav":
+        data = whole.content
+        assert struct.unpack_from("<IIIH", data, 24)[:2] == (out_rate, 2 * out_rate)
+        assert (
+            abs(struct.unpack_from("<I", data, 40)[0] - 2 * n) <= 2
+            and len(data) == 44 + struct.unpack_from("<I", data, 40)[0]
+        )
+        assert streamed.content[44:] == data[44:]
+    else:
+        assert abs(len(whole.content) - width * n) <= width and streamed.content == whole.content
+
+
+def test_tts_sample_rate_refused_for_lossy_formats(http):
+    r = http.post("/v1/tts", json={"text": TEXT, "format": "aac", "sample_rate": 8000, **FIXED})
+    error = check_openai_error(r, 400)
+    assert error["param"] == "sample_rate" and "aac is always encoded at 24000 Hz" in error["message"]
+
+
+def test_openapi_lists_the_telephony_formats(http):
+    doc = http.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for name, field in (("TTSRequest", "format"), ("SpeechRequest", "response_format")):
+        assert {"mulaw", "alaw"} <= set(schemas[name]["properties"][field]["enum"])
+        rate = schemas[name]["properties"]["sample_rate"]["anyOf"][0]
+        assert (rate["minimum"], rate["maximum"]) == (8000, 48000)
+    content = doc["paths"]["/v1/tts"]["post"]["responses"]["200"]["content"]
+    assert "audio/PCMU" in content and "audio/PCMA" in content

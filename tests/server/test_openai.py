@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -221,3 +222,82 @@ def test_markdown_cleanup_through_extra_body(client):
     cleaned = speech(markdown, text_cleanup="markdown")
     assert cleaned == speech("今天天气真不错。")
     assert cleaned != speech(markdown)  # without it the link target and marks are spoken
+
+
+def _g711(data: bytes, fmt: str, rate: int = 8000) -> np.ndarray:
+    """Headerless G.711 decoded by FFmpeg (it needs the format's name and rate)."""
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(data), format=fmt, options={"sample_rate": str(rate)}) as container:
+        return np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(audio=0)])
+
+
+@pytest.mark.parametrize("fmt", ["mulaw", "alaw"])
+def test_telephony_formats(client, fmt):
+    """G.711 at 8 kHz, one byte a sample and no header, streamed or whole alike; it is the 8 kHz resampling
+    of the same audio the pcm format carries (within G.711's companded 8-bit steps)."""
+    data = _speech(client, fmt)
+    assert abs(len(data) - EXPECTED / 3) <= 1
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="alloy", input=TEXT, response_format=fmt, extra_body=FIXED
+    ) as resp:
+        assert resp.http_response.headers["content-type"] == ("audio/PCMU" if fmt == "mulaw" else "audio/PCMA")
+        assert resp.read() == data
+    from chattts_serve.audio.resample import resample
+
+    pcm = np.frombuffer(_speech(client, "pcm"), "<i2").astype(np.float32) / 32767
+    reference = resample(pcm, 8000)
+    decoded = _g711(data, fmt).astype(np.float32) / 32768
+    assert len(decoded) == len(reference)
+    assert np.abs(decoded - reference).max() < 0.02 + np.abs(reference).max() / 16  # G.711's steps grow with level
+
+
+@pytest.mark.parametrize(("fmt", "rate"), [("pcm", 16000), ("wav", 48000), ("flac", 44100), ("mulaw", 16000)])
+def test_sample_rate_in_extra_body(client, fmt, rate):
+    """``sample_rate`` through the SDK's ``extra_body``: the audio is resampled as it streams; the duration
+    stays the same and the containers say the new rate."""
+    data = _speech(client, fmt, sample_rate=rate)
+    if fmt == "mulaw":
+        samples = _g711(data, fmt, rate)
+    else:
+        samples, got = decode_audio(data, fmt) if fmt != "pcm" else (np.frombuffer(data, "<i2"), rate)
+        assert got == rate
+    assert abs(len(samples) - EXPECTED * rate / SR) <= 1
+    if fmt == "wav":  # an open-ended header that says the new rate
+        assert struct.unpack_from("<II", data, 24) == (rate, 2 * rate) and data[40:44] == b"\xff" * 4
+
+
+def test_sample_rate_in_sse(client):
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1",
+        voice="alloy",
+        input=TEXT,
+        response_format="mulaw",
+        stream_format="sse",
+        extra_body={**FIXED, "sample_rate": 8000},
+    ) as resp:
+        raw = resp.read().decode()
+    events = [json.loads(b[6:]) for b in raw.split("\n\n") if b.strip()]
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert audio == _speech(client, "mulaw")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "rate", "why"),
+    [
+        ("mp3", 16000, "sample_rate applies to pcm, wav, flac, mulaw, alaw; mp3 is always encoded at 24000"),
+        ("opus", 48000, "opus is always encoded at 24000"),
+        ("pcm", 96000, "less than or equal to 48000"),
+        ("wav", 4000, "greater than or equal to 8000"),
+    ],
+)
+def test_sample_rate_refused_where_it_cannot_apply(client, fmt, rate, why):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        _speech(client, fmt, sample_rate=rate)
+    error = info.value.body
+    assert why in error["message"] and error["param"] == "sample_rate"
+    assert _speech(client, "mp3", sample_rate=24000)  # the rate it has anyway is no error

@@ -561,3 +561,35 @@ def test_websocket_host_allow_list_applies_to_the_handshake(ws_app):
     assert _open_with_origin(ws_app.url, None) == 403
     ws_app.configure(allowed_hosts=("127.0.0.1",))
     assert _open_with_origin(ws_app.url, None) == 101
+
+
+@pytest.mark.parametrize(("fmt", "rate", "width"), [("mulaw", None, 1), ("pcm", 16000, 2)])
+def test_websocket_sample_rate(server, http, fmt, rate, width):
+    """The start message takes ``format`` and ``sample_rate`` as ``POST /v1/tts`` does; the start event says the
+    rate, chunk events count samples at it, and the audio is the HTTP stream's."""
+    options = {"format": fmt, **FIXED, **({"sample_rate": rate} if rate else {})}
+    with connect(ws_url(server), open_timeout=10, close_timeout=5) as ws:
+        ws.send(json.dumps({"type": "start", "text": TEXT, **options}))
+        ws.send(json.dumps({"type": "end"}))
+        events, audio = [], b""
+        while not events or events[-1]["type"] not in ("end", "error"):
+            events.append(json.loads(ws.recv(timeout=HTTP_TIMEOUT)))
+            if events[-1]["type"] == "chunk" and events[-1]["bytes"]:
+                data = ws.recv(timeout=HTTP_TIMEOUT)
+                assert len(data) == width * events[-1]["samples"]
+                audio += data
+    out_rate = rate or 8000
+    assert events[0]["sample_rate"] == out_rate and events[-1]["type"] == "end"
+    samples = sum(e["samples"] for e in events if e["type"] == "chunk")
+    assert events[-1]["audio_seconds"] == pytest.approx(samples / out_rate)
+    assert audio == http.post("/v1/tts", json={"text": TEXT, **options}).content
+
+
+def test_websocket_refuses_a_rate_the_format_cannot_take(server):
+    with connect(ws_url(server), open_timeout=10, close_timeout=5) as ws:
+        ws.send(json.dumps({"type": "start", "text": TEXT, "format": "opus", "sample_rate": 8000}))
+        event = json.loads(ws.recv(timeout=HTTP_TIMEOUT))
+        assert event["type"] == "error" and "opus is always encoded at 24000 Hz" in event["message"]
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+        assert ws.close_code == 1008

@@ -5,6 +5,12 @@ and the container. mp3 (MPEG audio frames), opus (Ogg pages), aac (ADTS frames) 
 PyAV; wav and pcm (s16le) are written directly. A streamed wav has an open-ended header (sizes
 0xFFFFFFFF, which ffmpeg, browsers and most players read as "until the end"); ``encode_whole`` writes
 exact sizes when the whole audio is known.
+
+mulaw and alaw are G.711 (ITU-T): one byte per sample, headerless, 8 kHz by default, what Twilio media
+streams and SIP gateways carry; PyAV's ``pcm_mulaw`` / ``pcm_alaw`` encoders make them. pcm, wav, flac,
+mulaw and alaw can be had at any ``sample_rate`` in 8000-48000 (``audio.resample``, one resampler per
+stream). mp3, opus and aac stay at the model's 24 kHz (``check_rate``): their decoders resample as they
+play, so another rate would only change what the codec spends its bits on.
 """
 
 from __future__ import annotations
@@ -14,9 +20,15 @@ import struct
 import numpy as np
 
 from ..model.config import SAMPLE_RATE
+from .resample import MAX_RATE, MIN_RATE, StreamingResampler, resample
 from .wav import to_pcm16
 
-FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw")
+RESAMPLED = ("pcm", "wav", "flac", "mulaw", "alaw")
+"""The formats that take a ``sample_rate``; the others are encoded at ``SAMPLE_RATE``."""
+_G711 = {"mulaw": "pcm_mulaw", "alaw": "pcm_alaw"}
+TELEPHONY_RATE = 8000
+"""G.711's rate (narrowband telephony): mulaw's and alaw's default."""
 # container, codec, muxer options (small Ogg pages so opus leaves as it is encoded)
 _AV = {
     "mp3": ("mp3", "libmp3lame", {}),
@@ -44,6 +56,27 @@ def wav_header(num_samples: int | None, sample_rate: int = SAMPLE_RATE) -> bytes
     )
 
 
+def default_rate(fmt: str) -> int:
+    """The output rate of ``fmt`` when the request names none."""
+    return TELEPHONY_RATE if fmt in _G711 else SAMPLE_RATE
+
+
+def check_rate(fmt: str, sample_rate: int | None) -> int:
+    """The output rate of ``fmt`` at ``sample_rate`` (None: its default); ValueError when it cannot be had."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unsupported format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if sample_rate is None:
+        return default_rate(fmt)
+    if not MIN_RATE <= sample_rate <= MAX_RATE:
+        raise ValueError(f"sample_rate must be between {MIN_RATE} and {MAX_RATE}, got {sample_rate}")
+    if fmt not in RESAMPLED and sample_rate != SAMPLE_RATE:
+        raise ValueError(
+            f"sample_rate applies to {', '.join(RESAMPLED)}; {fmt} is always encoded at {SAMPLE_RATE} Hz"
+            " (its decoder plays it at the device's rate)"
+        )
+    return sample_rate
+
+
 class _Sink:
     """A write-only file object PyAV writes into; we hand its bytes out as they appear."""
 
@@ -67,14 +100,24 @@ class _Sink:
 
 
 class StreamingEncoder:
-    def __init__(self, fmt: str, sample_rate: int = SAMPLE_RATE) -> None:
-        if fmt not in FORMATS:
-            raise ValueError(f"unsupported format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    """``fmt`` at ``sample_rate`` (None: ``default_rate(fmt)``) from the model's float32 PCM (``SAMPLE_RATE``)."""
+
+    def __init__(self, fmt: str, sample_rate: int | None = None) -> None:
+        sample_rate = check_rate(fmt, sample_rate)
         self.fmt, self.sample_rate = fmt, sample_rate
         self._started = False
         self._closed = False
         self._pts = 0
-        if fmt in _AV:
+        self.samples_out = 0
+        """Samples encoded so far, at ``sample_rate``."""
+        self._resampler = StreamingResampler(sample_rate) if sample_rate != SAMPLE_RATE else None
+        if fmt in _G711:
+            import av
+
+            self._codec = av.CodecContext.create(_G711[fmt], "w")
+            self._codec.sample_rate, self._codec.layout, self._codec.format = sample_rate, "mono", "s16"
+            self._codec.open()
+        elif fmt in _AV:
             import av
 
             container, codec, options = _AV[fmt]
@@ -90,14 +133,28 @@ class StreamingEncoder:
         """Encode float32 PCM in [-1, 1]; returns the bytes ready so far (maybe none)."""
         if self._closed:
             raise RuntimeError("encoder already finished")
+        if self._resampler is not None:
+            pcm = self._resampler.process(pcm)
+        self.samples_out += len(pcm)
+        return self._encode(pcm)
+
+    def _encode(self, pcm: np.ndarray) -> bytes:
+        """``pcm``, at ``sample_rate`` already, into the format."""
         if self.fmt == "pcm":
             return to_pcm16(pcm)
         if self.fmt == "wav":
             head = b"" if self._started else wav_header(None, self.sample_rate)
             self._started = True
             return head + to_pcm16(pcm)
+        if self.fmt in _G711:
+            return b"".join(bytes(p) for p in self._codec.encode(self._frame(pcm))) if len(pcm) else b""
         if len(pcm) == 0:
             return self._sink.drain()
+        for packet in self._stream.encode(self._frame(pcm)):
+            self._container.mux(packet)
+        return self._sink.drain()
+
+    def _frame(self, pcm: np.ndarray):
         import av
 
         samples = np.frombuffer(to_pcm16(pcm), dtype="<i2")[None, :]
@@ -105,22 +162,24 @@ class StreamingEncoder:
         frame.sample_rate = self.sample_rate
         frame.pts = self._pts
         self._pts += samples.shape[1]
-        for packet in self._stream.encode(frame):
-            self._container.mux(packet)
-        return self._sink.drain()
+        return frame
 
     def finish(self) -> bytes:
         """Flush everything; the bytes returned complete the stream."""
         if self._closed:
             return b""
         head = b""
+        if self._resampler is not None:  # the filter's last samples
+            tail = self._resampler.flush()
+            self.samples_out += len(tail)
+            head = self._encode(tail)
         if self._pts == 0 and self.fmt in _NEEDS_A_FRAME:  # no audio at all: still a file its decoder opens
-            head = self.write(np.zeros(1, np.float32))
+            head = self._encode(np.zeros(1, np.float32))  # (filler, not counted in samples_out)
         self._closed = True
-        if self.fmt == "pcm":
-            return b""
+        if self.fmt in ("pcm", *_G711):  # (G.711 encoders hold nothing back)
+            return head
         if self.fmt == "wav":
-            return b"" if self._started else wav_header(None, self.sample_rate)
+            return head if self._started else wav_header(None, self.sample_rate)
         for packet in self._stream.encode(None):
             self._container.mux(packet)
         self._container.close()
@@ -136,9 +195,11 @@ class StreamingEncoder:
                 pass
 
 
-def encode_whole(audio: np.ndarray, fmt: str, sample_rate: int = SAMPLE_RATE) -> bytes:
-    """A complete file (wav with exact sizes)."""
+def encode_whole(audio: np.ndarray, fmt: str, sample_rate: int | None = None) -> bytes:
+    """A complete file (wav with exact sizes) of the model's audio, at ``sample_rate`` (as ``StreamingEncoder``)."""
+    rate = check_rate(fmt, sample_rate)
     if fmt == "wav":
-        return wav_header(len(audio), sample_rate) + to_pcm16(audio)
-    enc = StreamingEncoder(fmt, sample_rate)
+        audio = resample(audio, rate)
+        return wav_header(len(audio), rate) + to_pcm16(audio)
+    enc = StreamingEncoder(fmt, rate)
     return enc.write(audio) + enc.finish()

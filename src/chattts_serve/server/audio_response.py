@@ -163,9 +163,10 @@ class AudioResponse:
             await self._close()
             self._finish_metrics(self._status)
 
-    async def encoded(self, fmt: str) -> AsyncIterator[bytes]:
-        """The response body in ``fmt``, encoded in a worker thread (never on the event loop)."""
-        encoder = ThreadedEncoder(fmt)
+    async def encoded(self, fmt: str, sample_rate: int | None = None) -> AsyncIterator[bytes]:
+        """The response body in ``fmt`` at ``sample_rate`` (None: the format's default), encoded (and resampled)
+        in a worker thread, never on the event loop."""
+        encoder = ThreadedEncoder(fmt, sample_rate)
         try:
             async for chunk in self.chunks():
                 data = await encoder.write(chunk.audio)
@@ -204,9 +205,19 @@ class ThreadedEncoder:
     """A ``StreamingEncoder`` whose work runs in a worker thread: a 5 s mp3 or opus frame takes a few hundred ms
     to encode, which on the event loop would stall every other client of the server."""
 
-    def __init__(self, fmt: str) -> None:
-        self._encoder = StreamingEncoder(fmt)
+    def __init__(self, fmt: str, sample_rate: int | None = None) -> None:
+        self._encoder = StreamingEncoder(fmt, sample_rate)
         self._work: asyncio.Future | None = None
+
+    @property
+    def sample_rate(self) -> int:
+        """The output's rate."""
+        return self._encoder.sample_rate
+
+    @property
+    def samples_out(self) -> int:
+        """Samples encoded so far, at ``sample_rate`` (read between writes)."""
+        return self._encoder.samples_out
 
     async def write(self, pcm: np.ndarray) -> bytes:
         """The bytes ready after encoding ``pcm`` (maybe none)."""

@@ -40,7 +40,7 @@ async def tts(body: TTSRequest, request: Request):
     await resp.start(body.text, params, policy, request.state.request_id, request)
     if body.stream:
         return TimedStreamingResponse(
-            resp.encoded(body.format),
+            resp.encoded(body.format, body.sample_rate),
             st.config.timeouts.send_s,
             media_type=MEDIA_TYPES[body.format],
             headers=resp.headers,
@@ -52,5 +52,6 @@ async def tts(body: TTSRequest, request: Request):
             if await request.is_disconnected():  # nobody waits for the whole file: stop generating it
                 raise ClientGone()
     audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    data = await asyncio.to_thread(encode_whole, audio, body.format)  # encoding is not the event loop's work
+    # encoding is not the event loop's work
+    data = await asyncio.to_thread(encode_whole, audio, body.format, body.sample_rate)
     return Response(data, media_type=MEDIA_TYPES[body.format], headers=resp.headers)

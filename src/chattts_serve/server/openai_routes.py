@@ -46,16 +46,17 @@ async def speech(body: SpeechRequest, request: Request):
     await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id, request)
     timeout = cfg.timeouts.send_s
     if body.stream_format == "sse":
-        sse = _sse(resp, body.response_format)
+        sse = _sse(resp, body.response_format, body.sample_rate)
         return TimedStreamingResponse(sse, timeout, media_type="text/event-stream", headers=resp.headers)
     fmt = body.response_format
-    return TimedStreamingResponse(resp.encoded(fmt), timeout, media_type=MEDIA_TYPES[fmt], headers=resp.headers)
+    audio = resp.encoded(fmt, body.sample_rate)
+    return TimedStreamingResponse(audio, timeout, media_type=MEDIA_TYPES[fmt], headers=resp.headers)
 
 
-async def _sse(resp: AudioResponse, fmt: str):
+async def _sse(resp: AudioResponse, fmt: str, sample_rate: int | None):
     """OpenAI's speech SSE: ``speech.audio.delta`` events with base64 audio, then ``speech.audio.done``."""
     try:
-        async for data in resp.encoded(fmt):
+        async for data in resp.encoded(fmt, sample_rate):
             event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
             yield f"data: {json.dumps(event)}\n\n"
     except StreamFailed as exc:  # an error event, never a "done" after a failure

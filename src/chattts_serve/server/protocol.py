@@ -6,11 +6,14 @@ import json
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
+from ..audio.encode import check_rate
+from ..audio.resample import MAX_RATE, MIN_RATE
 from ..sampling_params import OPTION_BOUNDS as _B
 
-AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw"]  # audio.encode.FORMATS
 MEDIA_TYPES: dict[str, str] = {
     "mp3": "audio/mpeg",
     "opus": "audio/ogg",
@@ -18,7 +21,27 @@ MEDIA_TYPES: dict[str, str] = {
     "flac": "audio/flac",
     "wav": "audio/wav",
     "pcm": "audio/pcm",
+    "mulaw": "audio/PCMU",  # G.711 without a header (RFC 3551's names; 8 kHz unless sample_rate says otherwise)
+    "alaw": "audio/PCMA",
 }
+SAMPLE_RATE_FIELD = Field(
+    None,
+    ge=MIN_RATE,
+    le=MAX_RATE,
+    description="Output sample rate in Hz for pcm, wav, flac, mulaw and alaw (default: 8000 for mulaw and alaw, "
+    "else the model's 24000); mp3, opus and aac are always 24000.",
+)
+
+
+def _rate_fits_format(rate: int | None, info: ValidationInfo, format_field: str) -> int | None:
+    """A ``sample_rate`` the format takes (``audio.encode.check_rate``), else an error that says which do."""
+    fmt = info.data.get(format_field)
+    if rate is not None and fmt is not None:
+        try:
+            check_rate(fmt, rate)
+        except ValueError as exc:
+            raise PydanticCustomError("sample_rate", str(exc)) from None
+    return rate
 
 
 class _Strict(BaseModel):
@@ -99,6 +122,13 @@ class SpeechRequest(ChatTTSOptions):
     speed: float = Field(1.0, ge=0.25, le=4.0)
     """Mapped to ChatTTS's [speed_0]..[speed_9] (1.0 -> [speed_5])."""
     stream_format: Literal["audio", "sse"] = "audio"
+    sample_rate: int | None = SAMPLE_RATE_FIELD
+    """Not OpenAI's: the ``openai`` SDK sends it in ``extra_body``."""
+
+    @field_validator("sample_rate")
+    @classmethod
+    def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return _rate_fits_format(v, info, "response_format")
 
 
 class StreamOptions(_Strict):
@@ -118,8 +148,14 @@ class TTSRequest(ChatTTSOptions):
     speaker: str | None = Field(None, max_length=4096)
     """A speaker string (wins over ``voice``)."""
     format: AudioFormat = "wav"
+    sample_rate: int | None = SAMPLE_RATE_FIELD
     stream: bool = True
     chunking: StreamOptions | None = None
+
+    @field_validator("sample_rate")
+    @classmethod
+    def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return _rate_fits_format(v, info, "format")
 
 
 class VoiceCreate(_Strict):

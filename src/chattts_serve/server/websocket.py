@@ -2,12 +2,14 @@
 chunks out with small JSON events.
 
 WebSocket protocol: the client sends ``{"type": "start", ...options}`` (the options of ``POST /v1/tts``;
-``text`` optional), then any number of ``{"type": "text", "text": ...}`` and finally ``{"type": "end"}``. The
-server answers ``{"type": "start", ...}``, then for each audio piece a ``{"type": "chunk", "bytes": n, ...}``
-event followed by exactly one binary frame of n bytes (none when n is 0), and finally ``{"type": "end"}`` and a
-close with 1000. Text is spoken a part at a time: everything up to the last sentence end (。！？!?.\\n) received
-so far is one part. This module is the WebSocket framing of the streaming-text session that Wyoming shares
-(``server.text_session``: the reader and speaker tasks, backpressure, the idle clock, the text limit).
+``text`` optional; ``format`` defaults to pcm, ``sample_rate`` as in ``POST /v1/tts``), then any number of
+``{"type": "text", "text": ...}`` and finally ``{"type": "end"}``. The server answers ``{"type": "start",
+"format", "sample_rate", ...}``, then for each audio piece a ``{"type": "chunk", "bytes": n, ...}`` event
+(``samples``: at the stream's ``sample_rate``) followed by exactly one binary frame of n bytes (none when n is
+0), and finally ``{"type": "end"}`` and a close with 1000. Text is spoken a part at a time: everything up to the
+last sentence end (。！？!?.\\n) received so far is one part. This module is the WebSocket framing of the
+streaming-text session that Wyoming shares (``server.text_session``: the reader and speaker tasks,
+backpressure, the idle clock, the text limit).
 
 Every session ends with ``end`` + 1000, or with an error event ``{"type": "error", "message", "code",
 "fatal": true}`` and a close with one of the codes below. The one error event that is not the end (``"fatal":
@@ -55,6 +57,7 @@ import logging
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from ..audio.encode import check_rate
 from ..engine.outputs import RequestOutput
 from ..model.config import SAMPLE_RATE
 from . import auth
@@ -111,7 +114,7 @@ class _Framing:
         self.session = TextSession(self.st, "ws")
         # One sender at a time: a chunk event and its binary frame must never have an error event between them.
         self.send_lock = asyncio.Lock()
-        self.format = "pcm"
+        self.format, self.sample_rate = "pcm", SAMPLE_RATE
         self.encoder: ThreadedEncoder | None = None
         self.chunks = 0
         self.samples = 0
@@ -145,8 +148,8 @@ class _Framing:
             params, policy = _voice_and_params(self.st, body, tenant_of(self.ws.scope))
         except (ValueError, ValidationError, APIError, RecursionError, TypeError) as exc:
             raise SessionError(ErrorKind.BAD_INPUT, str(getattr(exc, "detail", exc)), "invalid_request") from None
-        self.format = body.format
-        start = {"type": "start", "session_id": self.session.id, "format": body.format, "sample_rate": SAMPLE_RATE}
+        self.format, self.sample_rate = body.format, check_rate(body.format, body.sample_rate)
+        start = {"type": "start", "session_id": self.session.id, "format": body.format, "sample_rate": self.sample_rate}
         await self._send(start)
         return self.session.stream(params, policy, self), body.text if has_initial_text else ""
 
@@ -167,15 +170,18 @@ class _Framing:
 
     async def audio(self, part: int, chunk: RequestOutput) -> None:
         if self.encoder is None:
-            self.encoder = ThreadedEncoder(self.format)  # as HTTP does: encoding stays off the event loop
+            self.encoder = ThreadedEncoder(
+                self.format, self.sample_rate
+            )  # as HTTP does: encoding stays off the event loop
         # Audio that piled up while the client read slowly arrives as one delta: sent in frames of at most
         # MAX_FRAME_SAMPLES, under the 1 MiB message limit of common clients (websockets' default).
         pieces = range(0, max(len(chunk.audio), 1), MAX_FRAME_SAMPLES)
         for i, start in enumerate(pieces):
             piece = chunk.audio[start : start + MAX_FRAME_SAMPLES]
             last = chunk.finished and i == len(pieces) - 1
+            before = self.encoder.samples_out
             data = await self.encoder.write(piece) + (await self.encoder.finish() if last else b"")
-            await self._send_chunk(part, len(piece), chunk.elapsed_s, data)
+            await self._send_chunk(part, self.encoder.samples_out - before, chunk.elapsed_s, data)
 
     def part_done(self) -> None:
         if self.encoder is not None:
@@ -186,7 +192,7 @@ class _Framing:
         await self._send(_error_event(error.message, error.code, fatal=False, part=part, text=excerpt(text)))
 
     async def end(self) -> None:
-        end = {"type": "end", "chunks": self.chunks, "audio_seconds": self.samples / SAMPLE_RATE}
+        end = {"type": "end", "chunks": self.chunks, "audio_seconds": self.samples / self.sample_rate}
         async with self.send_lock:
             await self._guard(self.ws.send_text(json.dumps(end)))
             await self._guard(self.ws.close())
