@@ -221,3 +221,22 @@ def test_markdown_cleanup_through_extra_body(client):
     cleaned = speech(markdown, text_cleanup="markdown")
     assert cleaned == speech("今天天气真不错。")
     assert cleaned != speech(markdown)  # without it the link target and marks are spoken
+
+
+def test_sdk_speaks_a_voice_blend(client):
+    """Kokoro-FastAPI's blend syntax in the SDK's plain ``voice`` field: built-in names with weights."""
+    import openai
+
+    def speech(voice: str) -> bytes:
+        resp = client.audio.speech.create(
+            model="tts-1", voice=voice, input=TEXT, response_format="pcm", extra_body=FIXED
+        )
+        return resp.content
+
+    mixed = speech("alloy(2)+nova(1)")
+    assert len(mixed) == 2 * EXPECTED
+    assert speech("alloy(2)+nova(1)") == mixed  # same seed, same blend: same bytes
+    assert mixed not in (speech("alloy"), speech("nova"), speech("alloy+nova"))
+    with pytest.raises(openai.BadRequestError) as info:
+        speech("alloy(2)+nova(0)")
+    assert info.value.body["code"] == "invalid_blend" and "nova(0)" in info.value.body["message"]
