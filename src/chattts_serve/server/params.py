@@ -1,7 +1,8 @@
-"""What a request asks for, as the engine takes it: its voice (a saved or built-in name, or a speaker
-string) and its options on top of the server's defaults -> ``SamplingParams``; its chunking ->
-``StreamPolicy``. The same for every transport (HTTP routes, WebSocket, Wyoming). Bad options are 400s
-here; speaker strings are checked later, when the engine prepares the request."""
+"""What a request asks for, as the engine takes it: its voice (a saved or built-in name, a speaker string,
+or a blend of them: ``server.blend``) and its options on top of the server's defaults -> ``SamplingParams``;
+its chunking -> ``StreamPolicy``. The same for every transport (HTTP routes, WebSocket, Wyoming). Bad
+options are 400s here; speaker strings are checked later, when the engine prepares the request (a blend's
+parts are checked here, when they are mixed)."""
 
 from __future__ import annotations
 
