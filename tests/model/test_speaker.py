@@ -17,6 +17,7 @@ import torch
 from chattts_serve.model.speaker import (
     DEFAULT_SPEAKER_STATS_STRING,
     SpeakerStats,
+    blend_speakers,
     decode_prompt_codes,
     decode_speaker,
     default_speaker_stats,
@@ -206,3 +207,74 @@ def test_prompt_codes_bad_input():
             encode_prompt_codes(bad_codes)
     with pytest.raises(ValueError):
         encode_prompt_codes(torch.zeros(2, 2, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- blending
+
+
+def sampled(seed: int) -> np.ndarray:
+    return default_speaker_stats().sample(torch.Generator().manual_seed(seed)).numpy()
+
+
+def z_of(emb: np.ndarray) -> np.ndarray:
+    stats = default_speaker_stats()
+    return (emb.astype(np.float64) - stats.mean.double().numpy()) / stats.std.double().numpy()
+
+
+def cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_blend_of_a_voice_with_itself_is_that_voice():
+    a, stats = sampled(1), default_speaker_stats()
+    assert blend_speakers([a], [3.0], stats).dtype == np.float16
+    assert np.array_equal(blend_speakers([a], [3.0], stats), a)
+    assert np.array_equal(blend_speakers([a, a], [2.0, 1.0], stats), a)
+    assert np.array_equal(blend_speakers([a, a, a], [0.1, 5.0, 1.0], None), a)
+
+
+def test_blend_weights_are_normalised():
+    a, b, stats = sampled(1), sampled(2), default_speaker_stats()
+    mix = blend_speakers([a, b], [2.0, 1.0], stats)
+    assert np.array_equal(mix, blend_speakers([a, b], [4.0, 2.0], stats))
+    assert np.array_equal(mix, blend_speakers([a, b], [2e300, 1e300], stats))  # no overflow in the sum
+    assert np.array_equal(blend_speakers([a, b], [1.0, 1.0], stats), blend_speakers([b, a], [0.5, 0.5], stats))
+
+
+def test_blend_lies_between_its_voices_in_the_sampled_space():
+    a, b = sampled(1), sampled(2)
+    za, zb = z_of(a), z_of(b)
+    z = z_of(blend_speakers([a, b], [2.0, 1.0], default_speaker_stats()))
+    # a positive combination of the two, in the weights' ratio (up to float16 rounding) ...
+    (ca, cb), *_ = np.linalg.lstsq(np.stack([za, zb], axis=1), z, rcond=None)
+    assert ca > 0 and cb > 0 and ca / cb == pytest.approx(2.0, rel=0.01)
+    # ... so nearer the heavier voice, and nearer each voice than they are to each other
+    assert cos(z, za) > cos(z, zb) > cos(za, zb)
+    # with the norm of its parts (weighted): as typical a speaker as the sampler draws
+    assert np.linalg.norm(z) == pytest.approx((2 * np.linalg.norm(za) + np.linalg.norm(zb)) / 3, rel=0.01)
+
+
+def test_blend_stays_as_far_from_the_mean_speaker_as_its_parts():
+    """A plain mean of two voices drifts toward the checkpoint's mean speaker (what the model sees after its
+    L2 normalisation); the blend does not."""
+    stats = default_speaker_stats()
+    mean = stats.mean.double().numpy()
+    a, b = sampled(1), sampled(2)
+    plain = (a.astype(np.float64) + b) / 2
+    mix = blend_speakers([a, b], [1.0, 1.0], stats).astype(np.float64)
+    parts = max(cos(a.astype(np.float64), mean), cos(b.astype(np.float64), mean))
+    assert cos(plain, mean) > parts + 0.05
+    assert cos(mix, mean) < parts + 0.02
+
+
+def test_blend_refuses_bad_input():
+    a = sampled(1)
+    for weights in ([0.0, 1.0], [-1.0, 1.0], [float("nan"), 1.0], [float("inf"), 1.0], [1.0]):
+        with pytest.raises(ValueError):
+            blend_speakers([a, a], weights, default_speaker_stats())
+    with pytest.raises(ValueError):
+        blend_speakers([], [], None)
+    with pytest.raises(ValueError):
+        blend_speakers([a, a[:10]], [1.0, 1.0], None)  # different dimensions
+    with pytest.raises(ValueError):
+        blend_speakers([a[:10], a[:10]], [1.0, 1.0], default_speaker_stats())  # not the statistics' dimension

@@ -301,3 +301,22 @@ def test_sample_rate_refused_where_it_cannot_apply(client, fmt, rate, why):
     error = info.value.body
     assert why in error["message"] and error["param"] == "sample_rate"
     assert _speech(client, "mp3", sample_rate=24000)  # the rate it has anyway is no error
+
+
+def test_sdk_speaks_a_voice_blend(client):
+    """Kokoro-FastAPI's blend syntax in the SDK's plain ``voice`` field: built-in names with weights."""
+    import openai
+
+    def speech(voice: str) -> bytes:
+        resp = client.audio.speech.create(
+            model="tts-1", voice=voice, input=TEXT, response_format="pcm", extra_body=FIXED
+        )
+        return resp.content
+
+    mixed = speech("alloy(2)+nova(1)")
+    assert len(mixed) == 2 * EXPECTED
+    assert speech("alloy(2)+nova(1)") == mixed  # same seed, same blend: same bytes
+    assert mixed not in (speech("alloy"), speech("nova"), speech("alloy+nova"))
+    with pytest.raises(openai.BadRequestError) as info:
+        speech("alloy(2)+nova(0)")
+    assert info.value.body["code"] == "invalid_blend" and "nova(0)" in info.value.body["message"]

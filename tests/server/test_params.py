@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from chattts_serve.audio.policy import StreamPolicy
+from chattts_serve.model.speaker import blend_speakers, decode_speaker, default_speaker_stats, encode_speaker
 from chattts_serve.sampling_params import RefineParams
 from chattts_serve.server.errors import APIError
 from chattts_serve.server.params import (
@@ -122,3 +125,93 @@ def test_chunking_overrides_the_server_policy():
     with pytest.raises(APIError) as exc:
         build_policy(default, StreamOptions(first_chunk=200, max_chunk=100))
     assert exc.value.status_code == 400 and exc.value.param == "chunking"
+
+
+# ---------------------------------------------------------------- blends ("a(2)+b(1)")
+
+
+class BlendEngine:
+    """What a blend asks of the engine: real speakers for the built-in voices, the statistics, the dimension."""
+
+    hidden_size = 768
+
+    def __init__(self, has_stats: bool = True) -> None:
+        self.speaker_stats = default_speaker_stats() if has_stats else None
+
+    def sample_speaker(self, seed: int) -> str:
+        if self.speaker_stats is None:
+            raise ValueError("no speaker statistics")
+        return encode_speaker(self.speaker_stats.sample(torch.Generator().manual_seed(seed)))
+
+
+def speaker_of(engine, name: str) -> np.ndarray:
+    return decode_speaker(engine.sample_speaker(BUILTIN_VOICES[name]))
+
+
+def test_a_blend_of_builtin_voices_is_their_mix(store):
+    engine = BlendEngine()
+    mixed = resolve_voice(store, engine, "alloy(2)+nova(1)", None, "voice")
+    assert mixed.sample is None and mixed.speaker is not None
+    expected = blend_speakers([speaker_of(engine, "alloy"), speaker_of(engine, "nova")], [2, 1], engine.speaker_stats)
+    assert np.array_equal(decode_speaker(mixed.speaker), expected)
+    assert resolve_voice(store, engine, "alloy(4) + nova(2)", None, "voice") == mixed  # the same blend, same speaker
+    assert resolve_voice(store, engine, "alloy+nova", None, "voice") != mixed
+    alloy = resolve_voice(store, engine, "alloy", None, "voice")
+    assert resolve_voice(store, engine, "alloy(3)", None, "voice") == alloy  # one term: that voice
+    assert np.array_equal(
+        decode_speaker(resolve_voice(store, engine, "alloy+alloy", None, "voice").speaker), speaker_of(engine, "alloy")
+    )
+
+
+def test_a_blend_mixes_saved_voices_and_speaker_strings(store):
+    engine = BlendEngine()
+    echo = engine.sample_speaker(BUILTIN_VOICES["echo"])
+    store.add("mine", speaker=engine.sample_speaker(5))
+    mixed = resolve_voice(store, engine, f"mine(1)+{echo}(3)", None, "speaker")
+    expected = blend_speakers(
+        [decode_speaker(engine.sample_speaker(5)), decode_speaker(echo)], [1, 3], engine.speaker_stats
+    )
+    assert np.array_equal(decode_speaker(mixed.speaker), expected)
+    assert resolve_voice(store, engine, None, "mine(1)+echo(3)", "voice") == mixed  # a default voice may be a blend
+
+
+def test_a_blend_resolves_names_in_the_callers_tenant(store):
+    engine = BlendEngine()
+    store.add("mine", speaker=engine.sample_speaker(5), tenant="b")
+    assert resolve_voice(store, engine, "mine+alloy", None, "voice", tenant="b").speaker is not None
+    for tenant in ("a", None):
+        with pytest.raises(APIError) as exc:
+            resolve_voice(store, engine, "alloy+mine", None, "voice", tenant=tenant)
+        assert exc.value.status_code == 400 and exc.value.code == "unknown_voice" and "'mine'" in exc.value.detail
+
+
+def test_a_voice_sample_cannot_be_blended(store):
+    engine = BlendEngine()
+    store.add("rec", sample_codes="codes", sample_text="hello")
+    with pytest.raises(APIError) as exc:
+        resolve_voice(store, engine, "alloy(2)+rec(1)", None, "voice")
+    assert exc.value.status_code == 400 and exc.value.code == "invalid_blend" and "'rec'" in exc.value.detail
+    assert resolve_voice(store, engine, "rec(2)", None, "voice") == ResolvedVoice(None, "codes", "hello")  # alone: fine
+
+
+@pytest.mark.parametrize(
+    ("voice", "code", "says"),
+    [
+        ("alloy(0)+nova", "invalid_blend", "'alloy(0)'"),
+        ("alloy+", "invalid_blend", "term 2 is empty"),
+        ("alloy+nobody", "unknown_voice", "'nobody'"),
+        ("+".join(["alloy"] * 9), "invalid_blend", "at most 8"),
+        ("alloy+" + "\u4e00" * 16, "invalid_blend", "blend term '\u4e00"),  # looks like a speaker string; is not one
+    ],
+)
+def test_bad_blends_are_400s_naming_the_term(store, voice, code, says):
+    with pytest.raises(APIError) as exc:
+        resolve_voice(store, BlendEngine(), voice, None, "speaker")
+    err = exc.value
+    assert (err.status_code, err.code, err.param) == (400, code, "speaker") and says in err.detail, err.detail
+
+
+def test_builtin_voices_without_statistics_cannot_be_blended(store):
+    with pytest.raises(APIError) as exc:
+        resolve_voice(store, BlendEngine(has_stats=False), "alloy+nova", None, "voice")
+    assert exc.value.code == "invalid_blend" and "'alloy'" in exc.value.detail

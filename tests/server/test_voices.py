@@ -32,6 +32,7 @@ from .conftest import (
     running_server,
     start_server,
     wait_until,
+    ws_url,
 )
 
 TEXT = "今天天气真不错。"
@@ -213,6 +214,86 @@ def test_saved_voice_shadows_builtin_name(http):
     finally:
         assert http.delete("/v1/voices/nova").status_code == 200
     assert speech_pcm(http, "nova") == builtin
+
+
+# ------------------------------------------------------------------------------------------- blends
+
+
+@pytest.fixture(scope="module")
+def blend_parts(http) -> tuple[str, str]:
+    for name, seed in (("mix-a", 31), ("mix-b", 32)):
+        assert http.post("/v1/voices", json={"name": name, "seed": seed}).status_code == 201
+    return "mix-a", "mix-b"
+
+
+def test_a_blend_speaks_in_every_voice_field(http, blend_parts):
+    a, b = blend_parts
+    blend = f"{a}(2)+{b}(1)"
+    mixed = speech_pcm(http, blend)
+    assert speech_pcm(http, blend) == mixed  # same seed, same blend: same audio
+    assert tts_pcm(http, voice=blend) == tts_pcm(http, speaker=blend) == mixed  # the native fields
+    assert speech_pcm(http, f" {a}(4) + {b}(2) ") == mixed  # the weights are normalised
+    assert mixed not in (speech_pcm(http, a), speech_pcm(http, b), speech_pcm(http, f"{a}+{b}"))
+    assert speech_pcm(http, f"{a}+{a}") == speech_pcm(http, a)  # a voice blended with itself is that voice
+    # built-in names and speaker strings mix too, and a speaker string stands for its saved voice
+    assert speech_pcm(http, "alloy(2)+nova(1)") != speech_pcm(http, "alloy")
+    speaker_b = http.get(f"/v1/voices/{b}").json()["speaker"]
+    assert speech_pcm(http, f"{a}(2)+{speaker_b}(1)") == mixed
+
+
+def test_a_blend_can_be_saved(http, blend_parts):
+    a, b = blend_parts
+    r = http.post("/v1/voices", json={"name": "mix-21", "speaker": f"{a}(2)+{b}(1)", "description": "2:1"})
+    assert r.status_code == 201, r.text
+    saved = r.json()
+    assert saved["kind"] == "speaker" and len(saved["speaker"]) >= 16 and saved["description"] == "2:1"
+    assert speech_pcm(http, "mix-21") == speech_pcm(http, f"{a}(2)+{b}(1)")
+    assert tts_pcm(http, speaker=saved["speaker"]) == speech_pcm(http, "mix-21")
+    # a saved blend is a voice like any other: it can be blended again
+    assert speech_pcm(http, f"mix-21+{a}") not in (speech_pcm(http, "mix-21"), speech_pcm(http, a))
+    err = check_openai_error(http.post("/v1/voices", json={"name": "mix-bad", "speaker": f"{a}(0)+{b}"}), 400)
+    assert err["param"] == "speaker" and err["code"] == "invalid_blend" and f"'{a}(0)'" in err["message"]
+    assert http.get("/v1/voices/mix-bad").status_code == 404
+
+
+def test_bad_blends_are_400s_naming_the_term(http, blend_parts):
+    a, b = blend_parts
+    files = {"file": ("sine.wav", sine_wav(1.0), "audio/wav")}
+    assert http.post("/v1/voices", data={"name": "mix-rec", "text": "你好。"}, files=files).status_code == 201
+    cases = {
+        f"{a}+nobody": ("unknown_voice", "'nobody'"),
+        f"{a}(0)+{b}": ("invalid_blend", f"'{a}(0)'"),
+        f"{a}+{b}(-2)": ("invalid_blend", f"'{b}(-2)'"),
+        f"{a}(nan)+{b}": ("invalid_blend", f"'{a}(nan)'"),
+        f"{a}++{b}": ("invalid_blend", "term 2 is empty"),
+        "+".join([a] * 9): ("invalid_blend", "at most 8"),
+        f"{a}+mix-rec": ("invalid_blend", "'mix-rec' is a voice sample"),
+    }
+    for voice, (code, says) in cases.items():
+        body = {"model": "tts-1", "input": TEXT, "voice": voice, **FIXED}
+        err = check_openai_error(http.post("/v1/audio/speech", json=body), 400)
+        assert err["code"] == code and says in err["message"] and err["param"] == "voice", (voice, err)
+        err = check_openai_error(http.post("/v1/tts", json={"text": TEXT, "speaker": voice, **FIXED}), 400)
+        assert err["code"] == code and says in err["message"], (voice, err)
+    assert speech_pcm(http, "mix-rec(3)")  # alone, a voice sample is no blend: it speaks
+
+
+def test_a_blend_starts_a_websocket_stream(vserver, http, blend_parts):
+    from websockets.sync.client import connect
+
+    blend = "{}(2)+{}(1)".format(*blend_parts)
+    with connect(ws_url(vserver.base), open_timeout=10, close_timeout=5) as ws:
+        ws.send(json.dumps({"type": "start", "format": "pcm", "voice": blend, "text": TEXT, **FIXED}))
+        ws.send(json.dumps({"type": "end"}))
+        pcm, event = b"", {}
+        while event.get("type") != "end":
+            msg = ws.recv(timeout=HTTP_TIMEOUT)
+            if isinstance(msg, bytes):
+                pcm += msg
+            else:
+                event = json.loads(msg)
+                assert event["type"] in ("start", "chunk", "end"), event
+    assert pcm == tts_pcm(http, voice=blend)
 
 
 def test_every_openai_voice_name_is_a_speaker():

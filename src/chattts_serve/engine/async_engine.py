@@ -365,6 +365,11 @@ class AsyncEngine:
     def decode_mode(self) -> str:
         return self.engine.decode_mode
 
+    @property
+    def speaker_stats(self):
+        """The checkpoint's speaker statistics (None without them): voice blends mix where speakers are sampled."""
+        return self.engine.speaker_stats
+
     def sample_speaker(self, seed: int | None = None) -> str:
         return self.engine.sample_speaker(seed)
 

@@ -1,17 +1,23 @@
-"""What a request asks for, as the engine takes it: its voice (a saved or built-in name, or a speaker
-string) and its options on top of the server's defaults -> ``SamplingParams``; its chunking ->
-``StreamPolicy``. The same for every transport (HTTP routes, WebSocket, Wyoming). Bad options are 400s
-here; speaker strings are checked later, when the engine prepares the request."""
+"""What a request asks for, as the engine takes it: its voice (a saved or built-in name, a speaker string,
+or a blend of them: ``server.blend``) and its options on top of the server's defaults -> ``SamplingParams``;
+its chunking -> ``StreamPolicy``. The same for every transport (HTTP routes, WebSocket, Wyoming). Bad
+options are 400s here; speaker strings are checked later, when the engine prepares the request (a blend's
+parts are checked here, when they are mixed)."""
 
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from ..audio.policy import StreamPolicy
+from ..model.speaker import blend_speakers, decode_speaker, encode_speaker
 from ..sampling_params import SamplingParams
 from .auth import principal
+from .blend import BlendError, is_blend, parse_blend, shown_term
 from .errors import APIError, storage_error
 from .protocol import ChatTTSOptions, StreamOptions, parse_options
 from .voices import BUILTIN_VOICES, VoiceStore, VoiceStoreError
@@ -42,12 +48,54 @@ def resolve_voice(
     param: str,
     tenant: str | None = None,
 ) -> ResolvedVoice:
-    """A saved voice's name (``tenant``'s voices only: ``tenant_of``), a built-in (OpenAI) voice name, or a
-    speaker string; anything else is a 400 (speaker strings are validated when the request is prepared)."""
+    """A saved voice's name (``tenant``'s voices only: ``tenant_of``), a built-in (OpenAI) voice name, a
+    speaker string, or a blend of them (``server.blend``: ``"a(2)+b(1)"``); anything else is a 400 (speaker
+    strings are validated when the request is prepared, or here when they are blended)."""
     if name_or_speaker is None:
         if default is None:
             return ResolvedVoice()
         name_or_speaker = default
+    if not is_blend(name_or_speaker):
+        return _resolve_one(store, engine, name_or_speaker, param, tenant)
+    try:
+        terms = parse_blend(name_or_speaker)
+    except BlendError as exc:
+        raise APIError(400, str(exc), param=param, code="invalid_blend") from None
+    if len(terms) == 1:  # "a(2)": one voice, whatever its weight (a voice sample included)
+        return _resolve_one(store, engine, terms[0].voice, param, tenant)
+    parts = tuple(_blendable(store, engine, t.voice, param, tenant).tobytes() for t in terms)
+    try:
+        return ResolvedVoice(speaker=_mixed_speaker(engine.speaker_stats, parts, tuple(t.weight for t in terms)))
+    except ValueError as exc:
+        raise APIError(400, f"cannot blend these voices: {exc}", param=param, code="invalid_blend") from None
+
+
+# Encoding a speaker string (LZMA at the reference's preset 9|extreme) takes ~50 ms, on the event loop with the
+# rest of voice resolution. A built-in voice is the same string every time (a fixed seed), and so is a blend
+# of the same parts: each is encoded once. The built-in cache is per engine and does not keep one alive.
+_builtin_speakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _builtin_speaker(engine, name: str) -> str | None:
+    """A built-in voice's speaker string; None on a checkpoint without speaker statistics."""
+    known = _builtin_speakers.setdefault(engine, {})
+    if name not in known:
+        try:
+            known[name] = engine.sample_speaker(BUILTIN_VOICES[name])
+        except ValueError:
+            known[name] = None
+    return known[name]
+
+
+@functools.lru_cache(maxsize=256)
+def _mixed_speaker(stats, parts: tuple[bytes, ...], weights: tuple[float, ...]) -> str:
+    """The speaker string of a blend: ``parts`` are float16 embeddings' bytes (a cache key; ``stats`` is
+    hashed by identity)."""
+    embeddings = [np.frombuffer(p, dtype=np.float16) for p in parts]
+    return encode_speaker(blend_speakers(embeddings, weights, stats))
+
+
+def _resolve_one(store: VoiceStore, engine, name_or_speaker: str, param: str, tenant: str | None) -> ResolvedVoice:
     try:
         rec = store.get(name_or_speaker, tenant=tenant)
     except VoiceStoreError as exc:
@@ -55,20 +103,42 @@ def resolve_voice(
     if rec is not None:
         return ResolvedVoice(rec.speaker, rec.sample_codes, rec.sample_text or "")
     if name_or_speaker in BUILTIN_VOICES:
-        try:
-            return ResolvedVoice(speaker=engine.sample_speaker(BUILTIN_VOICES[name_or_speaker]))
-        except ValueError:
-            return ResolvedVoice()  # a checkpoint without speaker statistics: no speaker embedding
+        # None on a checkpoint without speaker statistics: no speaker embedding
+        return ResolvedVoice(speaker=_builtin_speaker(engine, name_or_speaker))
     if len(name_or_speaker) >= 16 and all(
         0x3D00 <= ord(c) <= 0x3D07 or 0x4E00 <= ord(c) <= 0x8DFF for c in name_or_speaker
     ):
         return ResolvedVoice(speaker=name_or_speaker)  # looks like base16384: a speaker string
     raise APIError(
         400,
-        f"unknown voice {name_or_speaker!r}: not a saved voice and not a speaker string",
+        f"unknown voice {shown_term(name_or_speaker)}: not a saved voice and not a speaker string",
         param=param,
         code="unknown_voice",
     )
+
+
+def _blendable(store: VoiceStore, engine, voice: str, param: str, tenant: str | None) -> np.ndarray:
+    """One term of a blend: its speaker embedding. A voice sample (prompt codes, not an embedding) cannot be
+    mixed, nor a built-in voice on a checkpoint without speaker statistics (it has no embedding)."""
+    resolved = _resolve_one(store, engine, voice, param, tenant)
+    if resolved.sample is not None:
+        raise APIError(
+            400,
+            f"voice {voice!r} is a voice sample (a recording), not a speaker embedding: it cannot be blended",
+            param=param,
+            code="invalid_blend",
+        )
+    if resolved.speaker is None:
+        raise APIError(
+            400,
+            f"voice {voice!r} has no speaker embedding on this model: it cannot be blended",
+            param=param,
+            code="invalid_blend",
+        )
+    try:
+        return decode_speaker(resolved.speaker, expected_dim=engine.hidden_size)
+    except ValueError as exc:
+        raise APIError(400, f"blend term {shown_term(voice)}: {exc}", param=param, code="invalid_blend") from None
 
 
 def speed_prompt(speed: float) -> str:

@@ -1,7 +1,8 @@
 """Saved voices: ``GET/POST /v1/voices``, ``GET/DELETE /v1/voices/{name}``.
 
-POST takes JSON (``Content-Type: application/json``; ``{"name", "speaker"}`` or ``{"name", "seed"}``)
-or a multipart form with ``name``, an audio ``file`` (wav, flac, mp3, ogg, m4a/mp4, aac, webm/mka) and
+POST takes JSON (``Content-Type: application/json``; ``{"name", "speaker"}`` or ``{"name", "seed"}``, where
+``speaker`` is a speaker string or a blend of voices, ``"a(2)+b(1)"``: ``server.blend``, saved as the speaker it
+mixes to) or a multipart form with ``name``, an audio ``file`` (wav, flac, mp3, ogg, m4a/mp4, aac, webm/mka) and
 its transcript ``text`` (a zero-shot voice sample). GET lists voices by name, a page at a time
 (``?limit=``, ``?after=<name>``), in OpenAI's list shape.
 
@@ -32,10 +33,11 @@ from starlette.datastructures import UploadFile
 
 from ..model.config import SAMPLE_RATE
 from ..model.speaker import decode_speaker
+from .blend import is_blend
 from .errors import APIError, check_length, storage_error
 from .limits import limited
 from .openapi import VOICE_UPLOAD_BODY, errors
-from .params import tenant_of
+from .params import resolve_voice, tenant_of
 from .protocol import Voice, VoiceCreate
 from .voices import VoiceExistsError, VoiceLimitError, VoiceRecord, VoiceStoreError, limit_message
 
@@ -126,7 +128,6 @@ async def create_voice(request: Request) -> Voice:
 
 
 async def _create_from_json(request: Request) -> Voice:
-    st = request.app.state
     try:
         body = VoiceCreate.model_validate(json.loads(await request.body()))
     except ValidationError as exc:
@@ -135,20 +136,31 @@ async def _create_from_json(request: Request) -> Voice:
         raise APIError(400, "body must be a JSON object") from None
     if (body.speaker is None) == (body.seed is None):
         raise APIError(400, "give exactly one of 'speaker' or 'seed'")
-    return await _add(request, body.name, speaker=_speaker(st, body), description=body.description)
+    return await _add(request, body.name, speaker=await _speaker(request, body), description=body.description)
 
 
-def _speaker(st, body: VoiceCreate) -> str:
-    if body.speaker is not None:
+async def _speaker(request: Request, body: VoiceCreate) -> str:
+    st = request.app.state
+    if body.seed is not None:
         try:
-            decode_speaker(body.speaker, expected_dim=st.engine.hidden_size)
+            return st.engine.sample_speaker(body.seed)
         except ValueError as exc:
-            raise APIError(400, str(exc), param="speaker") from None
-        return body.speaker
+            raise APIError(400, str(exc), param="seed") from None
+    speaker = body.speaker
+    if is_blend(speaker):
+        # A blend is saved as the speaker it mixes to now: the voice stays as it is if a part is deleted later.
+        # In a worker thread: the parts are read from the store (as every route here does).
+        voice = await asyncio.to_thread(
+            resolve_voice, st.voices, st.engine, speaker, None, "speaker", tenant_of(request.scope)
+        )
+        if voice.speaker is None:  # "a(1)": one voice, a voice sample or a built-in without an embedding
+            raise APIError(400, "the voice is not a speaker embedding: it cannot be saved as one", param="speaker")
+        speaker = voice.speaker
     try:
-        return st.engine.sample_speaker(body.seed)
+        decode_speaker(speaker, expected_dim=st.engine.hidden_size)
     except ValueError as exc:
-        raise APIError(400, str(exc), param="seed") from None
+        raise APIError(400, str(exc), param="speaker") from None
+    return speaker
 
 
 def _invalid(exc: ValidationError) -> APIError:
