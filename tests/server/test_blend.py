@@ -54,3 +54,16 @@ def test_a_long_term_is_shortened_in_the_message():
     with pytest.raises(BlendError) as exc:
         parse_blend(SPEAKER * 10 + "(0)+alloy")
     assert "..." in str(exc.value) and len(str(exc.value)) < 200
+
+
+def test_the_request_fields_hold_a_blend_of_the_most_speaker_strings():
+    import torch
+
+    from chattts_serve.model.speaker import encode_speaker
+    from chattts_serve.server.protocol import SpeechRequest, TTSRequest
+
+    speaker = encode_speaker(torch.randn(768))  # the official hidden size: the longest speaker string
+    blend = "+".join(f"{speaker}(1.5)" for _ in range(MAX_BLEND_TERMS))
+    assert len(parse_blend(blend)) == MAX_BLEND_TERMS
+    TTSRequest(text="你好", voice=blend)
+    SpeechRequest(model="tts-1", input="你好", voice=blend)

@@ -44,6 +44,10 @@ def _rate_fits_format(rate: int | None, info: ValidationInfo, format_field: str)
     return rate
 
 
+VOICE_CHARS = 8192
+"""Longest voice or speaker field: a blend of 8 speaker strings (~870 characters each) with weights."""
+
+
 class _Strict(BaseModel):
     # strict: no silent coercion (true is not a seed, "2" is not a speed); unknown fields are errors.
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -114,8 +118,9 @@ class SpeechRequest(ChatTTSOptions):
 
     model: str = Field(..., min_length=1, max_length=128)
     input: str = Field(..., min_length=1)
-    voice: str = Field(..., min_length=1, max_length=4096)
-    """A saved voice's name, or a speaker string."""
+    voice: str = Field(..., min_length=1, max_length=VOICE_CHARS)
+    """A saved voice's name, one of OpenAI's voice names, a speaker string, or a blend of up to 8 of them
+    (``"alloy(2)+nova(1)"``, server/blend.py)."""
     instructions: str | None = Field(None, max_length=4096)
     """Accepted for compatibility; ChatTTS has no instruction conditioning (ignored)."""
     response_format: AudioFormat = "mp3"
@@ -143,10 +148,10 @@ class TTSRequest(ChatTTSOptions):
     """Native ``POST /v1/tts``: every ChatTTS parameter; streams by default."""
 
     text: str = Field(..., min_length=1)
-    voice: str | None = Field(None, max_length=4096)
-    """A saved voice's name (or a speaker string)."""
-    speaker: str | None = Field(None, max_length=4096)
-    """A speaker string (wins over ``voice``)."""
+    voice: str | None = Field(None, max_length=VOICE_CHARS)
+    """A saved voice's name, a speaker string, or a blend (``"alloy(2)+nova(1)"``)."""
+    speaker: str | None = Field(None, max_length=VOICE_CHARS)
+    """A speaker string or a blend (wins over ``voice``)."""
     format: AudioFormat = "wav"
     sample_rate: int | None = SAMPLE_RATE_FIELD
     stream: bool = True
@@ -163,7 +168,8 @@ class VoiceCreate(_Strict):
     # hidden-file name, so they are safe in URLs, logs and file names. pydantic matches with Rust's
     # regex, where "$" is the very end (a trailing newline does not match).
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
-    speaker: str | None = Field(None, max_length=4096)
+    speaker: str | None = Field(None, max_length=VOICE_CHARS)
+    """A speaker string, or a blend saved as the speaker it mixes now."""
     seed: int | None = Field(None, ge=0, lt=2**63)
     description: str | None = Field(None, max_length=512)
 
