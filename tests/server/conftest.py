@@ -129,6 +129,15 @@ def start_server(
         log.close()
 
 
+def app_config(ckpt: Path, tmp: Path, **options):
+    """A ``ServerConfig`` for an in-process app on the CPU: ``ckpt``, voices in ``tmp``, no warm-up, and
+    ``options`` (flat names, as the flags)."""
+    from chattts_serve.server.config import ServerConfig
+
+    options = {"voices_db": str(tmp / "voices.sqlite3"), "warmup": False, **options}
+    return ServerConfig.from_flat(model=str(ckpt), device="cpu", **options)
+
+
 @dataclass
 class InProcessServer:
     base: str

@@ -15,6 +15,8 @@ from chattts_serve.audio.encode import StreamingEncoder
 from chattts_serve.engine.scheduler import Scheduler
 from chattts_serve.server.audio_response import EMPTY_AUDIO_HEADER, ThreadedEncoder
 
+from .conftest import app_config
+
 
 def test_the_codec_is_freed_only_once_its_worker_thread_is_done(monkeypatch):
     """The client leaves while a frame is being encoded: the awaiter is cancelled but the thread runs on, so
@@ -75,14 +77,8 @@ def client(tiny_ckpt, tmp_path_factory):
     from chattts_serve.engine.async_engine import AsyncEngine
     from chattts_serve.engine.config import EngineConfig
     from chattts_serve.server.app import create_app
-    from chattts_serve.server.config import ServerConfig
 
-    config = ServerConfig.from_flat(
-        model=str(tiny_ckpt),
-        device="cpu",
-        voices_db=str(tmp_path_factory.mktemp("empty") / "voices.sqlite3"),
-        warmup=False,
-    )
+    config = app_config(tiny_ckpt, tmp_path_factory.mktemp("empty"))
     engine = AsyncEngine.from_pretrained(tiny_ckpt, "cpu", EngineConfig.with_slots(2))
     with TestClient(create_app(config, engine=engine)) as c:
         yield c

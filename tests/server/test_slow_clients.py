@@ -15,6 +15,7 @@ import pytest
 
 from .conftest import (
     HTTP_TIMEOUT,
+    app_config,
     check_openai_error,
     expected_samples,
     free_port,
@@ -144,14 +145,11 @@ def one_stream(tiny_ckpt, tmp_path_factory):
     from chattts_serve.engine.async_engine import AsyncEngine
     from chattts_serve.engine.config import EngineConfig
     from chattts_serve.server.app import create_app
-    from chattts_serve.server.config import ServerConfig
 
     wyoming_port = free_port()
-    config = ServerConfig.from_flat(
-        model=str(tiny_ckpt),
-        device="cpu",
-        voices_db=str(tmp_path_factory.mktemp("stall") / "voices.sqlite3"),
-        warmup=False,
+    config = app_config(
+        tiny_ckpt,
+        tmp_path_factory.mktemp("stall"),
         max_concurrent_streams=1,
         send_timeout_s=1,
         max_buffered_audio_s=1000,

@@ -20,6 +20,7 @@ from chattts_serve.server import text_parts, websocket
 from .conftest import (
     HTTP_TIMEOUT,
     SR,
+    app_config,
     expected_samples,
     serving,
     wait_until,
@@ -288,13 +289,10 @@ def inproc(tiny_ckpt, tmp_path_factory):
     from chattts_serve.engine.async_engine import AsyncEngine
     from chattts_serve.engine.config import EngineConfig
     from chattts_serve.server.app import create_app
-    from chattts_serve.server.config import ServerConfig
 
-    config = ServerConfig.from_flat(
-        model=str(tiny_ckpt),
-        device="cpu",
-        voices_db=str(tmp_path_factory.mktemp("ws-inproc") / "voices.sqlite3"),
-        warmup=False,
+    config = app_config(
+        tiny_ckpt,
+        tmp_path_factory.mktemp("ws-inproc"),
         max_input_chars=200,
         ws_max_message_bytes=2048,
         ws_max_text_chars=4000,
