@@ -1,7 +1,9 @@
 """Input processing: one text and its ``SamplingParams`` -> a ``PreparedRequest``, before the request
-reaches the engine loop. Validate, split into sentences, normalise, decode the speaker and the voice
-sample. Host-only and thread-safe (``AsyncEngine`` runs it in a worker thread), so the loop never
-waits on text work and bad input is refused before it costs a step.
+reaches the engine loop. Validate, read SSML (``text/ssml.py``) or clean plain text up, apply the
+pronunciation lexicon (``text/lexicon.py``), split into sentences, normalise, decode the speaker and the
+voice sample. Every transport's text passes through here. Host-only and thread-safe (``AsyncEngine`` runs
+it in a worker thread), so the loop never waits on text work and bad input is refused before it costs a
+step.
 """
 
 from __future__ import annotations
