@@ -89,7 +89,7 @@ def test_request_entries_win_over_the_servers():
 )
 def test_bad_entries_are_refused_by_name(raw, match):
     with pytest.raises(ValueError, match=match):
-        Lexicon.from_entries(raw)
+        Lexicon.from_entries(raw).resolved()  # shape at once; pinyin on first use (off the event loop)
 
 
 def test_lexicon_files_json_and_tsv(tmp_path):

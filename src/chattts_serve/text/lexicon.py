@@ -108,23 +108,29 @@ def pinyin_to_text(value: str) -> str:
 
 
 class Lexicon:
-    """Resolved entries (word -> text to say), over an optional ``base`` lexicon whose entries they hide.
-    Immutable once made; compare by entries."""
+    """Entries (word -> replacement text or pinyin) over an optional ``base`` lexicon whose entries they
+    hide. Made cheaply (entries are only checked for shape, so a request's lexicon costs the event loop
+    nothing); pinyin is resolved to homophones on first use (``resolved``), in the input processor's worker
+    thread. Immutable once made; compare by entries."""
 
-    __slots__ = ("entries", "base", "_lengths")
+    __slots__ = ("entries", "base", "where", "_lengths", "_resolved")
 
-    def __init__(self, entries: Mapping[str, str], base: Lexicon | None = None) -> None:
+    def __init__(self, entries: Mapping[str, str], base: Lexicon | None = None, where: str = "lexicon") -> None:
         self.entries = dict(entries)
         self.base = base
+        self.where = where
         lengths = {len(w) for w in self.entries} | (set(base._lengths) if base is not None else set())
         self._lengths = tuple(sorted(lengths, reverse=True))
+        self._resolved: dict[str, str] | None = None
 
     @classmethod
     def from_entries(cls, raw: Mapping[str, str], where: str = "lexicon", base: Lexicon | None = None) -> Lexicon:
-        """Checks and resolves ``raw`` (values: text or pinyin); ValueError naming ``where`` and the entry."""
+        """Checks ``raw``'s words and values; ValueError naming ``where`` and the entry."""
         if not isinstance(raw, Mapping):
             raise ValueError(f"{where} must be an object of word -> replacement, got {type(raw).__name__}")
-        return cls({word: _resolve(word, value, where) for word, value in raw.items()}, base)
+        for word, value in raw.items():
+            _check(word, value, where)
+        return cls(raw, base, where)
 
     @classmethod
     def layered(cls, base: Lexicon | None, raw: Mapping[str, str] | Lexicon | None) -> Lexicon | None:
@@ -132,15 +138,24 @@ class Lexicon:
         if raw is None:
             return base
         if isinstance(raw, Lexicon):
-            return raw if base is None else cls(raw._flat(), base)
+            return raw if base is None else cls(raw._flat(), base, raw.where)
         return cls.from_entries(raw, base=base)
+
+    def resolved(self) -> dict[str, str]:
+        """This lexicon's own entries with pinyin turned into homophones (``homophone``); ValueError naming the
+        entry whose pinyin has none. Computed once (a race computes the same dict twice)."""
+        if self._resolved is None:
+            self._resolved = {w: _resolve(w, v, self.where) for w, v in self.entries.items()}
+        return self._resolved
 
     def _flat(self) -> dict[str, str]:
         return (self.base._flat() if self.base is not None else {}) | self.entries
 
     def lookup(self, word: str) -> str | None:
-        if word in self.entries:
-            return self.entries[word]
+        """What ``word`` is replaced by (resolved), or None."""
+        own = self.resolved()
+        if word in own:
+            return own[word]
         return self.base.lookup(word) if self.base is not None else None
 
     def apply(self, text: str) -> str:
@@ -176,19 +191,22 @@ class Lexicon:
         return f"Lexicon({len(self)} entries)"
 
 
-def _resolve(word: object, value: object, where: str) -> str:
+def _check(word: object, value: object, where: str) -> None:
     if not isinstance(word, str) or not word.strip() or len(word) > MAX_WORD_CHARS:
         raise ValueError(f"{where}: a word must be 1-{MAX_WORD_CHARS} characters, got {word!r}")
     if "[" in word or "]" in word:
         raise ValueError(f"{where}: a word must not contain [ or ] (control tokens), got {word!r}")
     if not isinstance(value, str) or len(value) > MAX_VALUE_CHARS:
         raise ValueError(f"{where}: {word!r} must map to a string of at most {MAX_VALUE_CHARS} characters")
-    if is_pinyin(value):
-        try:
-            return pinyin_to_text(value)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {word!r}: {exc}") from None
-    return value
+
+
+def _resolve(word: str, value: str, where: str) -> str:
+    if not is_pinyin(value):
+        return value
+    try:
+        return pinyin_to_text(value)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {word!r}: {exc}") from None
 
 
 def parse_lexicon_file(path: str | Path) -> dict[str, str]:
@@ -225,4 +243,6 @@ def load_lexicon(path: str | None) -> Lexicon | None:
         raw = parse_lexicon_file(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"lexicon {path}: cannot read it: {exc}") from None
-    return Lexicon.from_entries(raw, where=f"lexicon {path}")
+    lexicon = Lexicon.from_entries(raw, where=f"lexicon {path}")
+    lexicon.resolved()  # a bad entry fails at start-up, and requests find the homophones ready
+    return lexicon
