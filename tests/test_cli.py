@@ -65,7 +65,7 @@ def runs(workdir, ckpt) -> dict[str, subprocess.CompletedProcess]:
         "speaker_b": ["speaker", "new", "--model", model, "--seed", "3"],
         "missing_model": ["synthesize", "你好。", "-o", "m.wav", "--model", str(workdir / "no_such_model")],
         "empty_text": ["synthesize", "", "-o", "e.wav", "--model", model],
-        "unknown_tag": ["synthesize", "你好[foo]。", "-o", "u.wav", "--model", model, "--no-refine"],
+        "unknown_tag": ["synthesize", "你好。", "-o", "u.wav", "--model", model, "--no-refine", "--prompt", "[foo]"],
     }
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {name: pool.submit(run_cli, args, workdir) for name, args in commands.items()}

@@ -102,6 +102,7 @@ class SamplingParams:
     """"markdown": speak markdown (LLM output, READMEs) as a person reads it: link text without its target,
     no emphasis, code, heading or bullet marks, a bare URL as its host, no emoji (``text/cleanup.py``).
     "none" (the default, as the reference): the text as given."""
+    lexicon: Any = None  # word -> text or pinyin ("chang2"), before normalisation: text/lexicon.py's Lexicon or a dict
     split_text: bool = True
     """Split long text into sentences, generate each, and join the audio (as the reference)."""
     first_sentence_voice: bool = True

@@ -62,3 +62,58 @@ def test_markdown_cleanup_is_opt_in(inputs):
         inputs.prepare("🚀 ✅", p(text_cleanup="markdown"))
     with pytest.raises(ValueError, match="text_cleanup must be one of"):
         p(text_cleanup="html")
+
+
+# ------------------------------------------------------------------------------- SSML and the lexicon
+
+
+def code_prompt_ids(inputs: InputProcessor, text: str, params: SamplingParams) -> list[list[int]]:
+    """The infer_code prompt ids of each sentence, as the pipeline builds them (no speaker, no sample)."""
+    from chattts_serve.model.tokenizer import code_prompt
+
+    prep = inputs.prepare(text, params)
+    return [inputs.tokenizer.encode(code_prompt(s, prep.params.prompt, has_speaker=False)) for s in prep.segments]
+
+
+def test_ssml_gives_the_prompt_ids_of_its_plain_text(inputs):
+    tok = inputs.tokenizer
+    ssml = '<speak><prosody rate="slow">今天<break time="500ms"/>天气<break strength="weak"/>很好。</prosody></speak>'
+    ids = code_prompt_ids(inputs, ssml, p())
+    assert ids == code_prompt_ids(inputs, "今天[lbreak]天气[uv_break]很好。", p(prompt="[speed_4]"))
+    [one] = ids
+    assert one[:2] == [tok.token_id("[Stts]"), tok.token_id("[empty_spk]")]
+    assert tok.token_id("[speed_4]") in one and tok.token_id("[speed_5]") not in one
+    assert tok.token_id("[lbreak]") in one and tok.token_id("[uv_break]") in one
+    # The rate replaces the prompt's [speed_N] and keeps the rest of the prompt.
+    prep = inputs.prepare(ssml, p(prompt="[oral_2][speed_7]"))
+    assert prep.params.prompt == "[oral_2][speed_4]"
+
+
+def test_the_lexicon_changes_the_prompt_ids_before_normalisation(inputs):
+    from chattts_serve.text.lexicon import homophone
+
+    plain = code_prompt_ids(inputs, "银行很长。", p())
+    fixed = code_prompt_ids(inputs, "银行很长。", p(lexicon={"银行": "yin2 hang2", "长": "zhang3"}))
+    expected = code_prompt_ids(inputs, f"{homophone('yin2')}{homophone('hang2')}很{homophone('zhang3')}。", p())
+    assert fixed == expected != plain
+    # In SSML it applies to the document's text, not to what <phoneme> asks for.
+    ssml = '<speak>银行<phoneme alphabet="pinyin" ph="chang2">长</phoneme>。</speak>'
+    got = code_prompt_ids(inputs, ssml, p(lexicon={"银行": "yin2 hang2", "长": "zhang3"}))
+    assert got == code_prompt_ids(inputs, f"{homophone('yin2')}{homophone('hang2')}{homophone('chang2')}。", p())
+    with pytest.raises(ValueError, match="no common character reads only le4"):
+        inputs.prepare("快乐。", p(lexicon={"乐": "le4"}))
+
+
+def test_bad_ssml_is_refused_before_the_engine(inputs):
+    with pytest.raises(ValueError, match=r"unknown SSML tag <audio> at line 1, column 8"):
+        inputs.prepare('<speak><audio src="x.wav"/></speak>', p())
+    # Plain text that merely mentions a tag is text, as before.
+    assert inputs.prepare("请说 <speak> 这个词。", p()).segments
+
+
+def test_ssml_synthesizes_as_its_plain_text(tiny_engine):
+    ssml = '<speak>今天<break time="1s"/>天气很好。<sub alias="明天见">明儿见</sub>。</speak>'
+    params = p(max_new_tokens=20, first_sentence_voice=False)
+    [a] = tiny_engine.synthesize(ssml, params)
+    [b] = tiny_engine.synthesize("今天[lbreak]天气很好。明天见。", params)
+    assert a.text == b.text and len(a.text) == 2 and (a.codes == b.codes).all()

@@ -22,12 +22,21 @@ PUBLISHED = """model device host port api_keys max_concurrent_streams max_connec
 max_input_chars max_body_bytes max_buffered_audio_s send_timeout_s header_timeout_s body_timeout_s
 shutdown_timeout_s voices_db max_voices max_voice_text_chars max_upload_seconds default_voice
 ws_max_message_bytes ws_max_text_chars ws_max_pending_sentences ws_idle_timeout_s allowed_origins
-allowed_hosts default_options wyoming_uri wyoming_zeroconf warmup log_level log_format threads""".split()
+allowed_hosts default_options lexicon wyoming_uri wyoming_zeroconf warmup log_level log_format threads""".split()
 
 
 def test_the_flat_option_names_are_the_published_ones():
     assert sorted(SERVER_OPTIONS) == sorted(PUBLISHED)
     assert set(ServerConfig.flat_defaults()) == set(PUBLISHED) | set(FLAT_OPTIONS)
+
+
+def test_a_bad_lexicon_fails_at_start_up(tmp_path):
+    words = tmp_path / "words.json"
+    words.write_text('{"乐": "le4"}', encoding="utf-8")
+    with pytest.raises(ValueError, match="lexicon .*words.json: '乐': no common character reads only le4"):
+        ServerConfig(lexicon=str(words))
+    with pytest.raises(ValueError, match="cannot read it"):
+        ServerConfig.from_env({"CHATTTS_SERVE_LEXICON": str(tmp_path / "missing.tsv")})
 
 
 def test_flat_options_land_in_their_sub_config_and_round_trip():

@@ -169,6 +169,63 @@ def test_tts_error_shapes(http):
     assert "lookahead" in err["message"]
 
 
+# ------------------------------------------------------------------------------ SSML and the lexicon
+
+
+def _pcm(http, text: str, **extra) -> bytes:
+    r = http.post("/v1/tts", json={"text": text, "format": "pcm", "stream": False, **FIXED, **extra})
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def test_ssml_is_the_audio_of_its_plain_text(http):
+    ssml = '<speak><prosody rate="slow">今天<break time="500ms"/>天气真不错。</prosody></speak>'
+    audio = _pcm(http, ssml)
+    assert audio == _pcm(http, "今天[lbreak]天气真不错。", prompt="[speed_4]")
+    assert audio != _pcm(http, TEXT)
+
+
+def test_the_lexicon_is_the_audio_of_its_homophones(http):
+    from chattts_serve.text.lexicon import homophone
+
+    respelled = f"今天天气真不{homophone('cuo4')}。"
+    audio = _pcm(http, TEXT, lexicon={"错": "cuo4"})
+    assert audio == _pcm(http, respelled) and audio != _pcm(http, TEXT, lexicon={"错": "好"})
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"text": "<speak>今天\n  <voice name='alloy'>好</voice></speak>"}, ["<voice>", "line 2, column 3"]),
+        ({"text": "<speak>今天<emphasis>好</emphasis></speak>"}, ["<emphasis>", "line 1, column 10"]),
+        ({"text": '<speak>今天<break time="1s"></speak>'}, ["mismatched tag", "<break>", "line 1, column 29"]),
+        ({"text": TEXT, "lexicon": {"乐": "le4"}}, ["lexicon", "le4"]),
+        ({"text": TEXT, "lexicon": {f"w{i}": "x" for i in range(1001)}}, ["lexicon"]),
+    ],
+)
+def test_bad_ssml_and_lexicons_are_400s_naming_the_fault(http, body, words):
+    err = check_openai_error(http.post("/v1/tts", json={**FIXED, **body}), 400)
+    for word in words:
+        assert word in err["message"], err
+
+
+def test_the_servers_lexicon_and_the_requests(tiny_ckpt, tmp_path):
+    """``--lexicon FILE`` applies to every request; a request's own entries win over it."""
+    import httpx
+
+    from chattts_serve.text.lexicon import homophone
+
+    from .conftest import HTTP_TIMEOUT, running_server
+
+    words = tmp_path / "words.tsv"
+    words.write_text("# the server's words\n错\tcuo4\n", encoding="utf-8")
+    with running_server(tiny_ckpt, tmp_path, "--lexicon", str(words), in_process=True) as base:
+        with httpx.Client(base_url=base, timeout=HTTP_TIMEOUT) as c:
+            served = _pcm(c, TEXT)
+            assert served == _pcm(c, f"今天天气真不{homophone('cuo4')}。", lexicon={"错": "错"})
+            assert _pcm(c, TEXT, lexicon={"错": "好"}) == _pcm(c, "今天天气真不好。")
+
+
 # ------------------------------------------------------------------------------ WebSocket limits and failures
 # An app in this process (uvicorn on 127.0.0.1 in a thread), so a test can make its engine stall or fail at a
 # chosen step, change its config, and count the messages the handler has read.

@@ -320,3 +320,36 @@ def test_sdk_speaks_a_voice_blend(client):
     with pytest.raises(openai.BadRequestError) as info:
         speech("alloy(2)+nova(0)")
     assert info.value.body["code"] == "invalid_blend" and "nova(0)" in info.value.body["message"]
+
+
+def test_ssml_and_a_lexicon_through_the_sdk(client):
+    """``input`` may be SSML; the lexicon goes in ``extra_body``; bad SSML is a 400 naming tag and place."""
+    import openai
+
+    from chattts_serve.text.lexicon import homophone
+
+    def speech(text: str, **extra) -> bytes:
+        resp = client.audio.speech.create(
+            model="tts-1", voice="alloy", input=text, response_format="pcm", extra_body={**FIXED, **extra}
+        )
+        return resp.content
+
+    ssml = '<speak>今天<break strength="strong"/>天气<sub alias="真不错">挺好</sub>。</speak>'
+    assert speech(ssml) == speech("今天[lbreak]天气真不错。")
+    assert speech(ssml, lexicon={"天气": "tian1 qi4"}) == speech(
+        f"今天[lbreak]{homophone('tian1')}{homophone('qi4')}真不错。"
+    )
+    # A prosody rate in the SSML wins over the request's speed.
+    fast = client.audio.speech.create(
+        model="tts-1",
+        voice="alloy",
+        input=f'<speak><prosody rate="x-fast">{TEXT}</prosody></speak>',
+        response_format="pcm",
+        speed=0.5,
+        extra_body=FIXED,
+    ).content
+    assert fast == speech(TEXT, prompt="[speed_8]")
+    with pytest.raises(openai.BadRequestError) as info:
+        speech("<speak>今天<audio src='a.wav'/>天气。</speak>")
+    assert info.value.status_code == 400
+    assert "<audio> at line 1, column 10" in info.value.body["message"]

@@ -215,6 +215,25 @@ def test_websocket_bad_later_message(server):
         assert ws.close_code == 1008
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["in-start", "in-text"])
+def test_websocket_refuses_ssml_it_would_cut_apart(server, first):
+    """Streamed text is spoken sentence by sentence, which would cut SSML's elements apart: refused, clearly."""
+    ssml = '<speak>今天<break time="500ms"/>天气。真不错。</speak>'
+    start = {"type": "start", **FIXED, "format": "pcm", **({"text": ssml} if first else {})}
+    with connect(ws_url(server), open_timeout=10, close_timeout=5) as ws:
+        ws.send(json.dumps(start))
+        assert json.loads(ws.recv(timeout=HTTP_TIMEOUT))["type"] == "start"
+        if not first:
+            ws.send(json.dumps({"type": "text", "text": ssml[:12]}))
+            ws.send(json.dumps({"type": "text", "text": ssml[12:]}))
+        events, _ = _ws_collect_any(ws)
+        assert events[-1]["type"] == "error" and events[-1]["code"] == "ssml_streamed", events
+        assert "POST /v1/tts" in events[-1]["message"]
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+        assert ws.close_code == 1008
+
+
 WS_FIXED = {"format": "pcm", "seed": 1, "refine_text": False, "min_new_tokens": 4, "max_new_tokens": 4}
 SMALL_CHUNKS = {"first_chunk": 4, "max_chunk": 8, "left_context": 4, "lookahead": 2, "crossfade": 0}
 

@@ -1,12 +1,16 @@
 """Input processing: one text and its ``SamplingParams`` -> a ``PreparedRequest``, before the request
-reaches the engine loop. Validate, split into sentences, normalise, decode the speaker and the voice
-sample. Host-only and thread-safe (``AsyncEngine`` runs it in a worker thread), so the loop never
-waits on text work and bad input is refused before it costs a step.
+reaches the engine loop. Validate, read SSML (``text/ssml.py``) or clean plain text up, apply the
+pronunciation lexicon (``text/lexicon.py``), split into sentences, normalise, decode the speaker and the
+voice sample. Every transport's text passes through here. Host-only and thread-safe (``AsyncEngine`` runs
+it in a worker thread), so the loop never waits on text work and bad input is refused before it costs a
+step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -16,9 +20,12 @@ from ..model.speaker import decode_prompt_codes, decode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from ..text.cleanup import clean_markdown
+from ..text.lexicon import Lexicon
 from ..text.normalize import Normalizer, split_text
+from ..text.ssml import is_ssml, parse_ssml
 
 MAX_TEXT_CHARS = 20_000
+_SPEED = re.compile(r"\[speed_\d\]")
 
 
 @dataclass(slots=True)
@@ -54,8 +61,17 @@ class InputProcessor:
             raise ValueError("text is empty")
         if len(text) > MAX_TEXT_CHARS:
             raise ValueError(f"text has {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
-        if params.text_cleanup == "markdown":
-            text = clean_markdown(text)
+        lexicon = _lexicon(params.lexicon)
+        if is_ssml(text):  # SSML (text/ssml.py): its text, with break tokens, and perhaps its own rate
+            ssml = parse_ssml(text, params.lang, lexicon)
+            text = ssml.text
+            if ssml.speed is not None:
+                params = replace(params, prompt=_with_speed(params.prompt, ssml.speed))
+        else:
+            if params.text_cleanup == "markdown":
+                text = clean_markdown(text)
+            if lexicon is not None:
+                text = lexicon.apply(text)
         # An unknown [tag] in the text is text, as in the reference (markdown links, [oral] in prose: LLM
         # output is full of them); in the prompts, which hold only control tokens, it is a mistake.
         for what, value in (("prompt", params.prompt), ("refine.prompt", params.refine.prompt)):
@@ -94,3 +110,13 @@ class InputProcessor:
                 f"{params.min_new_tokens}); the limit is {self.max_audio_seconds:g} s"
             )
         return min(params.max_new_tokens, budget // passes)
+
+
+def _lexicon(raw: Lexicon | Mapping[str, str] | None) -> Lexicon | None:
+    """``SamplingParams.lexicon`` as a ``Lexicon`` (the server passes one; the offline API may pass a dict)."""
+    return raw if raw is None or isinstance(raw, Lexicon) else Lexicon.layered(None, raw)
+
+
+def _with_speed(prompt: str, speed: str) -> str:
+    """``prompt`` with its ``[speed_N]`` (or none) replaced by ``speed``."""
+    return _SPEED.sub(speed, prompt) if _SPEED.search(prompt) else speed + prompt

@@ -29,6 +29,7 @@ from ..engine.config import FLAT_OPTIONS, EngineConfig
 from ..engine.config import flat_defaults as engine_flat_defaults
 from ..engine.config import from_flat as engine_from_flat
 from ..model.config import DEFAULT_MODEL
+from ..text.lexicon import load_lexicon
 from .logs import LOG_FORMATS
 
 ENV_PREFIX = "CHATTTS_SERVE_"
@@ -200,6 +201,10 @@ class ServerConfig:
     """ChatTTS options (a JSON object, the fields of a ``/v1/tts`` body, e.g. ``{"refine_text": false, "seed":
     7}``) for every request that does not set them: the only way to tune clients that cannot send them
     (Home Assistant, Pipecat, LiveKit)."""
+    lexicon: str | None = None
+    """A pronunciation lexicon for every request (``text/lexicon.py``): a JSON object or ``word<TAB>value`` lines,
+    word -> replacement text or pinyin with tone numbers (``chang2``); a request's ``lexicon`` entries win.
+    Read once, at start-up."""
     warmup: bool = True
     log_level: str = "info"
     log_format: str = "text"
@@ -217,6 +222,7 @@ class ServerConfig:
         from .protocol import parse_options
 
         parse_options(self.default_options)  # a typo fails at start-up, not on the first request
+        load_lexicon(self.lexicon)  # so does a bad lexicon entry
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if not 0 < self.port < 65536:

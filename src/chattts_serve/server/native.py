@@ -27,7 +27,7 @@ def _voice_and_params(st, body: TTSRequest, tenant: str | None):
     cfg = st.config
     check_length(body.text, cfg.max_input_chars, "text")
     voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.voices.default, "voice", tenant)
-    params = build_params(body, voice, defaults=request_defaults(cfg.default_options))
+    params = build_params(body, voice, defaults=request_defaults(cfg.default_options), lexicon=cfg.lexicon)
     return params, build_policy(st.engine.stream_policy, body.chunking)
 
 

@@ -41,7 +41,9 @@ async def speech(body: SpeechRequest, request: Request):
     check_length(body.input, cfg.max_input_chars, "input")
     voice = resolve_voice(st.voices, st.engine, body.voice, cfg.voices.default, "voice", tenant_of(request.scope))
     implied = speed_prompt(body.speed) if body.speed != 1.0 else None  # 1.0 (normal) leaves the defaults' prompt
-    params = build_params(body, voice, prompt=implied, defaults=request_defaults(cfg.default_options))
+    params = build_params(
+        body, voice, prompt=implied, defaults=request_defaults(cfg.default_options), lexicon=cfg.lexicon
+    )
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.timeouts.queue_wait_s)
     await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id, request)
     timeout = cfg.timeouts.send_s

@@ -16,6 +16,7 @@ import numpy as np
 from ..audio.policy import StreamPolicy
 from ..model.speaker import blend_speakers, decode_speaker, encode_speaker
 from ..sampling_params import SamplingParams
+from ..text.lexicon import Lexicon, load_lexicon
 from .auth import principal
 from .blend import BlendError, is_blend, parse_blend, shown_term
 from .errors import APIError, storage_error
@@ -153,7 +154,7 @@ def _given(**values):
 
 
 # The request fields that are sampling options (the same names as SamplingParams.from_options).
-_SAMPLING_OPTIONS = tuple(name for name in ChatTTSOptions.model_fields if name != "prompt")
+_SAMPLING_OPTIONS = tuple(name for name in ChatTTSOptions.model_fields if name not in ("prompt", "lexicon"))
 
 
 @functools.lru_cache(maxsize=4)
@@ -163,11 +164,16 @@ def request_defaults(default_options: str) -> ChatTTSOptions | None:
 
 
 def build_params(
-    opts: ChatTTSOptions, voice: ResolvedVoice, prompt: str | None = None, defaults: ChatTTSOptions | None = None
+    opts: ChatTTSOptions,
+    voice: ResolvedVoice,
+    prompt: str | None = None,
+    defaults: ChatTTSOptions | None = None,
+    lexicon: str | None = None,
 ) -> SamplingParams:
     """A request's options on top of the server's ``defaults`` (``request_defaults``), on top of
     SamplingParams' own; ``prompt``: the prompt the request implies (an OpenAI ``speed`` other than 1),
-    which wins over the defaults' but not over a prompt the request sets itself."""
+    which wins over the defaults' but not over a prompt the request sets itself. ``lexicon``: the server's
+    lexicon file (``ServerConfig.lexicon``), under the defaults' lexicon, under the request's."""
 
     def given(name: str):
         value = getattr(opts, name)
@@ -176,8 +182,10 @@ def build_params(
     if opts.prompt is None and prompt is None and defaults is not None:
         prompt = defaults.prompt
     try:
+        words = Lexicon.layered(load_lexicon(lexicon), defaults.lexicon if defaults is not None else None)
         return SamplingParams.from_options(
             **{name: given(name) for name in _SAMPLING_OPTIONS},
+            lexicon=Lexicon.layered(words, opts.lexicon),
             prompt=opts.prompt if opts.prompt is not None else prompt,
             speaker=voice.speaker,
             speaker_sample=voice.sample,

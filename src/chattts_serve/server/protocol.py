@@ -80,6 +80,7 @@ class ChatTTSOptions(_Strict):
     lang: Literal["zh", "en"] | None = None  # sampling_params.LANGS
     text_cleanup: Literal["none", "markdown"] | None = None  # text.cleanup.TEXT_CLEANUPS
     """"markdown": speak markdown (LLM output) as a person reads it: link text, no marks, URLs as hosts."""
+    lexicon: dict[str, str] | None = Field(None, max_length=1000)  # word -> text or pinyin "chang2" (text/lexicon.py)
     split_text: bool | None = None
     first_sentence_voice: bool | None = None
     """With split text: speak the first sentence first and take every sentence's voice from it."""

@@ -39,6 +39,7 @@ from ..engine.async_engine import EngineDeadError, EngineError
 from ..engine.outputs import RequestOutput
 from ..model.speaker import MIN_VOICE_SAMPLES
 from ..sampling_params import SamplingParams
+from ..text.ssml import is_ssml
 from .audio_response import AudioResponse
 from .errors import APIError
 from .text_parts import Segmenter, speakable
@@ -168,6 +169,9 @@ class TextStream:
         await self.session.jobs.put(_Job(self, text if speakable(text) else None, end=True))
 
     async def _queue(self, part: str) -> None:
+        if is_ssml(part):  # parts are cut at sentence ends, which would cut SSML's elements apart (text/ssml.py)
+            message = "SSML is not accepted in streamed text: send it whole to POST /v1/tts or /v1/audio/speech"
+            raise SessionError(ErrorKind.BAD_INPUT, message, "ssml_streamed")
         if speakable(part):
             await self.session.jobs.put(_Job(self, part))
 

@@ -383,7 +383,9 @@ class Connection(AsyncEventHandler):
             if opts.lang is None and lang in LANGUAGES:
                 opts = opts.model_copy(update={"lang": lang})
             chosen = resolve_voice(self.st.voices, self.st.engine, name, self.cfg.voices.default, "voice")
-            return build_params(opts, chosen, defaults=request_defaults(self.cfg.default_options))
+            return build_params(
+                opts, chosen, defaults=request_defaults(self.cfg.default_options), lexicon=self.cfg.lexicon
+            )
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(x) for x in first.get("loc", ()))

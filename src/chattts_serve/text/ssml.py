@@ -1,0 +1,289 @@
+"""An SSML subset -> the text ChatTTS speaks (control tokens included) and the request's speaking rate.
+
+A request's text that starts with ``<speak`` (after whitespace) is SSML (``is_ssml``); the engine's input
+processing turns it into plain text here, before sentence splitting and normalisation. Tags:
+
+* ``<speak>`` (root; ``xml:lang`` zh/en picks the language of say-as words), ``<p>``, ``<s>`` (kept as text);
+* ``<break time="500ms"/>`` / ``strength="none|x-weak|weak|medium|strong|x-strong"``: ChatTTS's break tokens,
+  ``[uv_break]`` (a short pause, up to ``SHORT_BREAK_MS``) or ``[lbreak]`` (longer; also for breaks longer
+  than the model can pause: ChatTTS has no timed silence, and inserting silence is the audio stage's work);
+* ``<prosody rate="x-slow|slow|medium|fast|x-fast|NN%|+NN%|-NN%|1.5">``: the request's ``[speed_N]``. The
+  engine speaks one request at one rate, so all text must share it: text at two rates is refused;
+* ``<say-as interpret-as="characters|spell-out|digits|telephone|date" format=...>`` (``text/say_as.py``);
+* ``<sub alias="...">``: the alias is spoken instead of the content;
+* ``<phoneme alphabet="pinyin" ph="chang2">长</phoneme>``: one unambiguous homophone per syllable
+  (``text/lexicon.py``);
+* ``<voice>`` is refused: a change of voice inside one text needs a speaker per sentence, which the engine
+  does not have (send one request per voice).
+
+Any other tag or attribute, and malformed XML, is a ValueError naming it and its line and column. Parsing
+is expat's (a real XML parser) with a size and depth bound; a DOCTYPE (and so any entity declaration: the
+entity-expansion bombs) is refused before anything is expanded; only XML's five predefined entities and
+character references are read. Whitespace runs become one space, as SSML processors do.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from xml.parsers import expat
+
+from .lexicon import Lexicon, pinyin_to_text
+from .normalize import detect_language
+from .say_as import DATE_FORMATS, INTERPRET_AS, say_as
+
+MAX_SSML_CHARS = 20_000
+MAX_DEPTH = 32
+MAX_ELEMENTS = 2_000
+SHORT_BREAK_MS = 300
+"""A break up to this long is ``[uv_break]``; a longer one ``[lbreak]``."""
+
+_SSML_NS = "http://www.w3.org/2001/10/synthesis"
+_XML_NS = "http://www.w3.org/XML/1998/namespace"
+_START = re.compile(r"\s*<speak[\s/>]")
+_TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s)\s*$")
+_BLANKS = re.compile(r"\s+")
+_STRENGTHS = {
+    "none": "",
+    "x-weak": "[uv_break]",
+    "weak": "[uv_break]",
+    "medium": "[uv_break]",
+    "strong": "[lbreak]",
+    "x-strong": "[lbreak]",
+}
+_RATES = {"x-slow": 0.5, "slow": 0.75, "medium": 1.0, "default": 1.0, "fast": 1.5, "x-fast": 2.0}
+# Tag -> the attributes it takes (xml:lang is written "lang").
+_TAGS: dict[str, frozenset[str]] = {
+    "speak": frozenset({"version", "lang"}),
+    "p": frozenset({"lang"}),
+    "s": frozenset({"lang"}),
+    "break": frozenset({"time", "strength"}),
+    "prosody": frozenset({"rate"}),
+    "say-as": frozenset({"interpret-as", "format", "detail"}),
+    "sub": frozenset({"alias"}),
+    "phoneme": frozenset({"alphabet", "ph"}),
+    "voice": frozenset({"name", "gender", "age", "variant", "lang"}),
+}
+_TEXT_ONLY = ("say-as", "sub", "phoneme")  # their content is replaced, so it may not hold tags
+
+
+def is_ssml(text: str) -> bool:
+    """Whether a request's text is SSML: it starts (after whitespace) with a ``<speak>`` tag."""
+    return _START.match(text) is not None
+
+
+def speed_token(speed: float) -> str:
+    """A rate (1 = normal) as ChatTTS's ``[speed_0]``..``[speed_9]`` (1 -> 5, x2 -> +2.5: the OpenAI
+    route's ``speed`` mapping)."""
+    return f"[speed_{min(9, max(0, round(5 + 2.5 * math.log2(speed))))}]"
+
+
+@dataclass(frozen=True, slots=True)
+class SsmlText:
+    text: str
+    """What to speak: plain text with ChatTTS control tokens."""
+    speed: str | None = None
+    """``[speed_N]`` when the text asks for a rate (``<prosody rate>``); None: the request's prompt."""
+
+
+@dataclass(slots=True)
+class _Element:
+    tag: str
+    attrs: dict[str, str]
+    where: str
+    children: list[_Element | str] = field(default_factory=list)
+
+
+def parse_ssml(text: str, lang: str | None = None, lexicon: Lexicon | None = None) -> SsmlText:
+    """``text`` (SSML) as ``SsmlText``. ``lang``: the request's ("zh"/"en"; None: ``xml:lang``, else
+    detected); ``lexicon``: applied to the document's own text (not to say-as, sub or phoneme output)."""
+    if len(text) > MAX_SSML_CHARS:
+        raise ValueError(f"SSML has {len(text)} characters; the limit is {MAX_SSML_CHARS}")
+    for decl in ("<!DOCTYPE", "<!ENTITY"):
+        if decl in text:
+            raise ValueError(f"SSML must not have a DOCTYPE or entity declarations ({decl} at {_position(text, decl)})")
+    root = _parse(text)
+    lang = lang or _lang_of(root) or detect_language(_plain(root))
+    pieces: list[tuple[str, float | None, str | None]] = []  # (text, rate, where the rate was set)
+    _render(root, lang, lexicon, None, None, pieces)
+    rates = {(rate, where) for piece, rate, where in pieces if piece.strip() and not _only_tokens(piece)}
+    if len({rate for rate, _ in rates}) > 1:
+        where = ", ".join(sorted(w or "outside <prosody>" for _, w in rates))
+        raise ValueError(
+            f"SSML mixes speaking rates (<prosody rate> at {where}): the engine speaks one request at one rate; "
+            "put one <prosody> around all the text, or send a request per rate"
+        )
+    speed = next(iter(rates))[0] if rates else None
+    spoken = _BLANKS.sub(" ", "".join(p for p, _, _ in pieces)).strip()
+    return SsmlText(spoken, speed_token(speed) if speed is not None else None)
+
+
+def _parse(text: str) -> _Element:
+    parser = expat.ParserCreate(namespace_separator=" ")
+    parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
+    stack: list[_Element] = []
+    done: list[_Element] = []
+    count = 0
+
+    def where() -> str:
+        return f"line {parser.CurrentLineNumber}, column {parser.CurrentColumnNumber + 1}"
+
+    def refuse_doctype(*_args) -> None:
+        raise ValueError(f"SSML must not have a DOCTYPE or entity declarations ({where()})")
+
+    def start(name: str, attrs: dict[str, str]) -> None:
+        nonlocal count
+        tag = _local(name, where())
+        count += 1
+        if count > MAX_ELEMENTS or len(stack) >= MAX_DEPTH:
+            raise ValueError(f"SSML has more than {MAX_ELEMENTS} elements or is nested deeper than {MAX_DEPTH}")
+        if tag not in _TAGS:
+            raise ValueError(f"unknown SSML tag <{tag}> at {where()}; known: {', '.join(f'<{t}>' for t in _TAGS)}")
+        if (tag == "speak") != (not stack):
+            raise ValueError(f"<{tag}> at {where()}: <speak> is the root and only the root")
+        if stack and stack[-1].tag in _TEXT_ONLY:
+            raise ValueError(f"<{tag}> at {where()}: <{stack[-1].tag}> holds text only")
+        plain = {}
+        for key, value in attrs.items():
+            local = key.split(" ")[-1]
+            if (" " in key and not key.startswith(_XML_NS + " ")) or local not in _TAGS[tag]:
+                raise ValueError(f"<{tag}> at {where()}: unsupported attribute {local!r}")
+            plain[local] = value
+        el = _Element(tag, plain, where())
+        if stack:
+            stack[-1].children.append(el)
+        stack.append(el)
+
+    def end(name: str) -> None:
+        done.append(stack.pop())
+
+    def chars(data: str) -> None:
+        if stack:
+            stack[-1].children.append(data)
+
+    parser.StartDoctypeDeclHandler = refuse_doctype
+    parser.EntityDeclHandler = refuse_doctype
+    parser.StartElementHandler = start
+    parser.EndElementHandler = end
+    parser.CharacterDataHandler = chars
+    try:
+        parser.Parse(text, True)
+    except expat.ExpatError as exc:
+        opened = f" (inside <{stack[-1].tag}> from {stack[-1].where})" if stack else ""
+        raise ValueError(
+            f"malformed SSML at line {exc.lineno}, column {exc.offset + 1}: {expat.ErrorString(exc.code)}{opened}"
+        ) from None
+    return done[-1]
+
+
+def _position(text: str, what: str) -> str:
+    before = text[: text.index(what)]
+    return f"line {before.count(chr(10)) + 1}, column {len(before) - before.rfind(chr(10))}"
+
+
+def _local(name: str, where: str) -> str:
+    ns, _, local = name.rpartition(" ")
+    if ns and ns != _SSML_NS:
+        raise ValueError(f"unknown SSML tag <{local}> at {where} (namespace {ns!r})")
+    return local
+
+
+def _lang_of(root: _Element) -> str | None:
+    value = root.attrs.get("lang", "").lower()
+    return "zh" if value.startswith("zh") else "en" if value.startswith("en") else None
+
+
+def _plain(el: _Element) -> str:
+    return "".join(c if isinstance(c, str) else _plain(c) for c in el.children)
+
+
+def _only_tokens(text: str) -> bool:
+    return not re.sub(r"\[\w+\]", "", text).strip()
+
+
+def _render(
+    el: _Element,
+    lang: str,
+    lexicon: Lexicon | None,
+    rate: float | None,
+    rate_at: str | None,
+    out: list[tuple[str, float | None, str | None]],
+) -> None:
+    a, tag = el.attrs, el.tag
+    if tag == "voice":
+        raise ValueError(
+            f"<voice> at {el.where}: changing voice inside one text needs a speaker per sentence, which the "
+            "engine does not have; send one request per voice"
+        )
+    if tag == "break":
+        if any(isinstance(c, _Element) or c.strip() for c in el.children):
+            raise ValueError(f"<break> at {el.where} must be empty")
+        out.append((_break(a, el.where), None, None))
+        return
+    if tag in _TEXT_ONLY:
+        out.append((_replace(tag, a, _plain(el), lang, el.where), rate, rate_at))
+        return
+    if tag == "prosody" and "rate" in a:
+        rate, rate_at = _rate(a["rate"], rate, el.where), el.where
+    for child in el.children:
+        if isinstance(child, str):
+            out.append((lexicon.apply(child) if lexicon is not None else child, rate, rate_at))
+        else:
+            _render(child, lang, lexicon, rate, rate_at, out)
+
+
+def _break(a: dict[str, str], where: str) -> str:
+    if "time" in a:
+        m = _TIME.match(a["time"])
+        if m is None:
+            raise ValueError(f"<break> at {where}: time must be like 500ms or 1.5s, got {a['time']!r}")
+        ms = float(m.group(1)) * (1000 if m.group(2) == "s" else 1)
+        return "" if ms == 0 else "[uv_break]" if ms <= SHORT_BREAK_MS else "[lbreak]"
+    strength = a.get("strength", "medium")
+    if strength not in _STRENGTHS:
+        raise ValueError(f"<break> at {where}: strength must be one of {', '.join(_STRENGTHS)}, got {strength!r}")
+    return _STRENGTHS[strength]
+
+
+def _rate(value: str, current: float | None, where: str) -> float:
+    v = value.strip()
+    try:
+        if v in _RATES:
+            return _RATES[v]
+        if v.endswith("%"):
+            number = float(v[:-1])
+            rate = (current or 1.0) * (1 + number / 100) if v[0] in "+-" else number / 100
+        else:
+            rate = float(v)
+    except ValueError:
+        rate = math.nan
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(
+            f"<prosody> at {where}: rate must be x-slow, slow, medium, fast, x-fast, NN%, +NN%, -NN% or a "
+            f"number > 0, got {value!r}"
+        )
+    return rate
+
+
+def _replace(tag: str, a: dict[str, str], content: str, lang: str, where: str) -> str:
+    try:
+        if tag == "sub":
+            if "alias" not in a:
+                raise ValueError("alias is required")
+            return a["alias"]
+        if tag == "phoneme":
+            if a.get("alphabet") != "pinyin":
+                raise ValueError(f'only alphabet="pinyin" is supported, got {a.get("alphabet")!r}')
+            if not a.get("ph", "").strip():
+                raise ValueError('ph is required (e.g. ph="chang2")')
+            return pinyin_to_text(a["ph"])
+        kind = a.get("interpret-as")
+        if kind not in INTERPRET_AS:
+            raise ValueError(f"interpret-as must be one of {', '.join(INTERPRET_AS)}, got {kind!r}")
+        fmt = a.get("format")
+        if fmt is not None and kind != "date":
+            raise ValueError(f"format is for dates only (one of {', '.join(DATE_FORMATS)})")
+        return say_as(kind, content.strip(), lang, fmt)
+    except ValueError as exc:
+        raise ValueError(f"<{tag}> at {where}: {exc}") from None

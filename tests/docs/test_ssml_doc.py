@@ -1,0 +1,58 @@
+"""docs/ssml.md: each example, run as written (its address replaced by a test server's), makes the audio of the
+plain text it stands for."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from ..server.conftest import HTTP_TIMEOUT, decode_audio, running_server
+from .conftest import FIXED_DEFAULTS
+from .doc_blocks import DOC_URL, run_block, tagged_blocks
+
+pytest.importorskip("openai")
+
+BLOCKS = tagged_blocks("ssml.md")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory):
+    """In this process; every request FIXED_TOKENS steps long (the examples set no length)."""
+    tmp = tmp_path_factory.mktemp("ssml-doc")
+    with running_server(tiny_ckpt, tmp, "--default-options", FIXED_DEFAULTS, in_process=True) as base:
+        yield base
+
+
+def _direct(server: str, text: str, **body) -> bytes:
+    body = {"text": text, "format": "pcm", "stream": False, "seed": 7, **body}
+    r = httpx.post(f"{server}/v1/tts", json=body, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def test_every_example_is_tested():
+    assert set(BLOCKS) == {"ssml-openai", "ssml-lexicon"}
+
+
+def test_ssml_through_the_openai_sdk(server, tmp_path):
+    from chattts_serve.text.lexicon import homophone
+
+    run_block(BLOCKS["ssml-openai"], tmp_path, {DOC_URL: server})
+    audio, _ = decode_audio((tmp_path / "ssml.wav").read_bytes(), "wav")
+    plain = f"今天[lbreak]天气真不错。 请拨打四零零，幺二三，四五六七， 他{homophone('zhang3')}大了。"
+    body = {"model": "tts-1", "voice": "alloy", "input": plain, "response_format": "pcm", "seed": 7}
+    r = httpx.post(
+        f"{server}/v1/audio/speech", json={**body, "refine_text": False, "prompt": "[speed_4]"}, timeout=HTTP_TIMEOUT
+    )
+    assert r.status_code == 200, r.text
+    assert audio.tobytes() == r.content
+
+
+def test_a_request_lexicon(server, tmp_path):
+    from chattts_serve.text.lexicon import homophone
+
+    run_block(BLOCKS["ssml-lexicon"], tmp_path, {DOC_URL: server})
+    audio, _ = decode_audio((tmp_path / "lexicon.wav").read_bytes(), "wav")
+    h = homophone
+    plain = f"我们在{h('yin2')}{h('hang2')}门口见，然后去{h('chang2')}{h('cheng2')}。"
+    assert audio.tobytes() == _direct(server, plain)
