@@ -48,6 +48,12 @@ def _check_common(owner: str, p) -> None:
         raise ValueError(f"{owner}.prompt must be a string, got {type(p.prompt).__name__}")
 
 
+def speed_prompt(speed: float) -> str:
+    """A speaking rate (1 = normal; OpenAI's ``speed`` 0.25..4, SSML's ``<prosody rate>``) as ChatTTS's
+    ``[speed_0]``..``[speed_9]`` prompt: 1 -> 5, each doubling +2.5, rounded half to even and clamped."""
+    return f"[speed_{min(9, max(0, round(5 + 2.5 * math.log2(speed))))}]"
+
+
 @dataclass(frozen=True, slots=True)
 class RefineParams:
     """The refine_text pass (text head): rewrites the text with prosody tokens before speech."""

@@ -8,7 +8,7 @@ import torch
 
 from chattts_serve.audio.policy import StreamPolicy
 from chattts_serve.model.speaker import blend_speakers, decode_speaker, default_speaker_stats, encode_speaker
-from chattts_serve.sampling_params import RefineParams
+from chattts_serve.sampling_params import RefineParams, speed_prompt
 from chattts_serve.server.errors import APIError
 from chattts_serve.server.params import (
     ResolvedVoice,
@@ -16,7 +16,6 @@ from chattts_serve.server.params import (
     build_policy,
     request_defaults,
     resolve_voice,
-    speed_prompt,
 )
 from chattts_serve.server.protocol import ChatTTSOptions, StreamOptions
 from chattts_serve.server.voices import BUILTIN_VOICES, VoiceStore

@@ -9,11 +9,12 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ..sampling_params import speed_prompt
 from .audio_response import AudioResponse
 from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
 from .limits import synthesis
 from .openapi import audio_responses, errors
-from .params import build_params, request_defaults, resolve_voice, speed_prompt, tenant_of
+from .params import build_params, request_defaults, resolve_voice, tenant_of
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
 
 router = APIRouter()

@@ -7,7 +7,6 @@ parts are checked here, when they are mixed)."""
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from dataclasses import dataclass, replace
 
@@ -140,12 +139,6 @@ def _blendable(store: VoiceStore, engine, voice: str, param: str, tenant: str | 
         return decode_speaker(resolved.speaker, expected_dim=engine.hidden_size)
     except ValueError as exc:
         raise APIError(400, f"blend term {shown_term(voice)}: {exc}", param=param, code="invalid_blend") from None
-
-
-def speed_prompt(speed: float) -> str:
-    """OpenAI speed (0.25..4, 1 = normal) -> ChatTTS [speed_0]..[speed_9] (1.0 -> 5, x2 -> +2.5)."""
-    level = min(9, max(0, round(5 + 2.5 * math.log2(speed))))
-    return f"[speed_{level}]"
 
 
 def _given(**values):

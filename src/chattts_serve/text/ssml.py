@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 from xml.parsers import expat
 
+from ..sampling_params import speed_prompt
 from .lexicon import Lexicon, pinyin_to_text
 from .normalize import detect_language
 from .say_as import DATE_FORMATS, INTERPRET_AS, say_as
@@ -73,12 +74,6 @@ def is_ssml(text: str) -> bool:
     return _START.match(text) is not None
 
 
-def speed_token(speed: float) -> str:
-    """A rate (1 = normal) as ChatTTS's ``[speed_0]``..``[speed_9]`` (1 -> 5, x2 -> +2.5: the OpenAI
-    route's ``speed`` mapping)."""
-    return f"[speed_{min(9, max(0, round(5 + 2.5 * math.log2(speed))))}]"
-
-
 @dataclass(frozen=True, slots=True)
 class SsmlText:
     text: str
@@ -116,7 +111,7 @@ def parse_ssml(text: str, lang: str | None = None, lexicon: Lexicon | None = Non
         )
     speed = next(iter(rates))[0] if rates else None
     spoken = _BLANKS.sub(" ", "".join(p for p, _, _ in pieces)).strip()
-    return SsmlText(spoken, speed_token(speed) if speed is not None else None)
+    return SsmlText(spoken, speed_prompt(speed) if speed is not None else None)
 
 
 def _parse(text: str) -> _Element:
