@@ -163,7 +163,7 @@ def test_a_full_queue_stops_the_reader():
     async def read() -> None:
         stream = session.stream(SamplingParams(), StreamPolicy(), sink)
         for i in range(6):
-            await stream.feed(f"Part {i}.")
+            await stream.feed(f"Part {i}. ")  # the space decides the full stop
             fed.append(i)
         await stream.end(last=True)
 

@@ -206,12 +206,21 @@ def test_synthesize_matches_the_same_request_over_http(wy):
     assert pcm == r.content
 
 
-def test_streaming_synthesis_speaks_each_sentence_as_it_arrives(wy):
+@pytest.mark.parametrize(
+    "sentences",
+    [
+        ["今天天气真不错。", "我们去公园散步吧。", "晚上回家吃饭。"],
+        # Home Assistant forwards an LLM's chunks as they come: pieces end mid-word and mid-number ("23." of
+        # 23.5 is no sentence end), and an ASCII full stop is decided by the character after it.
+        ["It is 23.5 degrees in Berlin today.", " See dapr.io for more.", " Bye for now."],
+    ],
+    ids=["zh", "en-numbers"],
+)
+def test_streaming_synthesis_speaks_each_sentence_as_it_arrives(wy, sentences):
     base, port = wy
-    sentences = ["今天天气真不错。", "我们去公园散步吧。", "晚上回家吃饭。"]
     text = "".join(sentences)
     pieces = [text[i * len(text) // 10 : (i + 1) * len(text) // 10] for i in range(10)]
-    first_end = len(sentences[0])
+    first_end = len(sentences[0]) + (sentences[0][-1] == ".")  # the space after a "." decides it
     # the pieces that complete the first sentence, and the rest
     cut = next(i for i in range(10) if sum(map(len, pieces[: i + 1])) >= first_end) + 1
 

@@ -9,21 +9,39 @@ import bisect
 import re
 
 SENTENCE_END = re.compile(r"[。！？!?.\n]")
+_ASCII_END = frozenset(".!?")
 _SOFT_BREAK = re.compile(r"[\s,，、;；:：]")
 
 
+def _ends(text: str, start: int) -> list[int]:
+    """Offsets just after each sentence end in ``text[start:]``. ``。！？`` and a line break always end a
+    sentence; an ASCII ``.``, ``!`` or ``?`` only when what follows is no ASCII letter or digit (not in
+    ``23.5``, ``dapr.io``, ``e.g``) and no other of the three (``...`` ends once, after its last dot), so
+    one at the very end of the text is undecided until more arrives."""
+    out = []
+    for m in SENTENCE_END.finditer(text, start):
+        end = m.end()
+        if m.group() in _ASCII_END:
+            if end == len(text) or text[end] in _ASCII_END or (text[end].isascii() and text[end].isalnum()):
+                continue  # undecided yet, inside a run such as "..." or "?!", or inside a number or a name
+        out.append(end)
+    return out
+
+
 class Segmenter:
-    """Cuts the incoming text into parts to speak (see ``_cut``). Only new text is scanned for sentence ends,
-    and what is kept between messages (``pending``, no sentence end in it) is at most ``limit`` characters, so
-    the work per message is O(len(new) + limit): linear in the session's text."""
+    """Cuts the incoming text into parts to speak (see ``_cut``). Text arrives in chunks cut anywhere, even
+    inside a word or a number (an LLM's tokens; Home Assistant forwards them as they come): only the new
+    text and the last character kept from before (an ASCII full stop that ended the previous chunk) are
+    scanned for sentence ends, and what is kept between messages (``pending``, no sentence end in it) is at
+    most ``limit`` characters, so the work per message is O(len(new) + limit): linear in the session's text."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.pending = ""
 
     def feed(self, new: str) -> list[str]:
-        ends = [len(self.pending) + m.end() for m in SENTENCE_END.finditer(new)]
-        parts, self.pending = _cut(self.pending + new, ends, self.limit)
+        text = self.pending + new
+        parts, self.pending = _cut(text, _ends(text, max(0, len(self.pending) - 1)), self.limit)
         return parts
 
     def flush(self) -> list[str]:
