@@ -130,11 +130,20 @@ class SpeechRequest(ChatTTSOptions):
     stream_format: Literal["audio", "sse"] = "audio"
     sample_rate: int | None = SAMPLE_RATE_FIELD
     """Not OpenAI's: the ``openai`` SDK sends it in ``extra_body``."""
+    timestamps: bool = False
+    """Not OpenAI's: with ``stream_format`` "sse", a ``speech.segment`` event as each sentence's audio is done."""
 
     @field_validator("sample_rate")
     @classmethod
     def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
         return _rate_fits_format(v, info, "response_format")
+
+    @field_validator("timestamps")
+    @classmethod
+    def _timestamps_in_sse(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("stream_format") != "sse":
+            raise PydanticCustomError("timestamps", 'timestamps are events: they need stream_format "sse"')
+        return v
 
 
 class StreamOptions(_Strict):
