@@ -173,6 +173,46 @@ class TTSRequest(ChatTTSOptions):
         return _rate_fits_format(v, info, "format")
 
 
+CaptionFormat = Literal["srt", "vtt"]  # server.captions.CAPTION_MEDIA_TYPES
+
+
+class CaptionedRequest(TTSRequest):
+    """``POST /v1/tts/captioned``: as ``POST /v1/tts``, answered with one JSON document (the audio and each
+    sentence's timing), or with subtitles only when ``format`` is srt or vtt."""
+
+    format: AudioFormat | CaptionFormat = "wav"
+    stream: Literal[False] = False
+    captions: CaptionFormat | None = None
+    """Subtitles in the JSON too, in this format."""
+
+    @field_validator("sample_rate")
+    @classmethod
+    def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if info.data.get("format") in ("srt", "vtt"):
+            return v
+        return _rate_fits_format(v, info, "format")
+
+
+class Segment(BaseModel):
+    """One sentence's place in the audio (exact: counted in samples, not estimated)."""
+
+    index: int
+    text: str
+    """As normalised, without control tokens."""
+    start_s: float
+    end_s: float
+
+
+class CaptionedSpeech(BaseModel):
+    audio: str
+    """The audio in ``format``, base64."""
+    format: AudioFormat
+    sample_rate: int
+    duration_s: float
+    segments: list[Segment]
+    captions: str | None = None
+
+
 class VoiceCreate(_Strict):
     # Names are plain ASCII (no Unicode look-alike of another voice's name) and never ".", ".." or a
     # hidden-file name, so they are safe in URLs, logs and file names. pydantic matches with Rust's
