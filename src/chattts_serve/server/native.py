@@ -60,7 +60,10 @@ async def tts(body: TTSRequest, request: Request):
     "/v1/tts/captioned",
     response_model=CaptionedSpeech,
     responses={
-        200: {"content": {m: {"schema": {"type": "string"}} for m in CAPTION_MEDIA_TYPES.values()}},
+        200: {
+            "description": "The audio and each sentence's timing (JSON), or subtitles (format srt or vtt)",
+            "content": {m: {"schema": {"type": "string"}} for m in CAPTION_MEDIA_TYPES.values()},
+        },
         **errors(429),
     },
 )
@@ -74,7 +77,8 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
     await resp.start(body.text, params, policy, request.state.request_id, request)
     audio, spans = await _whole(resp, request)
     if body.format in CAPTION_MEDIA_TYPES:
-        return Response(subtitles(spans, body.format), media_type=CAPTION_MEDIA_TYPES[body.format])
+        media_type = f"{CAPTION_MEDIA_TYPES[body.format]}; charset=utf-8"  # SubRip has no other way to say it
+        return Response(subtitles(spans, body.format), media_type=media_type)
     data = await asyncio.to_thread(encode_whole, audio, body.format, body.sample_rate)
     return CaptionedSpeech(
         audio=base64.b64encode(data).decode(),
