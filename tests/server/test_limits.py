@@ -63,6 +63,7 @@ def test_the_apps_synthesis_routes_are_speech_tts_and_the_websocket():
     assert app.state.synthesis_routes == {
         ("http", "POST", "/v1/audio/speech"),
         ("http", "POST", "/v1/tts"),
+        ("http", "POST", "/v1/tts/captioned"),
         ("websocket", "", "/v1/tts/stream"),
     }
 

@@ -35,7 +35,7 @@ from .config import EngineConfig
 from .core import EngineStats
 from .engine import Engine
 from .input_processor import PreparedRequest
-from .outputs import RequestOutput, Result, build_result
+from .outputs import RequestOutput, Result, SegmentSpan, build_result
 from .scheduler import QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class _Collector:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     audio: list[np.ndarray] = field(default_factory=list)
+    spans: list[SegmentSpan] = field(default_factory=list)
     final: RequestOutput | None = None
     error: BaseException | None = None
     pending_samples: int = 0
@@ -90,6 +91,7 @@ class _Collector:
             if len(out.audio):
                 self.audio.append(out.audio)
                 self.pending_samples += len(out.audio)
+            self.spans += out.spans
             if out.finished:
                 self.final = out
         self._wake()
@@ -105,13 +107,13 @@ class _Collector:
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
             pass
 
-    async def take(self) -> tuple[np.ndarray, RequestOutput | None, BaseException | None]:
+    async def take(self) -> tuple[np.ndarray, list[SegmentSpan], RequestOutput | None, BaseException | None]:
         await self.event.wait()
         with self.lock:
             self.event.clear()
             audio = np.concatenate(self.audio) if self.audio else np.zeros(0, np.float32)
-            self.audio, self.pending_samples = [], 0
-            return audio, self.final, self.error
+            spans, self.audio, self.spans, self.pending_samples = self.spans, [], [], 0
+            return audio, spans, self.final, self.error
 
 
 def _malloc_trim():
@@ -216,10 +218,11 @@ class AsyncEngine:
         params = params or SamplingParams()
         prepared = await asyncio.to_thread(self.core.prepare, text, params)
         rid, collector, t0 = self._submit(prepared, request_id, policy or self.stream_policy, priority)
-        index, position, finished = 0, 0, False
+        index, position, finished, spans = 0, 0, False, []
         try:
             while True:
-                audio, final, error = await collector.take()
+                audio, new_spans, final, error = await collector.take()
+                spans += new_spans  # a sentence without audio goes out with the next delta
                 if error is not None:
                     finished = True
                     raise error
@@ -229,13 +232,18 @@ class AsyncEngine:
                         finished = True
                         raise EngineError(final.error or "request failed")
                     # The last delta is the engine's final output (its sentences, usage, voice sample)
-                    # carrying all the audio not yet taken; the others carry only audio.
-                    position_fields = {"index": index, "start_sample": position, "elapsed_s": time.monotonic() - t0}
+                    # carrying all the audio not yet taken; the others carry audio and the sentences they complete.
+                    fields = {
+                        "index": index,
+                        "start_sample": position,
+                        "elapsed_s": time.monotonic() - t0,
+                        "spans": spans,
+                    }
                     if done:
-                        chunk = replace(final, audio=audio, **position_fields)
+                        chunk = replace(final, audio=audio, **fields)
                     else:
-                        chunk = RequestOutput(rid, audio, **position_fields)
-                    index, position = index + 1, position + len(audio)
+                        chunk = RequestOutput(rid, audio, **fields)
+                    index, position, spans = index + 1, position + len(audio), []
                     finished = done
                     yield chunk
                 if done:

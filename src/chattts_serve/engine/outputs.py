@@ -6,8 +6,15 @@ RunnerOutput     runner -> scheduler: the token(s) sampled for each of them
 StepOutput       scheduler -> pipeline: what each sequence gained, and whether it finished
 
 To the user:
-RequestOutput    one streamed delta of a request: its new audio; the last one carries the ``Result``
-Result           a finished request: the whole audio, each sentence's text and codes
+RequestOutput    one streamed delta of a request: its new audio, the sentences it completes (``SegmentSpan``);
+                 the last one carries the ``Result``
+Result           a finished request: the whole audio, each sentence's text, codes and place in the audio
+
+Where a sentence lies in the audio is counted, never estimated: a request's audio is its sentences' audio
+back to back, with no overlap, crossfade or gap between sentences (``audio.stream`` crossfades only the
+chunks inside one sentence, and a sentence's chunks add up to exactly its one-shot decode, 512 * steps - 256
+samples). So sentence i starts at the sum of the samples emitted for sentences 0..i-1 and ends where
+sentence i+1 starts; the pipeline counts the samples it emits (``RequestPipeline._output``).
 """
 
 from __future__ import annotations
@@ -54,6 +61,32 @@ class StepOutput:
     """The first step was EOS and the sequence goes back to the queue for new draws."""
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentSpan:
+    """Where one sentence lies in its request's audio: samples [start, end) at ``SAMPLE_RATE``."""
+
+    index: int
+    """The sentence's position in the request."""
+    text: str
+    """The sentence as normalised (before the refine pass), without control tokens such as ``[uv_break]``:
+    what a caption shows. The text before normalisation is not kept past input processing."""
+    start: int
+    end: int
+
+    @property
+    def start_s(self) -> float:
+        return self.start / SAMPLE_RATE
+
+    @property
+    def end_s(self) -> float:
+        return self.end / SAMPLE_RATE
+
+    def shifted(self, samples: int, index: int | None = None) -> SegmentSpan:
+        """The same sentence ``samples`` later (in a longer stream of which the request is a part)."""
+        index = self.index if index is None else index
+        return SegmentSpan(index, self.text, self.start + samples, self.end + samples)
+
+
 @dataclass(slots=True)
 class SegmentResult:
     """One sentence of a finished request."""
@@ -63,6 +96,8 @@ class SegmentResult:
     codes: np.ndarray
     """int64 [T, 4] audio codes."""
     finish_reason: FinishReason | None
+    span: SegmentSpan | None = None
+    """Its place in the request's audio (None only for a result built outside the engine)."""
 
 
 @dataclass(slots=True)
@@ -99,6 +134,11 @@ class Result:
         return [s.text for s in self.segments]
 
     @property
+    def spans(self) -> list[SegmentSpan]:
+        """Each sentence's place in ``audio``."""
+        return [s.span for s in self.segments if s.span is not None]
+
+    @property
     def finish_reasons(self) -> list[FinishReason | None]:
         return [s.finish_reason for s in self.segments]
 
@@ -120,7 +160,7 @@ class RequestOutput:
     num_steps: int = 0
     """Audio steps generated so far (spoken sentences)."""
     segments: list[SegmentResult] | None = None
-    """On the last output of a completed request: each sentence's text and codes."""
+    """On the last output of a completed request: each sentence's text, codes and span."""
     num_input_tokens: int = 0
     """On the last output: text tokens of the spoken sentences."""
     voice_sample: str | None = None
@@ -132,6 +172,8 @@ class RequestOutput:
     elapsed_s: float = 0.0
     """Seconds from submission to this delta (set by ``AsyncEngine.stream``)."""
     sample_rate: int = SAMPLE_RATE
+    spans: list[SegmentSpan] = field(default_factory=list)
+    """The sentences whose audio ends in this delta (or before it), each once, in order."""
 
 
 def build_result(

@@ -14,6 +14,7 @@ returns, runs the model, and hands results back.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,11 +26,12 @@ from ..model.config import AUDIO_EOS
 from ..model.speaker import encode_prompt_codes, normalized_speaker_embedding
 from ..model.tokenizer import Tokenizer, code_prompt, refine_prompt
 from .input_processor import PreparedRequest
-from .outputs import RequestOutput, SegmentResult, StepOutput
+from .outputs import RequestOutput, SegmentResult, SegmentSpan, StepOutput
 from .request import FinishReason, Sequence, SequenceStatus
 from .runner import SeqInputs, StepSampling
 
 logger = logging.getLogger(__name__)
+_TAG = re.compile(r"\[[^\[\]]*\]")
 
 
 @dataclass(eq=False)
@@ -69,6 +71,9 @@ class _Request:
     """Set when the request ends early ("aborted", "error")."""
     error: str | None = None
     num_steps: int = 0
+    samples_out: int = 0
+    """Samples emitted so far: where the next sentence starts (sentences are back to back, see ``outputs``)."""
+    spans: list[SegmentSpan] = field(default_factory=list)
 
     @property
     def params(self):
@@ -319,19 +324,23 @@ class RequestPipeline:
 
     def _output(self, req: _Request) -> RequestOutput | None:
         """The request's new audio (None when it has none this step); the final output when done."""
-        new = []
+        new, ended = [], len(req.spans)
         while req.emit_index < len(req.segments):
             seg = req.segments[req.emit_index]
             new += seg.pcm
+            req.samples_out += sum(len(p) for p in seg.pcm)
             seg.pcm = []
             if seg.stream is not None and seg.stream.done:
+                start = req.spans[-1].end if req.spans else 0
+                req.spans.append(SegmentSpan(seg.index, self._caption(seg.text), start, req.samples_out))
                 req.emit_index += 1
             else:
                 break
         done = req.emit_index == len(req.segments)
-        if not (new or done):
+        if not (new or done or len(req.spans) > ended):
             return None
         out = RequestOutput(req.request_id, np.concatenate(new) if new else np.zeros(0, np.float32))
+        out.spans = req.spans[ended:]
         out.num_steps = req.num_steps
         if done:
             reasons = [s.finish_reason for s in req.segments]
@@ -343,8 +352,14 @@ class RequestPipeline:
                     s.spoken_text,
                     np.asarray(s.stream.codes, dtype=np.int64).reshape(-1, self.num_vq),
                     s.finish_reason,
+                    span,
                 )
-                for s in req.segments
+                for s, span in zip(req.segments, req.spans, strict=True)
             ]
             self.drop(req.request_id)
         return out
+
+    def _caption(self, text: str) -> str:
+        """A sentence's text without the control tokens it may hold (``[uv_break]`` from SSML, ``[laugh]``)."""
+        known = self.tokenizer.control_tokens
+        return " ".join(_TAG.sub(lambda m: "" if m.group() in known else m.group(), text).split())

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 from fastapi import Request
@@ -163,12 +163,16 @@ class AudioResponse:
             await self._close()
             self._finish_metrics(self._status)
 
-    async def encoded(self, fmt: str, sample_rate: int | None = None) -> AsyncIterator[bytes]:
+    async def encoded(
+        self, fmt: str, sample_rate: int | None = None, on_chunk: Callable[[RequestOutput], object] | None = None
+    ) -> AsyncIterator[bytes]:
         """The response body in ``fmt`` at ``sample_rate`` (None: the format's default), encoded (and resampled)
-        in a worker thread, never on the event loop."""
+        in a worker thread, never on the event loop. ``on_chunk`` sees each chunk first (its sentence spans)."""
         encoder = ThreadedEncoder(fmt, sample_rate)
         try:
             async for chunk in self.chunks():
+                if on_chunk is not None:
+                    on_chunk(chunk)
                 data = await encoder.write(chunk.audio)
                 if chunk.finished:
                     data += await encoder.finish()

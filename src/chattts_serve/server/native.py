@@ -1,9 +1,11 @@
-"""Native endpoint ``POST /v1/tts``: every ChatTTS parameter, streamed by default (``"stream": false`` for
-one file). The WebSocket ``/v1/tts/stream`` is in ``server/websocket.py``."""
+"""Native endpoints: ``POST /v1/tts``, every ChatTTS parameter, streamed by default (``"stream": false`` for
+one file); ``POST /v1/tts/captioned``, the same as one JSON document with each sentence's timing, or as
+subtitles (``server.captions``). The WebSocket ``/v1/tts/stream`` is in ``server/websocket.py``."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from contextlib import aclosing
 
@@ -11,13 +13,16 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..audio.encode import encode_whole
+from ..audio.encode import check_rate, encode_whole
+from ..engine.outputs import SegmentSpan
+from ..model.config import SAMPLE_RATE
 from .audio_response import AudioResponse
+from .captions import CAPTION_MEDIA_TYPES, SegmentClock, segment_fields, subtitles
 from .errors import ClientGone, TimedStreamingResponse, check_length
 from .limits import synthesis
 from .openapi import audio_responses, errors
 from .params import build_params, build_policy, request_defaults, resolve_voice, tenant_of
-from .protocol import MEDIA_TYPES, TTSRequest
+from .protocol import MEDIA_TYPES, CaptionedRequest, CaptionedSpeech, TTSRequest
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
@@ -45,13 +50,53 @@ async def tts(body: TTSRequest, request: Request):
             media_type=MEDIA_TYPES[body.format],
             headers=resp.headers,
         )
-    parts = []
-    async with aclosing(resp.chunks()) as chunks:
-        async for c in chunks:
-            parts.append(c.audio)
-            if await request.is_disconnected():  # nobody waits for the whole file: stop generating it
-                raise ClientGone()
-    audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    audio, _ = await _whole(resp, request)
     # encoding is not the event loop's work
     data = await asyncio.to_thread(encode_whole, audio, body.format, body.sample_rate)
     return Response(data, media_type=MEDIA_TYPES[body.format], headers=resp.headers)
+
+
+@router.post(
+    "/v1/tts/captioned",
+    response_model=CaptionedSpeech,
+    responses={
+        200: {
+            "description": "The audio and each sentence's timing (JSON), or subtitles (format srt or vtt)",
+            "content": {m: {"schema": {"type": "string"}} for m in CAPTION_MEDIA_TYPES.values()},
+        },
+        **errors(429),
+    },
+)
+@synthesis
+async def tts_captioned(body: CaptionedRequest, request: Request):
+    """The whole audio (base64, in ``format``) with each sentence's start and end (``server.captions``); with
+    ``format`` srt or vtt, only the subtitles."""
+    st = request.app.state
+    params, policy = _voice_and_params(st, body, tenant_of(request.scope))
+    resp = AudioResponse(st.engine, st.metrics, st.limits, "captioned", st.config.timeouts.queue_wait_s)
+    await resp.start(body.text, params, policy, request.state.request_id, request)
+    audio, spans = await _whole(resp, request)
+    if body.format in CAPTION_MEDIA_TYPES:
+        media_type = f"{CAPTION_MEDIA_TYPES[body.format]}; charset=utf-8"  # SubRip has no other way to say it
+        return Response(subtitles(spans, body.format), media_type=media_type)
+    data = await asyncio.to_thread(encode_whole, audio, body.format, body.sample_rate)
+    return CaptionedSpeech(
+        audio=base64.b64encode(data).decode(),
+        format=body.format,
+        sample_rate=check_rate(body.format, body.sample_rate),
+        duration_s=len(audio) / SAMPLE_RATE,
+        segments=[segment_fields(s) for s in spans],
+        captions=subtitles(spans, body.captions) if body.captions else None,
+    )
+
+
+async def _whole(resp: AudioResponse, request: Request) -> tuple[np.ndarray, list[SegmentSpan]]:
+    """All of a started request's audio and its sentences' spans."""
+    parts, clock = [], SegmentClock()
+    async with aclosing(resp.chunks()) as chunks:
+        async for c in chunks:
+            parts.append(c.audio)
+            clock.feed(c)
+            if await request.is_disconnected():  # nobody waits for the whole file: stop generating it
+                raise ClientGone()
+    return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), clock.spans

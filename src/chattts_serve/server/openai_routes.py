@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from ..sampling_params import speed_prompt
 from .audio_response import AudioResponse
+from .captions import SegmentClock, segment_event
 from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
 from .limits import synthesis
 from .openapi import audio_responses, errors
@@ -49,19 +50,22 @@ async def speech(body: SpeechRequest, request: Request):
     await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id, request)
     timeout = cfg.timeouts.send_s
     if body.stream_format == "sse":
-        sse = _sse(resp, body.response_format, body.sample_rate)
+        sse = _sse(resp, body.response_format, body.sample_rate, body.timestamps)
         return TimedStreamingResponse(sse, timeout, media_type="text/event-stream", headers=resp.headers)
     fmt = body.response_format
     audio = resp.encoded(fmt, body.sample_rate)
     return TimedStreamingResponse(audio, timeout, media_type=MEDIA_TYPES[fmt], headers=resp.headers)
 
 
-async def _sse(resp: AudioResponse, fmt: str, sample_rate: int | None):
-    """OpenAI's speech SSE: ``speech.audio.delta`` events with base64 audio, then ``speech.audio.done``."""
+async def _sse(resp: AudioResponse, fmt: str, sample_rate: int | None, timestamps: bool = False):
+    """OpenAI's speech SSE: ``speech.audio.delta`` events with base64 audio, then ``speech.audio.done``. With
+    ``timestamps``, a ``speech.segment`` event (ours: ``server.captions``) follows the delta that completes a
+    sentence (or a later one, while the encoder still holds the sentence's last samples)."""
+    clock = SegmentClock() if timestamps else None
     try:
-        async for data in resp.encoded(fmt, sample_rate):
+        async for data in resp.encoded(fmt, sample_rate, clock.feed if clock is not None else None):
             event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
-            yield f"data: {json.dumps(event)}\n\n"
+            yield f"data: {json.dumps(event)}\n\n" + _segment_events(clock)
     except StreamFailed as exc:  # an error event, never a "done" after a failure
         error = {"type": "error", "error": {"message": str(exc.detail), "type": exc.type, "code": exc.code}}
         yield f"data: {json.dumps(error)}\n\n"
@@ -72,4 +76,11 @@ async def _sse(resp: AudioResponse, fmt: str, sample_rate: int | None):
     tokens_in = final.num_input_tokens if final is not None else 0
     tokens_out = final.num_steps if final is not None else 0  # audio tokens (4 codes = 512 samples each)
     usage = {"input_tokens": tokens_in, "output_tokens": tokens_out, "total_tokens": tokens_in + tokens_out}
-    yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n"
+    # (sentences completed by a last chunk that encoded to nothing go out before the done event)
+    yield _segment_events(clock) + f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n"
+
+
+def _segment_events(clock: SegmentClock | None) -> str:
+    """The ``speech.segment`` events of the sentences completed since the last call."""
+    spans = clock.take() if clock is not None else []
+    return "".join(f"data: {json.dumps(segment_event(s, 'speech.segment'))}\n\n" for s in spans)

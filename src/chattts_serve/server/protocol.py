@@ -130,11 +130,20 @@ class SpeechRequest(ChatTTSOptions):
     stream_format: Literal["audio", "sse"] = "audio"
     sample_rate: int | None = SAMPLE_RATE_FIELD
     """Not OpenAI's: the ``openai`` SDK sends it in ``extra_body``."""
+    timestamps: bool = False
+    """Not OpenAI's: with ``stream_format`` "sse", a ``speech.segment`` event as each sentence's audio is done."""
 
     @field_validator("sample_rate")
     @classmethod
     def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
         return _rate_fits_format(v, info, "response_format")
+
+    @field_validator("timestamps")
+    @classmethod
+    def _timestamps_in_sse(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("stream_format") != "sse":
+            raise PydanticCustomError("timestamps", 'timestamps are events: they need stream_format "sse"')
+        return v
 
 
 class StreamOptions(_Strict):
@@ -162,6 +171,46 @@ class TTSRequest(ChatTTSOptions):
     @classmethod
     def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
         return _rate_fits_format(v, info, "format")
+
+
+CaptionFormat = Literal["srt", "vtt"]  # server.captions.CAPTION_MEDIA_TYPES
+
+
+class CaptionedRequest(TTSRequest):
+    """``POST /v1/tts/captioned``: as ``POST /v1/tts``, answered with one JSON document (the audio and each
+    sentence's timing), or with subtitles only when ``format`` is srt or vtt."""
+
+    format: AudioFormat | CaptionFormat = "wav"
+    stream: Literal[False] = False
+    captions: CaptionFormat | None = None
+    """Subtitles in the JSON too, in this format."""
+
+    @field_validator("sample_rate")
+    @classmethod
+    def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if info.data.get("format") in ("srt", "vtt"):
+            return v
+        return _rate_fits_format(v, info, "format")
+
+
+class Segment(BaseModel):
+    """One sentence's place in the audio (exact: counted in samples, not estimated)."""
+
+    index: int
+    text: str
+    """As normalised, without control tokens."""
+    start_s: float
+    end_s: float
+
+
+class CaptionedSpeech(BaseModel):
+    audio: str
+    """The audio in ``format``, base64."""
+    format: AudioFormat
+    sample_rate: int
+    duration_s: float
+    segments: list[Segment]
+    captions: str | None = None
 
 
 class VoiceCreate(_Strict):

@@ -6,10 +6,12 @@ WebSocket protocol: the client sends ``{"type": "start", ...options}`` (the opti
 ``{"type": "text", "text": ...}`` and finally ``{"type": "end"}``. The server answers ``{"type": "start",
 "format", "sample_rate", ...}``, then for each audio piece a ``{"type": "chunk", "bytes": n, ...}`` event
 (``samples``: at the stream's ``sample_rate``) followed by exactly one binary frame of n bytes (none when n is
-0), and finally ``{"type": "end"}`` and a close with 1000. Text is spoken a part at a time: everything up to the
-last sentence end (。！？!?.\\n) received so far is one part. This module is the WebSocket framing of the
-streaming-text session that Wyoming shares (``server.text_session``: the reader and speaker tasks,
-backpressure, the idle clock, the text limit).
+0), and finally ``{"type": "end"}`` and a close with 1000. With ``"timestamps": true`` in the start message, a
+``{"type": "segment", "index", "part", "text", "start_s", "end_s"}`` event follows the chunk that completes a
+sentence: its place in the session's audio (parts back to back), counted in samples (``server.captions``).
+Text is spoken a part at a time: everything up to the last sentence end (。！？!?.\\n) received so far is one
+part. This module is the WebSocket framing of the streaming-text session that Wyoming shares
+(``server.text_session``: the reader and speaker tasks, backpressure, the idle clock, the text limit).
 
 Every session ends with ``end`` + 1000, or with an error event ``{"type": "error", "message", "code",
 "fatal": true}`` and a close with one of the codes below. The one error event that is not the end (``"fatal":
@@ -62,6 +64,7 @@ from ..engine.outputs import RequestOutput
 from ..model.config import SAMPLE_RATE
 from . import auth
 from .audio_response import ThreadedEncoder
+from .captions import SegmentClock, segment_event
 from .errors import APIError
 from .limits import synthesis
 from .native import _voice_and_params
@@ -118,6 +121,10 @@ class _Framing:
         self.encoder: ThreadedEncoder | None = None
         self.chunks = 0
         self.samples = 0
+        self.timestamps = False
+        self.clock: SegmentClock | None = None  # the current part's sentences, while timestamps are on
+        self.model_samples = 0  # the session's audio so far at the model's rate: where the next part starts
+        self.sentences = 0
 
     # ------------------------------------------------------------------ reading
 
@@ -144,6 +151,9 @@ class _Framing:
             has_initial_text = "text" in first
             first.setdefault("text", _NO_INITIAL_TEXT)
             first.setdefault("format", "pcm")
+            self.timestamps = first.pop("timestamps", False)
+            if not isinstance(self.timestamps, bool):
+                raise ValueError("timestamps must be true or false")
             body = TTSRequest(**first)
             params, policy = _voice_and_params(self.st, body, tenant_of(self.ws.scope))
         except (ValueError, ValidationError, APIError, RecursionError, TypeError) as exc:
@@ -182,11 +192,19 @@ class _Framing:
             before = self.encoder.samples_out
             data = await self.encoder.write(piece) + (await self.encoder.finish() if last else b"")
             await self._send_chunk(part, self.encoder.samples_out - before, chunk.elapsed_s, data)
+        if self.timestamps:
+            if self.clock is None:
+                self.clock = SegmentClock(self.model_samples, self.sentences)
+            self.model_samples += len(chunk.audio)
+            for span in self.clock.feed(chunk):
+                await self._send({**segment_event(span, "segment"), "part": part})
 
     def part_done(self) -> None:
         if self.encoder is not None:
             self.encoder.close()
             self.encoder = None
+        if self.clock is not None:
+            self.sentences, self.clock = self.clock.next_index, None
 
     async def refused(self, part: int, text: str, error: SessionError) -> None:
         await self._send(_error_event(error.message, error.code, fatal=False, part=part, text=excerpt(text)))
