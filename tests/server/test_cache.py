@@ -296,3 +296,11 @@ def test_openai_speech_and_its_sse_are_cached(client):
     assert again.content == first.content
     sse = client.post("/v1/audio/speech", json={**body, "stream_format": "sse"}, headers=A)
     assert sse.headers[CACHE_HEADER] == "hit" and "speech.audio.done" in sse.text
+
+
+def test_cache_mb_zero_turns_the_cache_off_and_a_negative_size_is_refused():
+    from chattts_serve.server.config import ServerConfig
+
+    assert ResultCache.for_engine(None, 0) is None
+    with pytest.raises(ValueError, match="cache_mb"):
+        ServerConfig.from_flat(cache_mb=-1)
