@@ -260,8 +260,8 @@ def test_a_seeded_request_again_is_a_byte_identical_hit(client, fmt, stream):
     assert _count(client, "chattts_cache_bytes") > 0
 
 
-def test_one_entry_serves_every_format_and_route(client):
-    """The entry is the PCM in its live chunks: another format, or the OpenAI route's same request, is a hit."""
+def test_one_entry_serves_every_format_and_rate(client):
+    """The entry is the PCM in its live chunks: the same request in another format or at another rate is a hit."""
     assert _tts(client, seed=200).headers[CACHE_HEADER] == "miss"
     assert _tts(client, seed=200, format="opus").headers[CACHE_HEADER] == "hit"
     assert _tts(client, seed=200, format="wav", sample_rate=8000).headers[CACHE_HEADER] == "hit"
