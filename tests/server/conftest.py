@@ -61,7 +61,10 @@ def server_flags(ckpt: Path, tmp: Path, port: int, *extra: str) -> list[str]:
     """``chattts-serve serve``'s flags for a test server; those in ``extra`` win over these defaults."""
     return [
         "--model", str(ckpt), "--port", str(port), "--host", "127.0.0.1",
-        "--voices-db", str(tmp / "voices.sqlite3"), "--threads", "1", "--log-level", "warning", *extra,
+        "--voices-db", str(tmp / "voices.sqlite3"), "--threads", "1", "--log-level", "warning",
+        # No result cache unless a test asks for one: a repeated seeded request must reach the engine, or a
+        # "same seed, same bytes" check would compare a copy with itself.
+        "--cache-mb", "0", *extra,
     ]  # fmt: skip
 
 
@@ -130,11 +133,11 @@ def start_server(
 
 
 def app_config(ckpt: Path, tmp: Path, **options):
-    """A ``ServerConfig`` for an in-process app on the CPU: ``ckpt``, voices in ``tmp``, no warm-up, and
-    ``options`` (flat names, as the flags)."""
+    """A ``ServerConfig`` for an in-process app on the CPU: ``ckpt``, voices in ``tmp``, no warm-up, no result
+    cache (as ``server_flags``), and ``options`` (flat names, as the flags)."""
     from chattts_serve.server.config import ServerConfig
 
-    options = {"voices_db": str(tmp / "voices.sqlite3"), "warmup": False, **options}
+    options = {"voices_db": str(tmp / "voices.sqlite3"), "warmup": False, "cache_mb": 0, **options}
     return ServerConfig.from_flat(model=str(ckpt), device="cpu", **options)
 
 

@@ -38,7 +38,9 @@ BODY = {
 @contextmanager
 def in_process_server(engine: AsyncEngine, tmp: Path, log_level: str = "warning", **settings) -> Iterator[str]:
     """``create_app`` around ``engine``, served in-process (``serving``); yields the base URL once ready.
-    ``settings``: more ``ServerConfig`` options (flat names, as the flags)."""
+    ``settings``: more ``ServerConfig`` options (flat names, as the flags). No result cache: every request here
+    must reach the engine its faults are injected into (a cached answer would skip them)."""
+    settings = {"cache_mb": 0, **settings}
     config = ServerConfig.from_flat(
         voices_db=str(tmp / "voices.sqlite3"), warmup=False, port=free_port(), log_level=log_level, **settings
     )

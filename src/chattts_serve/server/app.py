@@ -23,6 +23,7 @@ from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
 from . import native, openai_routes, openapi, voices_routes, websocket
 from .auth import Authenticate, KeyRing
+from .cache import ResultCache
 from .config import ServerConfig, resolve_device
 from .errors import APIError, ClientGone, ResponseCut
 from .limits import Limits, limited_routes, synthesis_routes
@@ -68,6 +69,7 @@ def create_app(
         app.state.metrics = Metrics(eng)
         app.state.voices = VoiceStore(config.voices.path)
         app.state.limits = Limits(config.max_concurrent_streams)
+        app.state.cache = ResultCache.for_engine(eng, config.cache_mb)
         if config.warmup:
             await eng.generate("你好。", SamplingParams(seed=0, max_new_tokens=4, refine_text=False))
         # Home Assistant's protocol, on the same engine, voices and limits as the HTTP API.

@@ -2,7 +2,9 @@
 
 The routes (HTTP, WebSocket, Wyoming) build the request's text, ``SamplingParams`` and ``StreamPolicy``;
 this starts it on the engine, waits for the first chunk (so capacity problems are still proper status
-codes), then streams PCM or encoded bytes and translates engine failures into ``errors``.
+codes), then streams PCM or encoded bytes and translates engine failures into ``errors``. A deterministic
+HTTP request is looked up in the result cache first (``server.cache``): a hit replays the stored chunks
+instead of running the engine, a miss that runs to its end is stored.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 from fastapi import Request
@@ -23,9 +26,11 @@ from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
+from .cache import CACHE_HEADER, ResultCache
 from .errors import APIError, ClientGone, StreamEndedByShutdown, StreamFailed, busy
 from .limits import Limits
 from .metrics import Metrics
+from .params import tenant_of
 
 logger = logging.getLogger(__name__)
 _COMPLETE = ("stop", "length")
@@ -53,12 +58,20 @@ class AudioResponse:
         """The last output once the request has finished (usage: text tokens, audio tokens)."""
         self._audio_samples = 0
         self._metrics_done = False
+        self.cache_status: str | None = None
+        """``hit`` or ``miss`` once the result cache has looked the request up; None: not cacheable."""
+        self._cache: ResultCache | None = None
+        self._cache_key: str | None = None
+        self._recorded: list[RequestOutput] | None = None
+        """A miss's outputs so far, to store once it completes; None: nothing to store."""
+        self._recorded_bytes = 0
 
     async def start(
         self, text: str, params: SamplingParams, policy: StreamPolicy, request_id: str, request: Request | None = None
     ) -> None:
         """Submit and wait for the first chunk (at most ``max_queue_wait_s``; a client that disconnects
-        meanwhile aborts the request at once)."""
+        meanwhile aborts the request at once). With ``request`` (an HTTP route's: it names the app's result
+        cache and the tenant) a deterministic request is looked up first, and a hit never reaches the engine."""
         try:
             self.limits.acquire()
         except APIError:
@@ -69,6 +82,11 @@ class AudioResponse:
         self.metrics.in_flight.inc()
         self.request_id = request_id
         try:
+            cached = self._look_up(text, params, policy, request)
+            if cached is not None:
+                self._stream = _replay(cached[1:], request_id, self.t0)
+                self._first = _replayed(cached[0], request_id, self.t0)
+                return
             self._stream = self.engine.stream(text, params, request_id=request_id, policy=policy)
             self._first = await self._first_chunk(request)
         except BaseException as exc:
@@ -78,6 +96,33 @@ class AudioResponse:
             else:  # cancelled: the caller went away while the request was queued (a Wyoming client did)
                 self._finish_metrics("aborted" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
             raise self._translate(exc) from None
+
+    def _look_up(
+        self, text: str, params: SamplingParams, policy: StreamPolicy, request: Request | None
+    ) -> Sequence[RequestOutput] | None:
+        """The cached outputs of this request, or None (then a cacheable miss is recorded)."""
+        cache = getattr(request.app.state, "cache", None) if request is not None else None
+        key = cache.key(text, params, policy, tenant_of(request.scope)) if cache is not None else None
+        if key is None:
+            return None
+        cached = cache.get(key)
+        self.cache_status = "hit" if cached is not None else "miss"
+        (self.metrics.cache_hits if cached is not None else self.metrics.cache_misses).inc()
+        if cached is None:
+            self._cache, self._cache_key, self._recorded = cache, key, []
+        return cached
+
+    def _record(self, chunk: RequestOutput) -> None:
+        """Keep a miss's chunk; store them all once the last one shows that the request completed."""
+        self._recorded.append(chunk)
+        self._recorded_bytes += chunk.audio.nbytes
+        if self._recorded_bytes > self._cache.max_entry_bytes:
+            self._recorded = None  # too long to keep: stop holding its audio
+        elif chunk.finished:
+            if chunk.finish_reason in _COMPLETE:
+                self._cache.put(self._cache_key, self._recorded)
+                self.metrics.cache_bytes.set(self._cache.nbytes)
+            self._recorded = None
 
     async def _first_chunk(self, request: Request | None) -> RequestOutput:
         first = asyncio.ensure_future(anext(self._stream))
@@ -108,8 +153,12 @@ class AudioResponse:
 
     @property
     def headers(self) -> dict[str, str]:
-        """The response headers known before the body: ``EMPTY_AUDIO_HEADER`` when the audio is empty."""
-        return {EMPTY_AUDIO_HEADER: "1"} if self.audio_empty else {}
+        """The response headers known before the body: ``EMPTY_AUDIO_HEADER`` when the audio is empty,
+        ``CACHE_HEADER`` when the result cache looked the request up."""
+        headers = {EMPTY_AUDIO_HEADER: "1"} if self.audio_empty else {}
+        if self.cache_status is not None:
+            headers[CACHE_HEADER] = self.cache_status
+        return headers
 
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, ClientGone):  # nobody reads this answer; it only ends the request cleanly
@@ -142,6 +191,8 @@ class AudioResponse:
                 if len(chunk.audio) and self._audio_samples == 0:
                     self.metrics.ttfb.labels(self.endpoint).observe(time.monotonic() - self.t0)
                 self._audio_samples += len(chunk.audio)
+                if self._recorded is not None:
+                    self._record(chunk)
                 yield chunk
                 if chunk.finished:
                     self._status = chunk.finish_reason or "stop"
@@ -199,10 +250,21 @@ class AudioResponse:
             self.metrics.empty_audio.labels(self.endpoint).inc()
         elapsed = time.monotonic() - self.t0
         self.metrics.latency.labels(self.endpoint).observe(elapsed)
-        if self._audio_samples:
+        if self._audio_samples and self.cache_status != "hit":  # a hit made no audio: it says nothing of the engine
             audio_s = self._audio_samples / SAMPLE_RATE
             self.metrics.audio_seconds.inc(audio_s)
             self.metrics.rtf.observe(elapsed / audio_s)
+
+
+def _replayed(out: RequestOutput, request_id: str, t0: float) -> RequestOutput:
+    """A cached output as this request's (its id, its clock); the audio is shared, read-only."""
+    return replace(out, request_id=request_id, elapsed_s=time.monotonic() - t0)
+
+
+async def _replay(outputs: Sequence[RequestOutput], request_id: str, t0: float) -> AsyncIterator[RequestOutput]:
+    """A cache hit's outputs after the first, in the live request's chunks."""
+    for out in outputs:
+        yield _replayed(out, request_id, t0)
 
 
 class ThreadedEncoder:

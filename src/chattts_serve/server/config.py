@@ -205,6 +205,10 @@ class ServerConfig:
     """A pronunciation lexicon for every request (``text/lexicon.py``): a JSON object or ``word<TAB>value`` lines,
     word -> replacement text or pinyin with tone numbers (``chang2``); a request's ``lexicon`` entries win.
     Read once, at start-up."""
+    cache_mb: int = 256
+    """Result cache (``server/cache.py``): the audio of seeded requests, so that the same request again is
+    answered without the engine, byte for byte; at most this many MiB, least recently used evicted first.
+    0 turns it off."""
     warmup: bool = True
     log_level: str = "info"
     log_format: str = "text"
@@ -232,6 +236,8 @@ class ServerConfig:
             at_least_one=("max_concurrent_streams", "max_connections", "max_input_chars", "max_body_bytes"),
             positive=("max_buffered_audio_s",),
         )
+        if self.cache_mb < 0:
+            raise ValueError(f"cache_mb must be >= 0 (0: no cache), got {self.cache_mb}")
 
     # ------------------------------------------------------------------ flat options
 

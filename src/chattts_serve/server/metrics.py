@@ -44,6 +44,11 @@ class Metrics:
             registry=r,
         )
         self.in_flight = Gauge("chattts_requests_in_flight", "Requests being served", registry=r)
+        self.cache_hits = Counter("chattts_cache_hits", "Requests answered from the result cache", registry=r)
+        self.cache_misses = Counter(
+            "chattts_cache_misses", "Cacheable (seeded) requests the result cache did not hold", registry=r
+        )
+        self.cache_bytes = Gauge("chattts_cache_bytes", "Bytes the result cache holds", registry=r)
         if engine is not None:
             Gauge("chattts_queue_depth", "Sequences waiting for a KV slot", registry=r).set_function(
                 lambda: engine.stats().num_waiting
