@@ -165,6 +165,18 @@ def test_all_eos_blocked_or_none_blocked():
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_penalty_one_in_every_row(seed):
+    """The batched path skips the penalty when every row's is 1 (the refine default); the mixed batches
+    above apply it with alpha = 1 in those rows. Both equal the oracle."""
+    seqs = make_seqs(50 + seed, 24)
+    for s in seqs:
+        s.penalty = 1.0
+    logits = make_logits(seqs, 50 + seed)
+    for s, lg, p in zip(seqs, logits, split(batch_probs(seqs, logits), seqs), strict=True):
+        assert torch.equal(p, single_probs(s, lg))
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_row_results_do_not_depend_on_the_batch(seed):
     seqs = make_seqs(100 + seed, 20)
     logits = make_logits(seqs, 100 + seed)
