@@ -3,7 +3,20 @@ from the first turn's first chunk, a bad turn named, a client that leaves aborti
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import httpx
+import numpy as np
+import pytest
+
+from chattts_serve.audio.policy import StreamPolicy
+from chattts_serve.engine.async_engine import EngineError
+from chattts_serve.engine.outputs import RequestOutput
+from chattts_serve.engine.scheduler import QueueFullError
+from chattts_serve.sampling_params import SamplingParams
+from chattts_serve.server.dialogue import Turn, spoken
+from chattts_serve.server.errors import APIError
 
 from .conftest import HTTP_TIMEOUT, SR, check_openai_error, metric, metrics_text, tts_body, wait_until
 
@@ -88,3 +101,90 @@ def test_dialogue_is_documented(http):
     op = doc["paths"]["/v1/dialogue"]["post"]
     assert "audio/pcm" in op["responses"]["200"]["content"] and "400" in op["responses"]
     assert "DialogueRequest" in doc["components"]["schemas"]
+
+
+# ------------------------------------------------------------------ spoken(): the turns' outputs as one stream
+
+
+class _Engine:
+    """Streams scripted per text: outputs, errors raised, events waited on. Records which streams closed."""
+
+    def __init__(self, script: dict) -> None:
+        self.script, self.closed = script, []
+
+    def stream(self, text, params, *, request_id, policy):
+        return self._outputs(text, request_id)
+
+    async def _outputs(self, text, request_id):
+        try:
+            for item in self.script[text]:
+                if isinstance(item, asyncio.Event):
+                    await item.wait()
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            self.closed.append(request_id)
+
+
+def _out(samples: int, finished: bool = False, reason: str | None = None) -> RequestOutput:
+    audio = np.arange(1, samples + 1, dtype=np.float32)
+    return RequestOutput("engine-id", audio, finished=finished, finish_reason=reason)
+
+
+def _spoken(engine: _Engine, *texts: str, pause: int = 0):
+    turns = [Turn(t, SamplingParams()) for t in texts]
+    return spoken(engine, turns, StreamPolicy(), "d", pause)
+
+
+async def _all(outputs) -> list[RequestOutput]:
+    async with contextlib.aclosing(outputs) as it:
+        return [o async for o in it]
+
+
+def test_spoken_turns_in_order_with_pauses_and_one_end():
+    engine = _Engine({"a": [_out(2), _out(3, True, "stop")], "b": [_out(1, True, "length")]})
+    outs = asyncio.run(_all(_spoken(engine, "a", "b", pause=4)))
+    audio = np.concatenate([o.audio for o in outs])
+    assert audio.tolist() == [1, 2, 1, 2, 3, 0, 0, 0, 0, 1]
+    assert [o.finished for o in outs] == [False, False, False, True]
+    assert outs[-1].finish_reason == "length" and {o.request_id for o in outs} == {"d"}
+    assert [o.start_sample for o in outs] == [0, 2, 5, 9] and [o.index for o in outs] == [0, 1, 2, 3]
+    assert sorted(engine.closed) == ["d-t0", "d-t1"]
+
+
+def test_spoken_a_turn_refused_before_the_first_audio_is_a_400_naming_it():
+    never = asyncio.Event()
+    engine = _Engine({"a": [never, _out(1, True, "stop")], "b": [ValueError("nothing to speak")]})
+
+    async def first():
+        outputs = _spoken(engine, "a", "b")
+        try:
+            await anext(outputs)
+        finally:
+            await outputs.aclose()
+
+    with pytest.raises(APIError) as err:
+        asyncio.run(first())
+    assert err.value.status_code == 400 and err.value.param == "turns.1"
+    assert str(err.value.detail) == "turn 1: nothing to speak"
+    assert sorted(engine.closed) == ["d-t0", "d-t1"]  # the first turn was aborted too
+
+
+def test_spoken_a_turn_failing_after_the_first_audio_fails_the_stream():
+    first_out = asyncio.Event()  # the second turn is refused only once the first turn's audio is out
+    engine = _Engine({"a": [_out(2), _out(1, True, "stop")], "b": [first_out, QueueFullError("full")], "c": [_out(5)]})
+
+    async def run():
+        got = []
+        with pytest.raises(EngineError, match="turn 1: full"):
+            async with contextlib.aclosing(_spoken(engine, "a", "b", "c")) as it:
+                async for o in it:
+                    got.append(o)
+                    first_out.set()
+        return got
+
+    got = asyncio.run(run())
+    assert [len(o.audio) for o in got] == [2, 1]
+    assert sorted(engine.closed) == ["d-t0", "d-t1", "d-t2"]  # every turn closed: the running ones aborted

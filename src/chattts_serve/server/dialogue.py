@@ -25,7 +25,9 @@ from fastapi.responses import Response
 
 from ..audio.encode import encode_whole
 from ..audio.policy import StreamPolicy
+from ..engine.async_engine import EngineError
 from ..engine.outputs import RequestOutput
+from ..engine.scheduler import QueueFullError
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from .audio_response import AudioResponse
@@ -116,7 +118,10 @@ async def spoken(
             if i and pause:
                 yield RequestOutput(request_id, np.zeros(pause, np.float32), index=index, start_sample=position)
                 index, position = index + 1, position + pause
-            chunk = await first
+            try:
+                chunk = await first
+            except (APIError, QueueFullError) as exc:  # the first turn's audio is out: the stream fails
+                raise EngineError(str(exc.detail) if isinstance(exc, APIError) else f"turn {i}: {exc}") from None
             last_turn = i == len(turns) - 1
             while True:
                 spans = [s.shifted(position - chunk.start_sample, sentences + s.index) for s in chunk.spans]
