@@ -5,11 +5,15 @@ Every turn is its own engine request and all of them are submitted at once, so t
 place in the concurrency limits, its metrics are the endpoint ``dialogue``'s, and its audio goes through one
 encoder (``AudioResponse``). The first audio leaves with the first turn's first chunk; a later turn's audio
 waits in its engine collector until the turns before it are out (at most ``max_buffered_audio_s`` of it, the
-engine's guard against a client that stops reading), then follows ``pause_ms`` of silence. A turn the
-engine refuses at submission (its text normalises to nothing, a malformed speaker string, a full queue) is
-found while the first turn starts, and the answer is an error naming the turn. Closing the response (a client
-that leaves, a failed turn) aborts every turn's engine request. Dialogues are not looked up in the result
-cache.
+engine's guard against a client that stops reading), then follows ``pause_ms`` of silence.
+
+Bounds: at most ``MAX_TURNS`` turns of at most ``max_input_chars`` each. A bad turn is a 400 naming it
+(``param`` ``turns.I...``): its fields, its voice and options are checked before anything is submitted; what
+only the engine checks (a text that normalises to nothing, a malformed speaker string) is found when the turn
+is submitted. That is before the first turn's first chunk in practice (preparing a text takes about a
+millisecond, the first chunk several engine steps), so the answer is still a 400; a refusal after the first
+audio is out ends the stream as failed. Closing the response (a client that leaves, a failed turn) aborts
+every turn's engine request. Dialogues are not looked up in the result cache.
 """
 
 from __future__ import annotations
