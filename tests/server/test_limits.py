@@ -55,7 +55,7 @@ def test_synthesis_routes_are_found_by_their_tag_inside_a_route_prefix():
     assert not synthesises("http", "/tenants/vip/v1/tts")  # prefix not stripped: another app
 
 
-def test_the_apps_synthesis_routes_are_speech_tts_and_the_websocket():
+def test_the_apps_synthesis_routes_are_speech_tts_dialogue_and_the_websocket():
     from chattts_serve.server.app import create_app
     from chattts_serve.server.config import ServerConfig
 
@@ -64,6 +64,7 @@ def test_the_apps_synthesis_routes_are_speech_tts_and_the_websocket():
         ("http", "POST", "/v1/audio/speech"),
         ("http", "POST", "/v1/tts"),
         ("http", "POST", "/v1/tts/captioned"),
+        ("http", "POST", "/v1/dialogue"),
         ("websocket", "", "/v1/tts/stream"),
     }
 

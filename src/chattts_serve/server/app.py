@@ -21,7 +21,7 @@ from starlette.middleware import Middleware
 
 from ..engine.async_engine import AsyncEngine
 from ..sampling_params import SamplingParams
-from . import native, openai_routes, openapi, voices_routes, websocket
+from . import dialogue, native, openai_routes, openapi, voices_routes, websocket
 from .auth import Authenticate, KeyRing
 from .cache import ResultCache
 from .config import ServerConfig, resolve_device
@@ -149,7 +149,7 @@ def create_app(
     async def playground():
         return (resources.files("chattts_serve.server") / "static" / "index.html").read_text("utf-8")
 
-    routers = (openai_routes.router, native.router, websocket.router, voices_routes.router)
+    routers = (openai_routes.router, native.router, dialogue.router, websocket.router, voices_routes.router)
     for router in routers:
         app.include_router(router)
     app.state.synthesis_routes = synthesis_routes(route for router in routers for route in router.routes)

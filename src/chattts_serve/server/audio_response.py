@@ -72,6 +72,21 @@ class AudioResponse:
         """Submit and wait for the first chunk (at most ``max_queue_wait_s``; a client that disconnects
         meanwhile aborts the request at once). With ``request`` (an HTTP route's: it names the app's result
         cache and the tenant) a deterministic request is looked up first, and a hit never reaches the engine."""
+
+        def outputs() -> AsyncIterator[RequestOutput]:
+            cached = self._look_up(text, params, policy, request)
+            if cached is None:
+                return self.engine.stream(text, params, request_id=request_id, policy=policy)
+            self._first = _replayed(cached[0], request_id, self.t0)
+            return _replay(cached[1:], request_id, self.t0)
+
+        await self.start_outputs(outputs, request_id, request)
+
+    async def start_outputs(
+        self, outputs: Callable[[], AsyncIterator[RequestOutput]], request_id: str, request: Request | None = None
+    ) -> None:
+        """``start`` for outputs that are not one engine request's (``server.dialogue``: several requests'
+        outputs, in order): ``outputs()`` opens them once the request holds its place in the limits."""
         try:
             self.limits.acquire()
         except APIError:
@@ -82,13 +97,9 @@ class AudioResponse:
         self.metrics.in_flight.inc()
         self.request_id = request_id
         try:
-            cached = self._look_up(text, params, policy, request)
-            if cached is not None:
-                self._stream = _replay(cached[1:], request_id, self.t0)
-                self._first = _replayed(cached[0], request_id, self.t0)
-                return
-            self._stream = self.engine.stream(text, params, request_id=request_id, policy=policy)
-            self._first = await self._first_chunk(request)
+            self._stream = outputs()
+            if self._first is None:  # a cache hit has it already
+                self._first = await self._first_chunk(request)
         except BaseException as exc:
             await self._close()
             if isinstance(exc, (QueueFullError, TimeoutError)):

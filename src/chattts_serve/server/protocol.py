@@ -173,6 +173,38 @@ class TTSRequest(ChatTTSOptions):
         return _rate_fits_format(v, info, "format")
 
 
+MAX_TURNS = 32
+"""Most turns in one dialogue: each is an engine request, all submitted at once."""
+
+
+class DialogueTurn(ChatTTSOptions):
+    """One turn of ``POST /v1/dialogue``: its text, its voice and its own ChatTTS options."""
+
+    text: str = Field(..., min_length=1)
+    voice: str | None = Field(None, max_length=VOICE_CHARS)
+    """As ``TTSRequest.voice``: a saved voice, an OpenAI voice name, a speaker string, or a blend."""
+    speaker: str | None = Field(None, max_length=VOICE_CHARS)
+    """A speaker string or a blend (wins over ``voice``)."""
+
+
+class DialogueRequest(_Strict):
+    """Native ``POST /v1/dialogue``: the turns spoken in order as one audio stream, each in its voice; streams
+    by default."""
+
+    turns: list[DialogueTurn] = Field(..., min_length=1, max_length=MAX_TURNS)
+    format: AudioFormat = "wav"
+    sample_rate: int | None = SAMPLE_RATE_FIELD
+    stream: bool = True
+    pause_ms: int = Field(300, ge=0, le=5000)
+    """Silence between two turns."""
+    chunking: StreamOptions | None = None
+
+    @field_validator("sample_rate")
+    @classmethod
+    def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return _rate_fits_format(v, info, "format")
+
+
 CaptionFormat = Literal["srt", "vtt"]  # server.captions.CAPTION_MEDIA_TYPES
 
 

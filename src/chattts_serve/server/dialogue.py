@@ -1,0 +1,167 @@
+"""``POST /v1/dialogue``: several turns, each in its voice, spoken in order as one audio stream.
+
+Every turn is its own engine request and all of them are submitted at once, so the engine batches them
+(the turns run side by side, not one after another). The answer is one request to the client: it holds one
+place in the concurrency limits, its metrics are the endpoint ``dialogue``'s, and its audio goes through one
+encoder (``AudioResponse``). The first audio leaves with the first turn's first chunk; a later turn's audio
+waits in its engine collector until the turns before it are out (at most ``max_buffered_audio_s`` of it, the
+engine's guard against a client that stops reading), then follows ``pause_ms`` of silence.
+
+Bounds: at most ``MAX_TURNS`` turns of at most ``max_input_chars`` each. A bad turn is a 400 naming it
+(``param`` ``turns.I...``): its fields, its voice and options are checked before anything is submitted; what
+only the engine checks (a text that normalises to nothing, a malformed speaker string) is found when the turn
+is submitted. That is before the first turn's first chunk in practice (preparing a text takes about a
+millisecond, the first chunk several engine steps), so the answer is still a 400; a refusal after the first
+audio is out ends the stream as failed. Closing the response (a client that leaves, a failed turn) aborts
+every turn's engine request. Dialogues are not looked up in the result cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ..audio.encode import encode_whole
+from ..audio.policy import StreamPolicy
+from ..engine.async_engine import EngineError
+from ..engine.outputs import RequestOutput
+from ..engine.scheduler import QueueFullError
+from ..model.config import SAMPLE_RATE
+from ..sampling_params import SamplingParams
+from .audio_response import AudioResponse
+from .errors import APIError, ClientGone, TimedStreamingResponse, check_length
+from .limits import synthesis
+from .openapi import audio_responses, errors
+from .params import build_params, build_policy, request_defaults, resolve_voice, tenant_of
+from .protocol import MEDIA_TYPES, DialogueRequest
+
+router = APIRouter()
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One turn as the engine takes it."""
+
+    text: str
+    params: SamplingParams
+
+
+@router.post("/v1/dialogue", response_class=Response, responses={**audio_responses(sse=False), **errors(429)})
+@synthesis
+async def dialogue(body: DialogueRequest, request: Request):
+    """The turns in order, each in its voice, ``pause_ms`` of silence between two; streamed by default."""
+    st = request.app.state
+    turns = _turns(st, body, tenant_of(request.scope))
+    policy = build_policy(st.engine.stream_policy, body.chunking)
+    pause = body.pause_ms * SAMPLE_RATE // 1000
+    rid = request.state.request_id
+    resp = AudioResponse(st.engine, st.metrics, st.limits, "dialogue", st.config.timeouts.queue_wait_s)
+    await resp.start_outputs(lambda: spoken(st.engine, turns, policy, rid, pause), rid, request)
+    if body.stream:
+        return TimedStreamingResponse(
+            resp.encoded(body.format, body.sample_rate),
+            st.config.timeouts.send_s,
+            media_type=MEDIA_TYPES[body.format],
+            headers=resp.headers,
+        )
+    parts = []
+    async with contextlib.aclosing(resp.chunks()) as chunks:
+        async for c in chunks:
+            parts.append(c.audio)
+            if await request.is_disconnected():  # nobody waits for the whole file: stop generating it
+                raise ClientGone()
+    audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    data = await asyncio.to_thread(encode_whole, audio, body.format, body.sample_rate)
+    return Response(data, media_type=MEDIA_TYPES[body.format], headers=resp.headers)
+
+
+def _turns(st, body: DialogueRequest, tenant: str | None) -> list[Turn]:
+    """Each turn's voice and options (on the server's defaults, as ``/v1/tts``'s); a bad one is a 400 that
+    names it (``param``: ``turns.I.FIELD``)."""
+    cfg = st.config
+    defaults = request_defaults(cfg.default_options)
+    turns = []
+    for i, turn in enumerate(body.turns):
+        try:
+            check_length(turn.text, cfg.max_input_chars, "text")
+            voice = resolve_voice(st.voices, st.engine, turn.speaker or turn.voice, cfg.voices.default, "voice", tenant)
+            params = build_params(turn, voice, defaults=defaults, lexicon=cfg.lexicon)
+        except APIError as exc:
+            raise _in_turn(exc, i) from None
+        turns.append(Turn(turn.text, params))
+    return turns
+
+
+def _in_turn(exc: APIError, index: int) -> APIError:
+    """``exc`` as turn ``index``'s."""
+    param = f"turns.{index}.{exc.param}" if exc.param else f"turns.{index}"
+    return APIError(exc.status_code, f"turn {index}: {exc.detail}", exc.type, param, exc.code, exc.headers)
+
+
+async def spoken(
+    engine, turns: Sequence[Turn], policy: StreamPolicy, request_id: str, pause: int
+) -> AsyncIterator[RequestOutput]:
+    """The turns' outputs as one request's: all submitted now, yielded in order with ``pause`` samples of
+    silence between two turns; only the last turn's last output is ``finished``. The first output waits for
+    the first turn's first chunk, or ends with the error of any turn that failed before it. Closing this
+    aborts every turn still running."""
+    streams = [
+        engine.stream(t.text, t.params, request_id=f"{request_id}-t{i}", policy=policy) for i, t in enumerate(turns)
+    ]
+    firsts = [asyncio.ensure_future(_opened(s, i)) for i, s in enumerate(streams)]
+    index = position = sentences = 0
+    try:
+        await _first_turn_started(firsts)
+        for i, (stream, first) in enumerate(zip(streams, firsts, strict=True)):
+            if i and pause:
+                yield RequestOutput(request_id, np.zeros(pause, np.float32), index=index, start_sample=position)
+                index, position = index + 1, position + pause
+            try:
+                chunk = await first
+            except (APIError, QueueFullError) as exc:  # the first turn's audio is out: the stream fails
+                raise EngineError(str(exc.detail) if isinstance(exc, APIError) else f"turn {i}: {exc}") from None
+            last_turn = i == len(turns) - 1
+            while True:
+                spans = [s.shifted(position - chunk.start_sample, sentences + s.index) for s in chunk.spans]
+                out = replace(chunk, request_id=request_id, index=index, start_sample=position, spans=spans)
+                if chunk.finished and not last_turn:  # one turn's end is not the dialogue's
+                    out = replace(out, finished=False, finish_reason=None, segments=None)
+                yield out
+                index, position = index + 1, position + len(chunk.audio)
+                if chunk.finished:
+                    sentences += len(chunk.segments or ())
+                    break
+                chunk = await anext(stream)
+    finally:
+        for f in firsts:
+            f.cancel()
+        for f in firsts:
+            with contextlib.suppress(BaseException):  # its error was raised already, or nobody needs it now
+                await f
+        for s in streams:
+            await s.aclose()  # aborts the turn's engine request if it is still running
+
+
+async def _opened(stream: AsyncIterator[RequestOutput], index: int) -> RequestOutput:
+    """A turn's first output; the engine's refusal of its input as a 400 naming the turn."""
+    try:
+        return await anext(stream)
+    except ValueError as exc:
+        raise APIError(400, f"turn {index}: {exc}", param=f"turns.{index}") from None
+
+
+async def _first_turn_started(firsts: list[asyncio.Future]) -> None:
+    """Until the first turn has its first output; raises the error of any turn that fails before."""
+    pending = set(firsts)
+    while not firsts[0].done():
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()
+    firsts[0].result()
