@@ -48,10 +48,10 @@ def _rate_fits_format(rate: int | None, info: ValidationInfo, format_field: str)
 SPEED_FIELD = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
 
 
-def _unstretched(v, info: ValidationInfo, name: str):
+def _unstretched(v, speed: float, speed_mode: str, name: str):
     """``v`` when the audio is not time-stretched: sentence timings are counted in the model's samples, and a
     stretched stream's would be estimates."""
-    if v and info.data.get("speed_mode", "prompt") != "prompt" and info.data.get("speed", 1.0) != 1.0:
+    if v and speed_mode != "prompt" and speed != 1.0:
         raise PydanticCustomError(name, f'{name} need speed_mode "prompt" (timings of stretched audio are not exact)')
     return v
 
@@ -157,7 +157,7 @@ class SpeechRequest(ChatTTSOptions):
     def _timestamps_in_sse(cls, v: bool, info: ValidationInfo) -> bool:
         if v and info.data.get("stream_format") != "sse":
             raise PydanticCustomError("timestamps", 'timestamps are events: they need stream_format "sse"')
-        return _unstretched(v, info, "timestamps")
+        return _unstretched(v, info.data.get("speed", 1.0), info.data.get("speed_mode", "prompt"), "timestamps")
 
 
 class StreamOptions(_Strict):
@@ -212,8 +212,7 @@ class CaptionedRequest(TTSRequest):
 
     @model_validator(mode="after")
     def _timed(self) -> CaptionedRequest:
-        if self.speed != 1.0 and self.speed_mode != "prompt":
-            raise ValueError('captions need speed_mode "prompt" (timings of stretched audio are not exact)')
+        _unstretched(True, self.speed, self.speed_mode, "captions")
         return self
 
 
