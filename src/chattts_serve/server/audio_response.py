@@ -21,6 +21,7 @@ from fastapi import Request
 
 from ..audio.encode import StreamingEncoder
 from ..audio.policy import StreamPolicy
+from ..audio.stretch import StreamingStretcher
 from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineError, ShutdownError
 from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
@@ -226,11 +227,16 @@ class AudioResponse:
             self._finish_metrics(self._status)
 
     async def encoded(
-        self, fmt: str, sample_rate: int | None = None, on_chunk: Callable[[RequestOutput], object] | None = None
+        self,
+        fmt: str,
+        sample_rate: int | None = None,
+        on_chunk: Callable[[RequestOutput], object] | None = None,
+        stretch: float = 1.0,
     ) -> AsyncIterator[bytes]:
-        """The response body in ``fmt`` at ``sample_rate`` (None: the format's default), encoded (and resampled)
-        in a worker thread, never on the event loop. ``on_chunk`` sees each chunk first (its sentence spans)."""
-        encoder = ThreadedEncoder(fmt, sample_rate)
+        """The response body in ``fmt`` at ``sample_rate`` (None: the format's default), time-stretched by
+        ``stretch`` (``audio.stretch``), encoded (and resampled) in a worker thread, never on the event loop.
+        ``on_chunk`` sees each chunk first (its sentence spans)."""
+        encoder = ThreadedEncoder(fmt, sample_rate, stretch)
         try:
             async for chunk in self.chunks():
                 if on_chunk is not None:
@@ -280,10 +286,12 @@ async def _replay(outputs: Sequence[RequestOutput], request_id: str, t0: float) 
 
 class ThreadedEncoder:
     """A ``StreamingEncoder`` whose work runs in a worker thread: a 5 s mp3 or opus frame takes a few hundred ms
-    to encode, which on the event loop would stall every other client of the server."""
+    to encode, which on the event loop would stall every other client of the server. With ``stretch`` other
+    than 1, a ``StreamingStretcher`` (one per response, so its joins are seamless) comes before the encoder."""
 
-    def __init__(self, fmt: str, sample_rate: int | None = None) -> None:
+    def __init__(self, fmt: str, sample_rate: int | None = None, stretch: float = 1.0) -> None:
         self._encoder = StreamingEncoder(fmt, sample_rate)
+        self._stretcher = StreamingStretcher(stretch) if stretch != 1.0 else None
         self._work: asyncio.Future | None = None
 
     @property
@@ -298,11 +306,18 @@ class ThreadedEncoder:
 
     async def write(self, pcm: np.ndarray) -> bytes:
         """The bytes ready after encoding ``pcm`` (maybe none)."""
-        return await self._in_thread(self._encoder.write, pcm)
+        return await self._in_thread(self._write, pcm)
 
     async def finish(self) -> bytes:
         """The bytes that complete the file; ``close`` then has nothing left to free."""
-        return await self._in_thread(self._encoder.finish)
+        return await self._in_thread(self._finish)
+
+    def _write(self, pcm: np.ndarray) -> bytes:
+        return self._encoder.write(self._stretcher.process(pcm) if self._stretcher is not None else pcm)
+
+    def _finish(self) -> bytes:
+        tail = self._encoder.write(self._stretcher.flush()) if self._stretcher is not None else b""
+        return tail + self._encoder.finish()
 
     async def _in_thread(self, fn, *args) -> bytes:
         self._work = asyncio.ensure_future(asyncio.to_thread(fn, *args))

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..audio.encode import check_rate, encode_whole
+from ..audio.stretch import plan_speed, stretch
 from ..engine.outputs import SegmentSpan
 from ..model.config import SAMPLE_RATE
 from .audio_response import AudioResponse
@@ -32,27 +33,29 @@ def _voice_and_params(st, body: TTSRequest, tenant: str | None):
     cfg = st.config
     check_length(body.text, cfg.max_input_chars, "text")
     voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.voices.default, "voice", tenant)
-    params = build_params(body, voice, defaults=request_defaults(cfg.default_options), lexicon=cfg.lexicon)
-    return params, build_policy(st.engine.stream_policy, body.chunking)
+    speed = plan_speed(body.speed, body.speed_mode)
+    defaults = request_defaults(cfg.default_options)
+    params = build_params(body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon)
+    return params, build_policy(st.engine.stream_policy, body.chunking), speed.stretch
 
 
 @router.post("/v1/tts", response_class=Response, responses={**audio_responses(sse=False), **errors(429)})
 @synthesis
 async def tts(body: TTSRequest, request: Request):
     st = request.app.state
-    params, policy = _voice_and_params(st, body, tenant_of(request.scope))
+    params, policy, factor = _voice_and_params(st, body, tenant_of(request.scope))
     resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.timeouts.queue_wait_s)
     await resp.start(body.text, params, policy, request.state.request_id, request)
     if body.stream:
         return TimedStreamingResponse(
-            resp.encoded(body.format, body.sample_rate),
+            resp.encoded(body.format, body.sample_rate, stretch=factor),
             st.config.timeouts.send_s,
             media_type=MEDIA_TYPES[body.format],
             headers=resp.headers,
         )
     audio, _ = await _whole(resp, request)
-    # encoding is not the event loop's work
-    data = await asyncio.to_thread(encode_whole, audio, body.format, body.sample_rate)
+    # stretching and encoding are not the event loop's work
+    data = await asyncio.to_thread(lambda: encode_whole(stretch(audio, factor), body.format, body.sample_rate))
     return Response(data, media_type=MEDIA_TYPES[body.format], headers=resp.headers)
 
 
@@ -72,7 +75,7 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
     """The whole audio (base64, in ``format``) with each sentence's start and end (``server.captions``); with
     ``format`` srt or vtt, only the subtitles."""
     st = request.app.state
-    params, policy = _voice_and_params(st, body, tenant_of(request.scope))
+    params, policy, _ = _voice_and_params(st, body, tenant_of(request.scope))  # (no stretch: CaptionedRequest)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "captioned", st.config.timeouts.queue_wait_s)
     await resp.start(body.text, params, policy, request.state.request_id, request)
     audio, spans = await _whole(resp, request)

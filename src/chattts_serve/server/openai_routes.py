@@ -9,7 +9,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..sampling_params import speed_prompt
+from ..audio.stretch import plan_speed
 from .audio_response import AudioResponse
 from .captions import SegmentClock, segment_event
 from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
@@ -42,28 +42,28 @@ async def speech(body: SpeechRequest, request: Request):
         )
     check_length(body.input, cfg.max_input_chars, "input")
     voice = resolve_voice(st.voices, st.engine, body.voice, cfg.voices.default, "voice", tenant_of(request.scope))
-    implied = speed_prompt(body.speed) if body.speed != 1.0 else None  # 1.0 (normal) leaves the defaults' prompt
+    speed = plan_speed(body.speed, body.speed_mode)  # the [speed_N] prompt implied, and/or a time stretch
     params = build_params(
-        body, voice, prompt=implied, defaults=request_defaults(cfg.default_options), lexicon=cfg.lexicon
+        body, voice, prompt=speed.prompt, defaults=request_defaults(cfg.default_options), lexicon=cfg.lexicon
     )
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.timeouts.queue_wait_s)
     await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id, request)
     timeout = cfg.timeouts.send_s
     if body.stream_format == "sse":
-        sse = _sse(resp, body.response_format, body.sample_rate, body.timestamps)
+        sse = _sse(resp, body.response_format, body.sample_rate, body.timestamps, speed.stretch)
         return TimedStreamingResponse(sse, timeout, media_type="text/event-stream", headers=resp.headers)
     fmt = body.response_format
-    audio = resp.encoded(fmt, body.sample_rate)
+    audio = resp.encoded(fmt, body.sample_rate, stretch=speed.stretch)
     return TimedStreamingResponse(audio, timeout, media_type=MEDIA_TYPES[fmt], headers=resp.headers)
 
 
-async def _sse(resp: AudioResponse, fmt: str, sample_rate: int | None, timestamps: bool = False):
+async def _sse(resp: AudioResponse, fmt: str, sample_rate: int | None, timestamps: bool = False, stretch: float = 1.0):
     """OpenAI's speech SSE: ``speech.audio.delta`` events with base64 audio, then ``speech.audio.done``. With
     ``timestamps``, a ``speech.segment`` event (ours: ``server.captions``) follows the delta that completes a
     sentence (or a later one, while the encoder still holds the sentence's last samples)."""
     clock = SegmentClock() if timestamps else None
     try:
-        async for data in resp.encoded(fmt, sample_rate, clock.feed if clock is not None else None):
+        async for data in resp.encoded(fmt, sample_rate, clock.feed if clock is not None else None, stretch):
             event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
             yield f"data: {json.dumps(event)}\n\n" + _segment_events(clock)
     except StreamFailed as exc:  # an error event, never a "done" after a failure

@@ -6,11 +6,12 @@ import json
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..audio.encode import check_rate
 from ..audio.resample import MAX_RATE, MIN_RATE
+from ..audio.stretch import MAX_SPEED, MIN_SPEED, SpeedMode
 from ..sampling_params import OPTION_BOUNDS as _B
 
 AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw"]  # audio.encode.FORMATS
@@ -42,6 +43,17 @@ def _rate_fits_format(rate: int | None, info: ValidationInfo, format_field: str)
         except ValueError as exc:
             raise PydanticCustomError("sample_rate", str(exc)) from None
     return rate
+
+
+SPEED_FIELD = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
+
+
+def _unstretched(v, speed: float, speed_mode: str, name: str):
+    """``v`` when the audio is not time-stretched: sentence timings are counted in the model's samples, and a
+    stretched stream's would be estimates."""
+    if v and speed_mode != "prompt" and speed != 1.0:
+        raise PydanticCustomError(name, f'{name} need speed_mode "prompt" (timings of stretched audio are not exact)')
+    return v
 
 
 VOICE_CHARS = 8192
@@ -125,8 +137,10 @@ class SpeechRequest(ChatTTSOptions):
     instructions: str | None = Field(None, max_length=4096)
     """Accepted for compatibility; ChatTTS has no instruction conditioning (ignored)."""
     response_format: AudioFormat = "mp3"
-    speed: float = Field(1.0, ge=0.25, le=4.0)
-    """Mapped to ChatTTS's [speed_0]..[speed_9] (1.0 -> [speed_5])."""
+    speed: float = SPEED_FIELD
+    """How ``speed_mode`` says: ChatTTS's [speed_0]..[speed_9] (1.0 -> [speed_5]) and/or a time stretch."""
+    speed_mode: SpeedMode = "prompt"
+    """Not OpenAI's (``extra_body``): "prompt", "stretch" or "both" (``audio.stretch``)."""
     stream_format: Literal["audio", "sse"] = "audio"
     sample_rate: int | None = SAMPLE_RATE_FIELD
     """Not OpenAI's: the ``openai`` SDK sends it in ``extra_body``."""
@@ -143,7 +157,7 @@ class SpeechRequest(ChatTTSOptions):
     def _timestamps_in_sse(cls, v: bool, info: ValidationInfo) -> bool:
         if v and info.data.get("stream_format") != "sse":
             raise PydanticCustomError("timestamps", 'timestamps are events: they need stream_format "sse"')
-        return v
+        return _unstretched(v, info.data.get("speed", 1.0), info.data.get("speed_mode", "prompt"), "timestamps")
 
 
 class StreamOptions(_Strict):
@@ -164,6 +178,10 @@ class TTSRequest(ChatTTSOptions):
     """A speaker string or a blend (wins over ``voice``)."""
     format: AudioFormat = "wav"
     sample_rate: int | None = SAMPLE_RATE_FIELD
+    speed: float = SPEED_FIELD
+    """1 = normal; applied as ``speed_mode`` says (a ``prompt`` the request sets wins over "prompt"'s)."""
+    speed_mode: SpeedMode = "prompt"
+    """"prompt" (ChatTTS's [speed_N]), "stretch" (a pitch-preserving time stretch) or "both" (``audio.stretch``)."""
     stream: bool = True
     chunking: StreamOptions | None = None
 
@@ -223,6 +241,11 @@ class CaptionedRequest(TTSRequest):
         if info.data.get("format") in ("srt", "vtt"):
             return v
         return _rate_fits_format(v, info, "format")
+
+    @model_validator(mode="after")
+    def _timed(self) -> CaptionedRequest:
+        _unstretched(True, self.speed, self.speed_mode, "captions")
+        return self
 
 
 class Segment(BaseModel):

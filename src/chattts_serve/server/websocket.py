@@ -122,6 +122,7 @@ class _Framing:
         self.chunks = 0
         self.samples = 0
         self.timestamps = False
+        self.stretch = 1.0  # speed_mode "stretch"/"both": each part's audio time-stretched (audio/stretch.py)
         self.clock: SegmentClock | None = None  # the current part's sentences, while timestamps are on
         self.model_samples = 0  # the session's audio so far at the model's rate: where the next part starts
         self.sentences = 0
@@ -155,7 +156,9 @@ class _Framing:
             if not isinstance(self.timestamps, bool):
                 raise ValueError("timestamps must be true or false")
             body = TTSRequest(**first)
-            params, policy = _voice_and_params(self.st, body, tenant_of(self.ws.scope))
+            params, policy, self.stretch = _voice_and_params(self.st, body, tenant_of(self.ws.scope))
+            if self.timestamps and self.stretch != 1.0:
+                raise ValueError('timestamps need speed_mode "prompt" (timings of stretched audio are not exact)')
         except (ValueError, ValidationError, APIError, RecursionError, TypeError) as exc:
             raise SessionError(ErrorKind.BAD_INPUT, str(getattr(exc, "detail", exc)), "invalid_request") from None
         self.format, self.sample_rate = body.format, check_rate(body.format, body.sample_rate)
@@ -181,7 +184,7 @@ class _Framing:
     async def audio(self, part: int, chunk: RequestOutput) -> None:
         if self.encoder is None:
             self.encoder = ThreadedEncoder(
-                self.format, self.sample_rate
+                self.format, self.sample_rate, self.stretch
             )  # as HTTP does: encoding stays off the event loop
         # Audio that piled up while the client read slowly arrives as one delta: sent in frames of at most
         # MAX_FRAME_SAMPLES, under the 1 MiB message limit of common clients (websockets' default).
