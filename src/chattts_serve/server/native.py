@@ -14,36 +14,26 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..audio.encode import check_rate, encode_whole
-from ..audio.stretch import plan_speed, stretch
+from ..audio.stretch import stretch
 from ..engine.outputs import SegmentSpan
 from ..model.config import SAMPLE_RATE
 from .audio_response import AudioResponse
 from .captions import CAPTION_MEDIA_TYPES, SegmentClock, segment_fields, subtitles
-from .errors import ClientGone, TimedStreamingResponse, check_length
+from .errors import ClientGone, TimedStreamingResponse
 from .limits import synthesis
 from .openapi import audio_responses, errors
-from .params import build_params, build_policy, request_defaults, resolve_voice, tenant_of
+from .params import tenant_of, tts_params
 from .protocol import MEDIA_TYPES, CaptionedRequest, CaptionedSpeech, TTSRequest
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
 
 
-def _voice_and_params(st, body: TTSRequest, tenant: str | None):
-    cfg = st.config
-    check_length(body.text, cfg.max_input_chars, "text")
-    voice = resolve_voice(st.voices, st.engine, body.speaker or body.voice, cfg.voices.default, "voice", tenant)
-    speed = plan_speed(body.speed, body.speed_mode)
-    defaults = request_defaults(cfg.default_options)
-    params = build_params(body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon)
-    return params, build_policy(st.engine.stream_policy, body.chunking), speed.stretch
-
-
 @router.post("/v1/tts", response_class=Response, responses={**audio_responses(sse=False), **errors(429)})
 @synthesis
 async def tts(body: TTSRequest, request: Request):
     st = request.app.state
-    params, policy, factor = _voice_and_params(st, body, tenant_of(request.scope))
+    params, policy, factor = tts_params(st, body, tenant_of(request.scope))
     resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.timeouts.queue_wait_s)
     await resp.start(body.text, params, policy, request.state.request_id, request)
     if body.stream:
@@ -75,7 +65,7 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
     """The whole audio (base64, in ``format``) with each sentence's start and end (``server.captions``); with
     ``format`` srt or vtt, only the subtitles."""
     st = request.app.state
-    params, policy, _ = _voice_and_params(st, body, tenant_of(request.scope))  # (no stretch: CaptionedRequest)
+    params, policy, _ = tts_params(st, body, tenant_of(request.scope))  # (no stretch: CaptionedRequest)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "captioned", st.config.timeouts.queue_wait_s)
     await resp.start(body.text, params, policy, request.state.request_id, request)
     audio, spans = await _whole(resp, request)

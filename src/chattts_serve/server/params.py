@@ -13,13 +13,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..audio.policy import StreamPolicy
+from ..audio.stretch import plan_speed
 from ..model.speaker import blend_speakers, decode_speaker, encode_speaker
 from ..sampling_params import SamplingParams
 from ..text.lexicon import Lexicon, load_lexicon
 from .auth import principal
 from .blend import BlendError, is_blend, parse_blend, shown_term
-from .errors import APIError, storage_error
-from .protocol import ChatTTSOptions, StreamOptions, parse_options
+from .errors import APIError, check_length, storage_error
+from .protocol import ChatTTSOptions, StreamOptions, TTSRequest, parse_options
 from .voices import BUILTIN_VOICES, VoiceStore, VoiceStoreError
 
 
@@ -196,3 +197,16 @@ def build_policy(default: StreamPolicy, opts: StreamOptions | None) -> StreamPol
         return replace(default, **changes)
     except ValueError as exc:
         raise APIError(400, str(exc), param="chunking") from None
+
+
+def tts_params(state, body: TTSRequest, tenant: str | None) -> tuple[SamplingParams, StreamPolicy, float]:
+    """A native request (``/v1/tts``, ``/v1/tts/captioned``, the WebSocket's start message) as what the engine
+    and the response need: its ``SamplingParams``, its chunking policy and its time-stretch factor (1: none).
+    ``state``: the app's state (config, voices, engine)."""
+    cfg = state.config
+    check_length(body.text, cfg.max_input_chars, "text")
+    voice = resolve_voice(state.voices, state.engine, body.speaker or body.voice, cfg.voices.default, "voice", tenant)
+    speed = plan_speed(body.speed, body.speed_mode)
+    defaults = request_defaults(cfg.default_options)
+    params = build_params(body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon)
+    return params, build_policy(state.engine.stream_policy, body.chunking), speed.stretch

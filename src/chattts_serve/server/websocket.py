@@ -67,8 +67,7 @@ from .audio_response import ThreadedEncoder
 from .captions import SegmentClock, segment_event
 from .errors import APIError
 from .limits import synthesis
-from .native import _voice_and_params
-from .params import tenant_of
+from .params import tenant_of, tts_params
 from .protocol import TTSRequest
 from .text_session import MAX_ERROR_CHARS, ErrorKind, Gone, SessionError, TextSession, TextStream, excerpt
 
@@ -156,7 +155,7 @@ class _Framing:
             if not isinstance(self.timestamps, bool):
                 raise ValueError("timestamps must be true or false")
             body = TTSRequest(**first)
-            params, policy, self.stretch = _voice_and_params(self.st, body, tenant_of(self.ws.scope))
+            params, policy, self.stretch = tts_params(self.st, body, tenant_of(self.ws.scope))
             if self.timestamps and self.stretch != 1.0:
                 raise ValueError('timestamps need speed_mode "prompt" (timings of stretched audio are not exact)')
         except (ValueError, ValidationError, APIError, RecursionError, TypeError) as exc:
