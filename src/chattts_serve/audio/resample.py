@@ -33,11 +33,7 @@ class StreamingResampler:
             raise RuntimeError("resampler already flushed")
         if not len(pcm):
             return np.zeros(0, np.float32)
-        import av
-
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm, np.float32)[None, :], format="flt", layout="mono")
-        frame.sample_rate = self.input_rate
-        return _joined(self._resampler.resample(frame))
+        return _joined(self._resampler.resample(mono_frame(pcm, self.input_rate)))
 
     def flush(self) -> np.ndarray:
         """The filter's tail: the last samples of the stream. Nothing may follow."""
@@ -53,6 +49,15 @@ def resample(pcm: np.ndarray, output_rate: int, input_rate: int = SAMPLE_RATE) -
         return pcm
     resampler = StreamingResampler(output_rate, input_rate)
     return np.concatenate([resampler.process(pcm), resampler.flush()])
+
+
+def mono_frame(pcm: np.ndarray, rate: int):
+    """``pcm`` (float32 mono) as a PyAV frame at ``rate``, for libswresample and FFmpeg's filters."""
+    import av
+
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm, np.float32)[None, :], format="flt", layout="mono")
+    frame.sample_rate = rate
+    return frame
 
 
 def _joined(frames) -> np.ndarray:

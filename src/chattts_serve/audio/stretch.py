@@ -20,6 +20,7 @@ import numpy as np
 
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import speed_prompt
+from .resample import mono_frame
 
 SpeedMode = Literal["prompt", "stretch", "both"]
 SPEED_MODES: tuple[str, ...] = ("prompt", "stretch", "both")
@@ -118,10 +119,8 @@ class StreamingStretcher:
         return tail
 
     def _push(self, pcm: np.ndarray) -> None:
-        import av
-
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm, np.float32)[None, :], format="flt", layout="mono")
-        frame.sample_rate, frame.time_base, frame.pts = self.rate, self._time_base, self._pts
+        frame = mono_frame(pcm, self.rate)
+        frame.time_base, frame.pts = self._time_base, self._pts
         self._pts += len(pcm)
         self._graph.push(frame)
 
