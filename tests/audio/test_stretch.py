@@ -8,23 +8,13 @@ import pytest
 from chattts_serve.audio.stretch import SpeedPlan, StreamingStretcher, atempo_chain, plan_speed, stretch
 from chattts_serve.sampling_params import speed_prompt
 
-SR = 24000
+from .streaming import SR, fed_in_chunks, sine
+
 FACTORS = [0.25, 0.5, 0.8, 1.25, 1.5, 2.0, 3.0, 4.0]
 
 
-def _sine(freq: float, seconds: float) -> np.ndarray:
-    return (0.5 * np.sin(2 * np.pi * freq * np.arange(int(seconds * SR)) / SR)).astype(np.float32)
-
-
 def _chunked(pcm: np.ndarray, factor: float, sizes: np.ndarray) -> np.ndarray:
-    stretcher = StreamingStretcher(factor)
-    out, i = [], 0
-    for n in sizes:
-        out.append(stretcher.process(pcm[i : i + n]))
-        i += n
-    out.append(stretcher.process(pcm[i:]))
-    out.append(stretcher.flush())
-    return np.concatenate(out)
+    return fed_in_chunks(StreamingStretcher(factor), pcm, sizes)
 
 
 def _peak_hz(pcm: np.ndarray) -> float:
@@ -40,7 +30,7 @@ def test_chunks_join_to_the_one_shot_output(factor):
     """Many small chunks (1 to 2000 samples) against one call: the one filter graph keeps atempo's window
     and phase across calls, so the joined stream is the one-shot output, sample for sample."""
     rng = np.random.default_rng(0)
-    pcm = (rng.standard_normal(3 * SR) * 0.1).astype(np.float32) + _sine(330, 3)
+    pcm = (rng.standard_normal(3 * SR) * 0.1).astype(np.float32) + sine(330, 3)
     whole = stretch(pcm, factor)
     chunked = _chunked(pcm, factor, rng.integers(1, 2000, size=60))
     assert len(chunked) == len(whole)
@@ -50,7 +40,7 @@ def test_chunks_join_to_the_one_shot_output(factor):
 @pytest.mark.parametrize("factor", FACTORS)
 def test_duration_is_the_input_over_the_factor(factor):
     """Exactly ``round(n / factor)`` samples (well within a ms), however the input was cut."""
-    pcm = _sine(220, 2.5)
+    pcm = sine(220, 2.5)
     out = _chunked(pcm, factor, np.full(40, 1234))
     assert len(out) == round(len(pcm) / factor)
 
@@ -59,7 +49,7 @@ def test_duration_is_the_input_over_the_factor(factor):
 @pytest.mark.parametrize("freq", [150.0, 440.0])
 def test_pitch_is_kept(factor, freq):
     """A sine keeps its frequency (within 1 %) while its duration changes: a stretch, not a resample."""
-    out = _chunked(_sine(freq, 3), factor, np.full(100, 960))  # 40 ms chunks, as a stream gives
+    out = _chunked(sine(freq, 3), factor, np.full(100, 960))  # 40 ms chunks, as a stream gives
     body = out[len(out) // 10 : -len(out) // 10]  # away from the ends
     assert _peak_hz(body) == pytest.approx(freq, rel=0.01)
     assert np.sqrt(np.mean(body**2)) == pytest.approx(0.5 / np.sqrt(2), rel=0.1)  # its level, too
@@ -68,7 +58,7 @@ def test_pitch_is_kept(factor, freq):
 def test_a_sine_through_chunks_has_no_click():
     """20 ms chunks of a 300 Hz sine at 1.5x: no step between neighbouring samples beyond the sine's own
     largest step (with a margin for atempo's overlap-add); a restarted filter would jump at the joins."""
-    out = _chunked(_sine(300, 2), 1.5, np.full(99, SR // 50))
+    out = _chunked(sine(300, 2), 1.5, np.full(99, SR // 50))
     body = out[SR // 20 : -SR // 20]
     assert np.abs(np.diff(body)).max() <= 1.2 * 2 * np.pi * 300 / SR * 0.5
 
@@ -93,8 +83,8 @@ def test_plan_speed():
 
 
 def test_edges():
-    assert stretch(_sine(440, 0.1), 1.0) is not None
-    pcm = _sine(440, 0.1)
+    assert stretch(sine(440, 0.1), 1.0) is not None
+    pcm = sine(440, 0.1)
     assert stretch(pcm, 1.0) is pcm
     empty = StreamingStretcher(2.0)
     assert len(empty.process(np.zeros(0, np.float32))) == 0 and len(empty.flush()) == 0
