@@ -79,6 +79,26 @@ def test_bench_streams(tiny_ckpt, tmp_path, capsys):
     assert plot.read_bytes().startswith(PNG_MAGIC)
 
 
+def test_offline_mixed_lengths_spread_the_steps(tiny_ckpt, capsys):
+    from chattts_serve.bench.offline import lengths
+
+    assert lengths(100, 4, mixed=False) == [100] * 4
+    assert lengths(100, 4, mixed=True) == [25, 50, 75, 100]
+    argv = ["bench", "offline", "--model", str(tiny_ckpt), "--threads", "1", "--num-texts", "4", "--steps", "12"]
+    r = run_cli(capsys, *argv, "--mixed-lengths")
+    # 3 + 6 + 9 + 12 tokens: each text stops at its own length.
+    assert r["mixed_lengths"] and r["audio_s"] == pytest.approx((512 * 30 - 4 * 256) / 24000, abs=0.01)
+
+
+def test_streams_staggered_and_unseeded(tiny_ckpt, capsys):
+    argv = ["bench", "streams", "--model", str(tiny_ckpt), "--threads", "1", "--concurrency", "3", "--steps", "16"]
+    r = run_cli(capsys, *argv, "--stagger-ms", "50", "--unseeded")
+    (lv,) = r["levels"]
+    assert lv["stagger_ms"] == 50 and lv["seeded"] is False
+    # The last stream starts 100 ms after the first: the level lasts at least that long.
+    assert lv["wall_s"] >= 0.1 and lv["ttfb_s"]["n"] == 3
+
+
 def test_profile_stages_add_up(tiny_ckpt, tmp_path, capsys):
     trace = tmp_path / "trace.json"
     r = run_cli(
@@ -149,6 +169,10 @@ def test_bad_flags_fail_cleanly(tiny_ckpt, capsys):
     assert "fp16 needs a CUDA device" in capsys.readouterr().err
     assert main(["bench", "offline", "--model", str(tiny_ckpt), "--num-texts", "0"]) == 2
     assert main(["profile", "--model", str(tiny_ckpt), "--format", "ogg"]) == 2
+    ref = ["--reference-python", "/nonexistent/python"]
+    assert main(["bench", "offline", "--model", str(tiny_ckpt), "--mixed-lengths", *ref]) == 2
+    assert main(["bench", "streams", "--model", str(tiny_ckpt), "--stagger-ms", "5", *ref]) == 2
+    assert main(["bench", "streams", "--model", str(tiny_ckpt), "--stagger-ms", "-1"]) == 2
 
 
 @pytest.mark.reference

@@ -21,6 +21,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-texts", type=int, default=None, help="default: 256 on CUDA, 16 on CPU")
     add_max_num_seqs_argument(p, default=None, shown="--num-texts, at most 256")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--mixed-lengths",
+        action="store_true",
+        help="text i gets its own length, spread evenly over --steps/4 .. --steps (sequences finish at "
+        "different steps and the batch shrinks, as in real traffic); default: every text --steps tokens",
+    )
+
+
+def lengths(steps: int, n: int, mixed: bool) -> list[int]:
+    """Audio tokens of each of ``n`` texts: all ``steps``, or spread evenly over ``steps/4 .. steps``
+    (deterministic, so two runs compare)."""
+    if not mixed or n == 1:
+        return [steps] * n
+    lo = max(1, steps // 4)
+    return [lo + (steps - lo) * i // (n - 1) for i in range(n)]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -34,12 +49,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     slots = args.max_num_seqs if args.max_num_seqs is not None else min(n, 256)
     if n < 1 or args.steps < 1:
         raise ValueError("--num-texts and --steps must be >= 1")
+    if args.mixed_lengths and args.reference_python:
+        raise ValueError("--mixed-lengths has no reference counterpart (its driver runs one length)")
     items = texts(args, n)
     config = engine_config(args, max_num_seqs=slots, max_model_len=args.steps + 256, max_waiting=max(1024, n))
     t_load = time.perf_counter()
     engine = Engine.from_pretrained(args.model, device=args.device, config=config)
     load_s = time.perf_counter() - t_load
-    params = SamplingParams(seed=args.seed, min_new_tokens=args.steps, max_new_tokens=args.steps, refine_text=False)
+    params = [
+        SamplingParams(seed=args.seed, min_new_tokens=k, max_new_tokens=k, refine_text=False)
+        for k in lengths(args.steps, n, args.mixed_lengths)
+    ]
     engine.synthesize(items[:1], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
@@ -64,6 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_texts": n,
         "max_num_seqs": slots,
         "steps": args.steps,
+        "mixed_lengths": args.mixed_lengths,
         "load_s": round(load_s, 2),
         "wall_s": wall,
         "audio_s": audio_s,

@@ -20,13 +20,28 @@ from .serve_load import simulate_playback
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--concurrency", default="1,4,8,16,32", help="comma-separated stream counts")
+    p.add_argument(
+        "--stagger-ms",
+        type=float,
+        default=0.0,
+        help="stream i starts i * this after the first (arrivals spread out as server traffic is, "
+        "instead of one burst); time to first chunk counts from each stream's own start",
+    )
+    p.add_argument(
+        "--unseeded", action="store_true", help="no seed per stream (as most server requests): random sampling"
+    )
 
 
-async def _level(engine, items: list[str], steps: int) -> dict[str, Any]:
+async def _level(
+    engine, items: list[str], steps: int, stagger_s: float = 0.0, seeded: bool = True
+) -> dict[str, Any]:
     from ..sampling_params import SamplingParams
 
     async def one(i: int, text: str):
-        params = SamplingParams(seed=100 + i, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
+        seed = 100 + i if seeded else None
+        params = SamplingParams(seed=seed, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
+        if stagger_s:
+            await asyncio.sleep(i * stagger_s)
         arrivals, audio, t0 = [], 0.0, time.perf_counter()
         async for chunk in engine.stream(text, params):
             audio += len(chunk.audio) / chunk.sample_rate
@@ -44,6 +59,8 @@ async def _level(engine, items: list[str], steps: int) -> dict[str, Any]:
     r3 = lambda d: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}  # noqa: E731
     return {
         "n": len(items),
+        "stagger_ms": round(stagger_s * 1000, 3),
+        "seeded": seeded,
         "wall_s": wall,
         "audio_s_per_s": round(sum(audio) / wall, 4),
         "ttfb_s": r3(stats.summarize(ttfb)),
@@ -62,13 +79,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     set_threads(args)
     levels = [int(x) for x in str(args.concurrency).split(",")]
-    if min(levels) < 1 or args.steps < 1:
-        raise ValueError("--concurrency levels and --steps must be >= 1")
+    if min(levels) < 1 or args.steps < 1 or args.stagger_ms < 0:
+        raise ValueError("--concurrency levels and --steps must be >= 1, --stagger-ms >= 0")
+    if args.reference_python and (args.stagger_ms or args.unseeded):
+        raise ValueError("--stagger-ms and --unseeded have no reference counterpart (its driver runs one batch)")
     config = engine_config(args, max_num_seqs=max(levels), max_model_len=args.steps + 256)
     engine = AsyncEngine.from_pretrained(args.model, args.device, config)
     try:
         asyncio.run(_level(engine, texts(args, 1), 8))  # warm-up
-        ours = [asyncio.run(_level(engine, texts(args, n), args.steps)) for n in levels]
+        stagger, seeded = args.stagger_ms / 1000, not args.unseeded
+        ours = [asyncio.run(_level(engine, texts(args, n), args.steps, stagger, seeded)) for n in levels]
         device = engine.device
         decode = engine.decode_mode
     finally:
