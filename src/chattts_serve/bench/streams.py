@@ -32,9 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-async def _level(
-    engine, items: list[str], steps: int, stagger_s: float = 0.0, seeded: bool = True
-) -> dict[str, Any]:
+async def _level(engine, items: list[str], steps: int, stagger_s: float = 0.0, seeded: bool = True) -> dict[str, Any]:
     from ..sampling_params import SamplingParams
 
     async def one(i: int, text: str):
