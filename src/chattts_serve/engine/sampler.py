@@ -78,7 +78,7 @@ def _filter_sorted(logits: torch.Tensor, threshold: torch.Tensor, k: torch.Tenso
     sorted_logits, sorted_idx = torch.sort(logits, descending=False)
     cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cum_probs <= threshold
-    remove_sorted[..., -MIN_TOKENS_TO_KEEP:] = False
+    remove_sorted[..., -MIN_TOKENS_TO_KEEP:].fill_(False)  # (a Python value assigned would build a tensor)
     logits = logits.masked_fill(remove_sorted.scatter(1, sorted_idx, remove_sorted), -float("inf"))
     kth = torch.topk(logits, k_max)[0].gather(1, (k - 1)[:, None])
     return logits.masked_fill(logits < kth, -float("inf"))
