@@ -214,7 +214,9 @@ class ModelRunner:
     def _stage(self, name: str) -> AbstractContextManager:
         return self.stage_timer.stage(name) if self.stage_timer is not None else nullcontext()
 
-    def _prefill(self, seq: Sequence, h: torch.Tensor, admissions: list[Admission]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill(
+        self, seq: Sequence, h: torch.Tensor, admissions: list[Admission]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Finish one sequence's prefill from its trunk output ``h`` ``[prompt_len, hidden]``: returns its
         last hidden state and first logits, and stages its sampling state."""
         embed = self.model.embed
@@ -236,7 +238,14 @@ class ModelRunner:
         self.states[seq.seq_id] = seq.slot
         self._owner[seq.slot] = seq.seq_id
         return Admission(
-            seq.slot, seq.prompt_len, seq.min_new_tokens, s.top_k, seed_value(seed), s.top_p, s.repetition_penalty, temps
+            seq.slot,
+            seq.prompt_len,
+            seq.min_new_tokens,
+            s.top_k,
+            seed_value(seed),
+            s.top_p,
+            s.repetition_penalty,
+            temps,
         )
 
     def _step_plan(self, sched: SchedulerOutput, admissions: list[Admission]) -> StepPlan:
@@ -253,7 +262,6 @@ class ModelRunner:
             self.slot_state.admit(st, off, len(admissions))
         self._plan = plan
         return plan
-
 
     def _prefill_onnx(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
         """Trunk outputs ``[prompt_len, hidden]`` of every sequence in ``seqs``: one ORT call per run of
@@ -370,7 +378,17 @@ class ModelRunner:
         valid = st.window[None] < per_row(generated.clamp(max=PENALTY_WINDOW))[:, None]
         eos = AUDIO_EOS if k.kind == "code" else self.text_eos_id
         probs = batched_probs(
-            logits, history, valid, temperature, penalty, top_p, top_k, k.k_max, block, eos, host_reads=not self.sync_free
+            logits,
+            history,
+            valid,
+            temperature,
+            penalty,
+            top_p,
+            top_k,
+            k.k_max,
+            block,
+            eos,
+            host_reads=not self.sync_free,
         )
         vocab = logits.shape[-1]
         if self._generator_noise is not None:
