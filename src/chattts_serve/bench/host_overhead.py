@@ -5,9 +5,9 @@ checkpoint (written to a temporary directory unless ``--model`` names one).
 Method. The runner holds N synthetic sequences (mostly code, one in 8 text; seeded and unseeded; each
 with its own sampling parameters) in N slots, prefills them, then times ``--steps`` decode steps
 (median), in this thread's CPU time. The trunk (the transformer step: the device's work, the same
-whatever the host does) is replaced by a stub returning a fixed hidden state. On the CPU the rest of the step still computes
-(heads, sort, noise: milliseconds that a GPU does in microseconds), so the host's share is separated
-op by op: a ``TorchDispatchMode`` times every aten op the step dispatches, and
+whatever the host does) is replaced by a stub returning a fixed hidden state. On the CPU the rest of
+the step still computes (heads, sort, noise: milliseconds that a GPU does in microseconds), so the
+host's share is separated op by op: a ``TorchDispatchMode`` times every aten op the step dispatches, and
 
     host = (wall - time inside ops - ops x the timer's own cost per op) + ops x launch
 
