@@ -6,7 +6,7 @@ chattts-serve ray serve --model DIR --num-replicas N      chattts-serve ray batc
 chattts-serve speaker new [--model DIR|REPO] [--seed N]
 chattts-serve checkpoint random DIR [--size tiny|full] [--seed N]
 chattts-serve export onnx --out DIR [--model DIR|REPO] [--quant fp32|int8|int4] [--provider cpu|cuda|tensorrt]
-chattts-serve bench offline|streams|serve ...   chattts-serve profile ...   chattts-serve eval ...
+chattts-serve bench offline|streams|serve|host-overhead ...   chattts-serve profile ...   chattts-serve eval ...
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ def _build_parser() -> argparse.ArgumentParser:
         ("serve", "drive a running server over HTTP: concurrency sweep or Poisson arrivals"),
     ):
         _bench_command(bench_sub.add_parser(name, help=help_), name)
+    overhead = bench_sub.add_parser("host-overhead", help="host time of a decode step per sequence at 64 / 256 / 512")
+    _bench_command(overhead, "host_overhead")
     _bench_command(sub.add_parser("profile", help="per-stage time of a request and a Chrome trace"), "profile")
     _bench_command(sub.add_parser("eval", help="quality cost of each precision vs fp32"), "eval")
 

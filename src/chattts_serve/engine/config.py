@@ -24,6 +24,7 @@ from .scheduler import SchedulerConfig
 DECODE_MODES = ("auto", "rows", "static")
 KV_CACHE_DTYPES = ("auto", "bf16")
 AUDIO_DTYPES = ("fp32", "bf16")
+SAMPLING_NOISES = ("auto", "generator", "counter")  # engine.noise.NOISE_SOURCES (no torch here)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +47,19 @@ class RunnerConfig:
     kv_cache_dtype: str = "auto"
     """"auto": the trunk's dtype; "bf16": half the cache bytes under an fp32 or int8 trunk (attention
     then runs in bf16; batched decode steps are cache-bound). Torch modes only."""
+    sampling_noise: str = "auto"
+    """The sampler's random draws (``engine.noise``): "generator" (one torch.Generator per sequence,
+    reference-identical; the CPU default), "counter" (a hash of seed, step, row and column for the
+    whole batch in one call, batch-invariant but not the reference's stream; the CUDA default), or
+    "auto" (by device)."""
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}; got {self.decode!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.sampling_noise not in SAMPLING_NOISES:
+            raise ValueError(f"sampling_noise must be one of {', '.join(SAMPLING_NOISES)}; got {self.sampling_noise!r}")
 
     def resolve(self, device_type: str) -> str:
         """The decode step for a device type ("cpu", "cuda", ...)."""
@@ -106,6 +114,7 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "compile": ("runner", "compile"),
     "onnx_cache_dir": ("runner", "onnx_cache_dir"),
     "kv_cache_dtype": ("runner", "kv_cache_dtype"),
+    "sampling_noise": ("runner", "sampling_noise"),
     "max_audio_seconds": ("max_audio_seconds",),
     "audio_dtype": ("audio_dtype",),
 }
@@ -122,6 +131,8 @@ _HELP = {
     "compile": "torch.compile the static decode step",
     "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
     "kv_cache_dtype": "KV cache dtype: auto (the trunk's) or bf16 (half the bytes; attention in bf16; torch modes)",
+    "sampling_noise": "sampling noise: generator (one torch.Generator per sequence, reference-identical; CPU "
+    "default), counter (hash of seed and step, one batched draw, batch-invariant; CUDA default) or auto",
     "max_audio_seconds": "audio one request may generate in all (its sentences x max_new_tokens are capped to fit)",
     "audio_dtype": "Decoder + Vocos dtype: fp32 (reference-exact) or bf16 (faster on CPUs with AVX-512 BF16 / AMX)",
 }
@@ -178,6 +189,7 @@ def add_engine_arguments(
                 "precision": PRECISIONS,
                 "decode": DECODE_MODES,
                 "kv_cache_dtype": KV_CACHE_DTYPES,
+                "sampling_noise": SAMPLING_NOISES,
                 "audio_dtype": AUDIO_DTYPES,
             }.get(name)
             kind = str if default is None else type(default)

@@ -172,14 +172,22 @@ class StaticDecoder:
     @torch.inference_mode()
     def __call__(self, emb_rows: torch.Tensor, slots: list[int], lengths: list[int]) -> torch.Tensor:
         """emb_rows [n, hidden] of sequences in ``slots`` at cache positions ``lengths`` -> [n, hidden]."""
-        if max(lengths) >= self.scratch:
-            raise ValueError(f"position {max(lengths)} exceeds cache {self.scratch}")
-        bs = _bucket(self.batch_sizes, max(slots) + 1)
-        ctx = _bucket(self.ctx_sizes, max(lengths) + 1)
         dev = self.emb.device
         pin = dev.type == "cuda"
         idx = torch.tensor(slots, dtype=torch.long, pin_memory=pin).to(dev, non_blocking=pin)
         pos = torch.tensor(lengths, dtype=torch.long, pin_memory=pin).to(dev, non_blocking=pin)
+        return self.run(emb_rows, idx, pos, max(slots), max(lengths))
+
+    @torch.inference_mode()
+    def run(
+        self, emb_rows: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor, max_slot: int, max_len: int
+    ) -> torch.Tensor:
+        """``__call__`` with the slots ``idx`` and positions ``pos`` already on the device (the runner
+        keeps them there) and their maxima from the host: nothing is read back."""
+        if max_len >= self.scratch:
+            raise ValueError(f"position {max_len} exceeds cache {self.scratch}")
+        bs = _bucket(self.batch_sizes, max_slot + 1)
+        ctx = _bucket(self.ctx_sizes, max_len + 1)
         self.pos[:bs].fill_(self.scratch)
         self.pos[idx] = pos
         self.emb[idx] = emb_rows.to(self.emb.dtype)

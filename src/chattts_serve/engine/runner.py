@@ -4,9 +4,16 @@ Prefill: each newly admitted sequence's prompt goes into its own slot. Torch mod
 call, so a sequence's prompt is computed the same way whatever else is admitted, and without padding.
 ``ort-*`` modes: the prompts of sequences in consecutive slots go in one ONNX Runtime call, right-padded
 to the longest (``query_seqlens`` tells the op each row's length; a burst of 32 admissions is one call, not
-32, each of which would stream all the weights once). Decode:
-all running sequences, text and code mixed, in one trunk call; heads and sampling per kind, batched,
-with every sequence's own parameters and generator. One device-to-host copy per step (the tokens).
+32, each of which would stream all the weights once).
+
+Decode: all running sequences, text and code mixed, in one trunk call; heads and sampling per kind,
+batched. Sampling state lives on the device per KV slot (``engine.slot_state``): admission writes it,
+a step gathers it by slot index and writes its tokens back, so host work and launches do not grow
+with the batch (except the ``generator`` noise source's one draw per unseeded sequence, and the CPU
+row-by-row attention). A step moves data between host and device at most twice: one staging copy in
+(admissions and index tensors, none while the running set is unchanged) and one copy out (the sampled
+tokens), which is the step's only wait on the device. Noise: ``engine.noise`` (which source is
+reference-identical).
 """
 
 from __future__ import annotations
@@ -24,9 +31,12 @@ from ..model.gpt import KVCache
 from ..model.prepare import ModelLayout
 from .config import RunnerConfig
 from .cuda_graph import StaticDecoder
+from .noise import CounterNoise, GeneratorNoise, resolve_noise, seed_value
 from .outputs import RunnerOutput, SchedulerOutput
 from .request import Sequence
-from .sampler import PENALTY_WINDOW, batched_probs, effective_top_k, sample_with_noise
+from .sampler import PENALTY_WINDOW, batched_probs, sample_with_noise
+from .slot_state import Admission, HostStaging, SlotState, TokenReadback
+from .step_plan import KindRows, StepPlan, bind, build_plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +48,8 @@ class StepSampling:
     top_k: int
     repetition_penalty: float
     seed: int | None
-    """Re-seed the sequence's generator with this before every step (None: random)."""
+    """Generator noise: re-seed before every step; counter noise: the hash's seed (None: one drawn
+    from the global RNG at admission). See ``engine.noise``."""
 
 
 @dataclass(slots=True)
@@ -71,36 +82,6 @@ def auto_num_slots(
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     per_slot = KVCache.bytes_per_slot(model.config.gpt, max_len, dtype)
     return max(1, min(256, int(free * fraction // per_slot)))
-
-
-class _SeqState:
-    """Runner-side state of a running sequence: sampling rows, history, generator."""
-
-    def __init__(self, seq: Sequence, rows: int, device: torch.device, vocab: int) -> None:
-        s: StepSampling = seq.payload.sampling
-        self.seq, self.rows, self.s = seq, rows, s
-        temps = s.temperature if len(s.temperature) == rows else s.temperature * rows
-        self.temperature = torch.tensor(temps, dtype=torch.float32, device=device).view(rows, 1)
-        self.history = torch.zeros(rows, PENALTY_WINDOW, dtype=torch.long, device=device)
-        self.generator = torch.Generator(device=device)
-        if s.seed is None:
-            # From the global RNG, so torch.manual_seed() still makes unseeded runs repeatable.
-            self.generator.manual_seed(int(torch.randint(0, 2**62, (1,)).item()))
-        self._noise: torch.Tensor | None = None
-        self._shape = (rows, vocab)
-        self._device = device
-
-    def noise(self) -> torch.Tensor:
-        if self.s.seed is not None:
-            # The reference re-seeds before every step, so a seeded sequence reuses one noise draw.
-            if self._noise is None:
-                self.generator.manual_seed(self.s.seed)
-                self._noise = torch.empty(self._shape, device=self._device).exponential_(1, generator=self.generator)
-            return self._noise
-        return torch.empty(self._shape, device=self._device).exponential_(1, generator=self.generator)
-
-    def record(self, token: torch.Tensor, step: int) -> None:
-        self.history[:, step % PENALTY_WINDOW] = token
 
 
 class ModelRunner:
@@ -138,7 +119,22 @@ class ModelRunner:
         # (bit-exact with chattts). More slots: packed weights or padded rows (see model.prepare).
         self.pad_rows_to = layout.pad_rows_to
         self.packed = layout.packed
-        self.states: dict[int, _SeqState] = {}
+        self.states: dict[int, int] = {}
+        """seq_id -> slot of every sequence with sampling state (registered at prefill)."""
+        self._owner: list[int | None] = [None] * num_slots
+        self.slot_state = SlotState(num_slots, self.num_vq, self.device)
+        # Admissions (words each) and the step's index tensors (at most 3 per sequence) in one copy.
+        self._staging = HostStaging(num_slots * (self.slot_state.words + 3) + 8, self.device)
+        self._readback = TokenReadback(num_slots * self.num_vq, self.device)
+        self._plan: StepPlan | None = None
+        self._vocab = {"code": model.embed.head_code.shape[1], "text": model.embed.head_text.shape[0]}
+        self.noise_source = resolve_noise(self.config.sampling_noise, self.device.type)
+        self._generator_noise = GeneratorNoise(num_slots, self.device) if self.noise_source == "generator" else None
+        self._counter_noise = CounterNoise(self.device)
+        self.sync_free = self.device.type != "cpu"
+        """Sampling takes no branch that reads a device value back. On the CPU (False) two such
+        shortcuts are free and faster (``sampler.batched_probs``); tests set True there to run the
+        device path."""
         self.stage_timer: StageTimer | None = None
         """Set to time the prefill / decode / sampling stages of every step (profiling)."""
         self._pin = self.device.type == "cuda"
@@ -170,13 +166,17 @@ class ModelRunner:
     def release(self, finished: list[Sequence]) -> None:
         """Drop the sampling state of sequences that left the running set."""
         for seq in finished:
-            self.states.pop(seq.seq_id, None)
+            slot = self.states.pop(seq.seq_id, None)
+            if slot is not None and self._owner[slot] == seq.seq_id:
+                self._owner[slot] = None
+                if self._generator_noise is not None:
+                    self._generator_noise.release(slot)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        order: dict[str, list[Sequence]] = {"code": [], "text": []}
         logits: dict[str, list[torch.Tensor]] = {"code": [], "text": []}
         hidden: dict[int, torch.Tensor] = {}
+        admissions: list[Admission] = []
         if sched.prefill:
             with self._stage("prefill"):
                 if self.trunk is not None:
@@ -184,46 +184,84 @@ class ModelRunner:
                 else:
                     trunk_out = {seq.seq_id: self._prefill_trunk(seq) for seq in sched.prefill}
                 for seq in sched.prefill:
-                    h, lg = self._prefill(seq, trunk_out[seq.seq_id])
-                    order[seq.kind].append(seq)
+                    h, lg = self._prefill(seq, trunk_out[seq.seq_id], admissions)
                     logits[seq.kind].append(lg)
-                    hidden[seq.seq_id] = h
+                    if seq.kind == "code":
+                        hidden[seq.seq_id] = h
+        plan = self._step_plan(sched, admissions)
         if sched.decode:
             with self._stage("decode"):
-                h_dec = self._decode_trunk(sched.decode)  # [rows, hidden], padded
-                for kind in ("code", "text"):
-                    idx = [i for i, s in enumerate(sched.decode) if s.kind == kind]
-                    if idx:
-                        logits[kind].append(self._heads(kind, h_dec, idx))
-                        order[kind] += [sched.decode[i] for i in idx]
-                        hidden.update((sched.decode[i].seq_id, h_dec[i]) for i in idx)
-        kinds = [k for k in ("code", "text") if order[k]]
+                h_dec = self._decode_trunk(sched.decode, plan)  # [rows, hidden], padded
+                for k in plan.kinds:
+                    if k.n_decode:
+                        logits[k.kind].append(self._heads(k.kind, h_dec, k.dec_pos, k.n_decode))
+                        if k.kind == "code":
+                            hidden.update(zip(k.decode_ids, h_dec.index_select(0, k.dec_pos).unbind(0), strict=True))
         with self._stage("sampling"):
-            sampled = [self._sample(order[k], torch.cat(logits[k])) for k in kinds]
-            flat = (torch.cat(sampled) if len(sampled) > 1 else sampled[0]).tolist() if sampled else []
-            # ^ the step's one device-to-host copy
+            sampled = [self._sample(k, torch.cat(logits[k.kind])) for k in plan.kinds]
+            flat = self._readback.read(torch.cat(sampled) if len(sampled) > 1 else sampled[0])
+            # ^ the step's one device-to-host copy and its one wait
         tokens: dict[int, tuple[int, ...]] = {}
         pos = 0
-        for kind in kinds:
-            per = self.num_vq if kind == "code" else 1
-            for s in order[kind]:
-                tokens[s.seq_id] = tuple(flat[pos : pos + per])
-                pos += per
-        return RunnerOutput(tokens, {i: h for i, h in hidden.items() if i in {s.seq_id for s in order["code"]}})
+        for k in plan.kinds:
+            n = len(k.seqs) * k.rows
+            tokens.update(zip(k.ids, map(tuple, flat[pos : pos + n].reshape(-1, k.rows).tolist()), strict=True))
+            pos += n
+        return RunnerOutput(tokens, hidden)
 
     # ------------------------------------------------------------------ pieces
 
     def _stage(self, name: str) -> AbstractContextManager:
         return self.stage_timer.stage(name) if self.stage_timer is not None else nullcontext()
 
-    def _prefill(self, seq: Sequence, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill(
+        self, seq: Sequence, h: torch.Tensor, admissions: list[Admission]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Finish one sequence's prefill from its trunk output ``h`` ``[prompt_len, hidden]``: returns its
-        last hidden state and first logits, and sets up its sampling."""
+        last hidden state and first logits, and stages its sampling state."""
         embed = self.model.embed
         logits = embed.code_logits(h)[-self.num_vq :] if seq.kind == "code" else embed.text_logits(h)[-1:]
-        vocab = logits.shape[-1]
-        self.states[seq.seq_id] = _SeqState(seq, self.num_vq if seq.kind == "code" else 1, self.device, vocab)
+        admissions.append(self._admission(seq))
         return h[-1], logits
+
+    def _admission(self, seq: Sequence) -> Admission:
+        """The sequence's sampling row; the generator source also gets its generator now."""
+        s: StepSampling = seq.payload.sampling
+        rows = self.num_vq if seq.kind == "code" else 1
+        temps = s.temperature if len(s.temperature) == self.num_vq else s.temperature * self.num_vq
+        if len(temps) != self.num_vq or len(s.temperature) not in (1, rows):
+            raise ValueError(f"{seq.kind} sequence: expected 1 or {rows} temperatures, got {len(s.temperature)}")
+        # Unseeded: from the global RNG, so torch.manual_seed() still makes unseeded runs repeatable.
+        seed = s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        if self._generator_noise is not None:
+            self._generator_noise.admit(seq.slot, seed, s.seed is not None, rows, self._vocab[seq.kind])
+        self.states[seq.seq_id] = seq.slot
+        self._owner[seq.slot] = seq.seq_id
+        return Admission(
+            seq.slot,
+            seq.prompt_len,
+            seq.min_new_tokens,
+            s.top_k,
+            seed_value(seed),
+            s.top_p,
+            s.repetition_penalty,
+            temps,
+        )
+
+    def _step_plan(self, sched: SchedulerOutput, admissions: list[Admission]) -> StepPlan:
+        """This step's index tensors: the last step's when the running set is unchanged, else staged
+        together with the admissions and sent in the step's one host-to-device copy."""
+        if self._plan is not None and self._plan.reusable_for(sched):
+            return self._plan
+        st = self._staging
+        off = self.slot_state.stage(st, admissions) if admissions else 0
+        plan = build_plan(sched, st, self.num_vq, self._vocab)
+        st.flush()
+        bind(plan, st)
+        if admissions:
+            self.slot_state.admit(st, off, len(admissions))
+        self._plan = plan
+        return plan
 
     def _prefill_onnx(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
         """Trunk outputs ``[prompt_len, hidden]`` of every sequence in ``seqs``: one ORT call per run of
@@ -270,23 +308,30 @@ class ModelRunner:
             emb[0, ids[0, :, 0].eq(inp.speaker_token_id) & text_mask[0]] = inp.speaker.to(emb.dtype)
         return emb
 
-    def _decode_trunk(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _decode_trunk(self, seqs: list[Sequence], plan: StepPlan) -> torch.Tensor:
+        """Embed every decoding slot's last token (kept on the device) and run the trunk step."""
         embed = self.model.embed
-        # Text tokens are (id,); widen them to 4 columns like the reference's input ids.
-        last = self._to_device(torch.tensor([s.tokens[-1] * (self.num_vq // len(s.tokens[-1])) for s in seqs]))
-        code_rows = [i for i, s in enumerate(seqs) if s.kind == "code"]
-        text_rows = [i for i, s in enumerate(seqs) if s.kind == "text"]
-        emb = torch.empty(len(seqs), embed.emb_text.weight.shape[1], device=self.device)
-        if code_rows:
-            emb[code_rows] = embed.embed_codes(last[code_rows])
-        if text_rows:
-            emb[text_rows] = embed.embed_text(last[text_rows, 0])
+        assert plan.dec_slots is not None
+        parts = []
+        for k in plan.kinds:
+            if k.n_decode:
+                last = self.slot_state.last.index_select(0, k.dec_slots)  # text ids fill every column
+                parts.append((k, embed.embed_codes(last) if k.kind == "code" else embed.embed_text(last[:, 0])))
+        if len(parts) == 1:
+            emb = parts[0][1]  # one kind: its rows are the decode rows, in order
+        else:
+            emb = torch.empty(len(seqs), embed.emb_text.weight.shape[1], device=self.device)
+            for k, rows in parts:
+                emb.index_copy_(0, k.dec_pos, rows)
+        if self.static is not None:
+            max_len = max(s.cache_len for s in seqs)
+            positions = self.slot_state.positions(plan.dec_slots)
+            return self.static.run(emb, plan.dec_slots, positions, plan.max_slot, max_len).float()
+        # The row-by-row modes slice the cache with host ints (CPU paths: no device to wait for).
         lengths = [s.cache_len for s in seqs]
         slots = [s.slot for s in seqs]
         if self.trunk is not None:
             return self._decode_onnx(emb, slots, lengths)
-        if self.static is not None:
-            return self.static(emb, slots, lengths).float()
         return self.model.gpt.decode(emb.to(self.dtype), self.cache, slots, lengths, self.pad_rows_to).float()
 
     def _decode_onnx(self, emb: torch.Tensor, slots: list[int], lengths: list[int]) -> torch.Tensor:
@@ -304,9 +349,9 @@ class ModelRunner:
         active[rows] = 1
         return self.trunk.run(x, self.cache, lo, seqlens_k, active)[rows, 0]
 
-    def _heads(self, kind: str, h: torch.Tensor, idx: list[int]) -> torch.Tensor:
-        rows = h[idx]
-        n = len(idx)
+    def _heads(self, kind: str, h: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+        """Logits of decode rows ``idx`` (``n`` of them), the matmul padded to ``pad_rows_to`` rows."""
+        rows = h.index_select(0, idx)
         m = -(-n // self.pad_rows_to) * self.pad_rows_to
         if m != n:
             rows = torch.cat([rows, rows.new_zeros(m - n, rows.shape[1])])
@@ -314,31 +359,42 @@ class ModelRunner:
             return self.model.embed.code_logits(rows)[: n * self.num_vq]
         return self.model.embed.text_logits(rows)[:n]
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        states = [self.states[s.seq_id] for s in seqs]
-        dev = self.device
-        temperature = torch.cat([st.temperature for st in states])
-        reps = [st.rows for st in states]
+    def _sample(self, k: KindRows, logits: torch.Tensor) -> torch.Tensor:
+        """One kind's tokens ``[len(seqs) * rows]``, every row with its slot's parameters, gathered on
+        the device in a fixed number of launches; then recorded into the slots' state."""
+        st, slots, n, rows = self.slot_state, k.slots, len(k.seqs), k.rows
+        assert slots is not None
 
-        def per_row(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=dev).repeat_interleave(torch.tensor(reps, device=dev))
+        def per_row(values: torch.Tensor) -> torch.Tensor:  # [n] per sequence -> [n * rows]
+            return values[:, None].expand(n, rows).reshape(n * rows)
 
-        penalty = per_row([st.s.repetition_penalty for st in states], torch.float32)[:, None]
-        top_p = per_row([st.s.top_p for st in states], torch.float64)[:, None]
-        top_k = per_row([st.s.top_k for st in states], torch.long)
-        k_max = max(effective_top_k(st.s.top_k, logits.shape[-1]) for st in states)
-        steps = [s.num_generated for s in seqs]
-        blocked = [n < s.min_new_tokens for n, s in zip(steps, seqs, strict=True)]
-        block = per_row(blocked, torch.bool) if any(blocked) else None
-        history = torch.cat([st.history for st in states])
-        valid_len = per_row([min(n, PENALTY_WINDOW) for n in steps], torch.long)
-        history_valid = torch.arange(PENALTY_WINDOW, device=dev)[None] < valid_len[:, None]
-        eos = AUDIO_EOS if seqs[0].kind == "code" else self.text_eos_id
-        probs = batched_probs(logits, history, history_valid, temperature, penalty, top_p, top_k, k_max, block, eos)
-        noise = torch.cat([st.noise() for st in states])
+        generated = st.generated.index_select(0, slots)
+        temperature = st.temperature.index_select(0, slots)[:, :rows].reshape(n * rows, 1)
+        penalty = per_row(st.penalty.index_select(0, slots))[:, None]
+        top_p = per_row(st.top_p.index_select(0, slots))[:, None]
+        top_k = per_row(st.top_k.index_select(0, slots))
+        block = per_row(generated < st.min_new_tokens.index_select(0, slots))
+        history = st.history.index_select(0, slots)[:, :rows].reshape(n * rows, PENALTY_WINDOW)
+        valid = st.window[None] < per_row(generated.clamp(max=PENALTY_WINDOW))[:, None]
+        eos = AUDIO_EOS if k.kind == "code" else self.text_eos_id
+        probs = batched_probs(
+            logits,
+            history,
+            valid,
+            temperature,
+            penalty,
+            top_p,
+            top_k,
+            k.k_max,
+            block,
+            eos,
+            host_reads=not self.sync_free,
+        )
+        vocab = logits.shape[-1]
+        if self._generator_noise is not None:
+            noise = self._generator_noise(k.host_slots, rows, vocab)
+        else:
+            noise = self._counter_noise(st.seed.index_select(0, slots), generated, rows, vocab)
         tokens = sample_with_noise(probs, noise)
-        offset = 0
-        for st, n in zip(states, steps, strict=True):
-            st.record(tokens[offset : offset + st.rows], n)
-            offset += st.rows
+        st.record(slots, generated, tokens.view(n, rows))
         return tokens

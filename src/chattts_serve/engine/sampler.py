@@ -43,11 +43,15 @@ def batched_probs(
     k_max: int,  # max over rows of the effective k (computed on the host: no device sync here)
     block_eos: torch.Tensor | None,  # [R] bool, or None when no row blocks EOS
     eos_id: int,
+    host_reads: bool | None = None,
 ) -> torch.Tensor:
+    """``host_reads``: may read device values back to take a cheaper branch (default: on the CPU,
+    where that costs no sync). Both branches give the same bits; False never reads anything back."""
+    if host_reads is None:
+        host_reads = logits.device.type == "cpu"
     logits = logits / temperature
     # Penalty 1 everywhere (the refine pass's default) is exactly the identity: 1 ** c = 1, x * 1 = x / 1 = x.
-    # Checked on CPU only, where reading the flag back costs no device sync.
-    if logits.device.type != "cpu" or not bool((penalty == 1).all()):
+    if not host_reads or not bool((penalty == 1).all()):
         counts = torch.zeros(logits.shape, dtype=torch.int64, device=logits.device)
         counts.scatter_add_(1, history, history_valid.long())
         alpha = torch.pow(penalty, counts)
@@ -59,7 +63,7 @@ def batched_probs(
     threshold = (1 - top_p).to(torch.float32)
     # Both give the same bits. Not on a GPU: the row split would cost a device sync per step, and the
     # sort is cheap there. Not for a few rows: the window's ~40 small ops cost more than a short sort.
-    if logits.device.type == "cpu" and logits.numel() >= _WINDOW_MIN_ELEMENTS:
+    if host_reads and logits.numel() >= _WINDOW_MIN_ELEMENTS:
         logits = _filter_windowed(logits, threshold, k)
     else:
         logits = _filter_sorted(logits, threshold, k, k_max)
@@ -74,7 +78,7 @@ def _filter_sorted(logits: torch.Tensor, threshold: torch.Tensor, k: torch.Tenso
     sorted_logits, sorted_idx = torch.sort(logits, descending=False)
     cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cum_probs <= threshold
-    remove_sorted[..., -MIN_TOKENS_TO_KEEP:] = False
+    remove_sorted[..., -MIN_TOKENS_TO_KEEP:].fill_(False)  # (a Python value assigned would build a tensor)
     logits = logits.masked_fill(remove_sorted.scatter(1, sorted_idx, remove_sorted), -float("inf"))
     kth = torch.topk(logits, k_max)[0].gather(1, (k - 1)[:, None])
     return logits.masked_fill(logits < kth, -float("inf"))

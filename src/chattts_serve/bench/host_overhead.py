@@ -1,0 +1,217 @@
+"""``chattts-serve bench host-overhead`` (also ``python -m chattts_serve.bench.host_overhead``): the host's
+cost of one engine decode step per sequence, at 64 / 256 / 512 concurrent sequences, on the tiny random
+checkpoint (written to a temporary directory unless ``--model`` names one).
+
+Method. The runner holds N synthetic sequences (mostly code, one in 8 text; seeded and unseeded; each
+with its own sampling parameters) in N slots, prefills them, then times ``--steps`` decode steps
+(median), in this thread's CPU time. The trunk (the transformer step: the device's work, the same
+whatever the host does) is replaced by a stub returning a fixed hidden state. On the CPU the rest of
+the step still computes (heads, sort, noise: milliseconds that a GPU does in microseconds), so the
+host's share is separated op by op: a ``TorchDispatchMode`` times every aten op the step dispatches, and
+
+    host = (wall - time inside ops - ops x the timer's own cost per op) + ops x launch
+
+that is the step's Python time (lists, dicts, loops, tensors built from lists) plus one launch's host
+cost per op dispatched (``launch``: a one-element in-place add timed alone, about what the host pays to
+issue one CUDA kernel). Both per-op constants are measured at start. ``host_us_per_seq`` = host / N:
+what the host spends per sequence-step; on a GPU the step is host-bound whenever host exceeds the
+device time. Issue 20's target: flat in N and <= 15 us per sequence-step at 512. The runner runs its
+device path (``sync_free``) with counter noise, the CUDA defaults. An upper bound on the CPU: frees
+of large intermediate tensors happen between ops (a CUDA caching allocator makes them free), and the
+timer's cost per op is calibrated on a trivial op. ``ops_per_step`` is exact.
+
+``--before FILE``: also time an older ``runner.py`` (``git show main:src/chattts_serve/engine/runner.py
+> /tmp/runner_main.py``) loaded side by side inside this package, with the same stub (its sampler calls
+take the device path too). On a shared CPU the figures are noisy: compare ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SIZES = (64, 256, 512)
+_clock = time.thread_time
+"""CPU time of this thread: time the shared machine spends elsewhere does not count (the step and the
+ops all run on this thread with one torch thread)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: a tiny random one)")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated concurrent sequences")
+    p.add_argument("--steps", type=int, default=10, help="decode steps timed per size (median)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--before", default=None, help="an older runner.py to time side by side")
+
+
+class _StubTrunk:
+    """Stands in for ``StaticDecoder``: a fixed hidden state per row, no compute (both call forms)."""
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+    def __call__(self, emb, slots, lengths):
+        return self.hidden[: emb.shape[0]]
+
+    def run(self, emb, idx, pos, max_slot, max_len):
+        return self.hidden[: emb.shape[0]]
+
+
+class _TimedOps(TorchDispatchMode):
+    """Time spent inside each dispatched aten op, and how many ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops, self.inside = 0, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t0 = _clock()
+        out = func(*args, **(kwargs or {}))
+        self.inside += _clock() - t0
+        self.ops += 1
+        return out
+
+
+def per_op_costs(n: int = 4000) -> tuple[float, float]:
+    """(one trivial op's host cost, ``_TimedOps``'s own cost per op), seconds, medians of 5 rounds."""
+    import torch
+
+    x = torch.zeros(1)
+    plain, timed = [], []
+    for _ in range(5):
+        t0 = _clock()
+        for _ in range(n):
+            x.add_(1)
+        plain.append((_clock() - t0) / n)
+        timer = _TimedOps()
+        t0 = _clock()
+        with timer:
+            for _ in range(n):
+                x.add_(1)
+        timed.append((_clock() - t0 - timer.inside) / n)
+    return statistics.median(plain), statistics.median(timed)
+
+
+def _sequences(runner, n: int, seed: int) -> list:
+    from ..engine.request import Sequence
+    from ..engine.runner import SeqInputs, StepSampling
+    from ..model.config import AUDIO_EOS
+
+    rng = random.Random(seed)
+    seqs = []
+    for i in range(n):
+        kind = "text" if i % 8 == 7 else "code"
+        sampling = StepSampling(
+            (rng.uniform(0.2, 1.0),), rng.uniform(0.5, 1.0), rng.choice([0, 20]), 1.05, rng.choice([None, i])
+        )
+        ids = [rng.randrange(1000) for _ in range(8)]
+        eos = AUDIO_EOS if kind == "code" else runner.text_eos_id
+        seq = Sequence(f"r{i}", kind, len(ids), 0, 10_000, eos, sampling.seed is not None, False)
+        seq.payload, seq.slot = SeqInputs(ids, sampling), i
+        seqs.append(seq)
+    return seqs
+
+
+def _load_runner_class(path: str | None):
+    """This package's ``ModelRunner``, or the one in ``path`` loaded as a sibling module of it."""
+    from ..engine import runner as current
+    from ..engine import sampler
+
+    if path is None:
+        return current.ModelRunner
+    spec = importlib.util.spec_from_file_location("chattts_serve.engine._runner_before", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    module.batched_probs = functools.partial(sampler.batched_probs, host_reads=False)  # the device path
+    return module.ModelRunner
+
+
+def measure(model: Any, layout: Any, eos_id: int, runner_cls, n: int, steps: int, costs) -> dict[str, float]:
+    """One runner at ``n`` sequences: medians over ``steps`` decode steps (see the module docstring)."""
+    import torch
+
+    from ..engine.config import RunnerConfig
+    from ..engine.outputs import SchedulerOutput
+
+    launch, timer_cost = costs
+    config = RunnerConfig(decode="static", sampling_noise="counter", cuda_graphs=False)
+    runner = runner_cls(model, layout, n, 256, eos_id, config)
+    runner.sync_free = True
+    runner.static = _StubTrunk(torch.randn(n, model.gpt.norm.weight.shape[0]))
+    seqs = _sequences(runner, n, seed=n)
+    out = runner.execute(SchedulerOutput(prefill=seqs))
+    rows = []
+    for i in range(steps + 1):  # the first: warm-up (and the step that builds the index tensors)
+        for s in seqs:
+            s.tokens.append(out.tokens[s.seq_id])
+        timer = _TimedOps()
+        t0 = _clock()
+        with timer:
+            out = runner.execute(SchedulerOutput(decode=seqs))
+        wall = _clock() - t0
+        python = max(wall - timer.inside - timer.ops * timer_cost, 0.0)
+        if i:
+            rows.append((wall, python, timer.ops, python + timer.ops * launch))
+    wall, python, ops, host = (statistics.median(col) for col in zip(*rows, strict=True))
+    return {
+        "step_ms": round(wall * 1e3, 3),
+        "ops_per_step": int(ops),
+        "python_us_per_seq": round(python * 1e6 / n, 2),
+        "host_us_per_seq": round(host * 1e6 / n, 2),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from ..model import checkpoint
+    from ..model.prepare import prepare_model
+    from ..model.quant import parse_precision
+    from ..model.random_checkpoint import write_random
+    from ..model.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    path = args.model or write_random(Path(tempfile.mkdtemp()) / "tiny", "tiny", seed=0)
+    sizes = [int(s) for s in str(args.sizes).split(",")]
+    runners = {"after": _load_runner_class(None)}
+    if args.before:
+        runners["before"] = _load_runner_class(args.before)
+    costs = per_op_costs()
+    out: dict[str, Any] = {
+        "method": "host = python time + ops x launch, stub trunk, medians (see the module docstring)",
+        "launch_us": round(costs[0] * 1e6, 2),
+        "timer_cost_us": round(costs[1] * 1e6, 2),
+        "sizes": {},
+    }
+    for n in sizes:
+        # The model prepared for n slots (fp32), as the engine prepares it; shared by both runners.
+        model = checkpoint.load(path, device="cpu", dtype=torch.float32)
+        eos_id = Tokenizer(model.root / checkpoint.TOKENIZER_DIR).eos_id
+        layout = prepare_model(model, parse_precision("fp32"), n)
+        out["sizes"][n] = {
+            name: measure(model, layout, eos_id, cls, n, args.steps, costs) for name, cls in runners.items()
+        }
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    print(json.dumps(run(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))
