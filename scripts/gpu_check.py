@@ -10,6 +10,8 @@
    agreement and KL, free-run agreement, mel distance, waveform SNR).
 3. Offline throughput: 256 texts of ~10 s (``bench offline``), fp32 and bf16.
 4. Streaming: single-stream time to first chunk and a concurrency sweep (``bench streams``), bf16.
+5. Audio decode overlap: the same concurrent streams with the audio decode on its own CUDA stream
+   (collected a step later) and inside the step; wall times, same codes.
 
 Every result is one JSON line, printed and appended to ``--out``; the last line is a summary with
 pass/fail. ``--device cpu --quick`` runs the same code on a CPU with tiny sizes (the test suite does,
@@ -108,6 +110,47 @@ def _second_device(model: str, device: str, texts: list[str], params: SamplingPa
         "second_device_graph_replays": stats.graph_replays,
         "second_device_codes_identical": same,
         "second_device_passed": same and stats.graphs_refused == 0 and stats.graph_replays > 0,
+    }
+
+
+def check_audio_overlap(model: str, device: str, precision: str, n_streams: int, steps: int) -> dict:
+    """Streams decoded with the audio on its own stream (overlapping the next GPT step) and inline,
+    on one engine (only its audio decoder is swapped): wall time of each, and the same codes."""
+    from chattts_serve.audio.overlap import AudioDecoder
+    from chattts_serve.audio.policy import StreamPolicy
+
+    texts = ["今天天气真不错，我们一起去公园散步吧。", "The quick brown fox jumps over the lazy dog."]
+    config = EngineConfig.with_slots(n_streams, precision=precision)
+    eng = Engine.from_pretrained(model, device, config)
+    core = eng.core
+    params = SamplingParams(seed=7, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
+    runs = {}
+    for overlap in (False, True, False, True):  # the first pair warms up (shapes, allocator)
+        core.audio = AudioDecoder(core.model, core.device, core.audio_dtype, overlap=overlap, buckets=True)
+        for i in range(n_streams):
+            core.add_request(f"s{i}", core.prepare(texts[i % 2], params), StreamPolicy())
+        codes: dict[str, list] = {}
+        t0 = time.perf_counter()
+        while core.has_unfinished():
+            for out in core.step():
+                if out.finished:
+                    codes[out.request_id] = [seg.codes for seg in out.segments]
+        runs[overlap] = (time.perf_counter() - t0, codes)
+    same = all(
+        all(np.array_equal(a, b) for a, b in zip(runs[True][1][rid], runs[False][1][rid], strict=True))
+        for rid in runs[False][1]
+    )
+    inline_s, overlap_s = runs[False][0], runs[True][0]
+    return {
+        "check": "audio_overlap",
+        "streams": n_streams,
+        "steps": steps,
+        "audio_dtype": core.audio_dtype,
+        "inline_wall_s": round(inline_s, 3),
+        "overlap_wall_s": round(overlap_s, 3),
+        "speedup": round(inline_s / overlap_s, 3) if overlap_s > 0 else None,
+        "codes_identical": same,
+        "passed": same and len(runs[True][1]) == n_streams,
     }
 
 
@@ -224,6 +267,9 @@ def main() -> int:
         )
     )
     record({"check": "streams", "precision": r["precision"], "levels": r["levels"]})
+
+    n_streams, overlap_steps = (2, 12) if quick else (64, 200)
+    record(check_audio_overlap(model, args.device, "fp32" if quick else "bf16", n_streams, overlap_steps))
 
     passed = all(r.get("passed", True) for r in results)
     record({"check": "summary", "passed": passed, "total_s": round(time.perf_counter() - t_start, 1)})

@@ -34,10 +34,19 @@ def test_gpu_check_quick_on_cpu(tiny_ckpt, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     checks = [r["check"] for r in lines]
-    assert checks == ["environment", "cuda_graph_vs_eager", "precision_vs_fp32", "offline", "streams", "summary"]
+    assert checks == [
+        "environment",
+        "cuda_graph_vs_eager",
+        "precision_vs_fp32",
+        "offline",
+        "streams",
+        "audio_overlap",
+        "summary",
+    ]
     assert lines[1]["codes_identical"] and lines[-1]["passed"]
     assert lines[1]["graph_replays"] == 0 and lines[1]["eager_fallbacks"] > 0  # no graphs on a CPU
     assert lines[3]["audio_s_per_s"] > 0 and lines[4]["levels"][0]["n"] == 1
+    assert lines[5]["codes_identical"] and lines[5]["overlap_wall_s"] > 0
 
 
 def test_gpu_check_refuses_cuda_without_a_gpu(tmp_path):
