@@ -14,7 +14,9 @@
    lengths; int8 against bf16 on a smaller batch (which should be the CUDA int8 default).
 5. Streaming: one stream's time to first chunk, then 512 streams arriving staggered and unseeded
    (``bench streams``), bf16.
-6. Where a step's time goes: ``profile --device cuda`` at 1 / 64 / 512 streams.
+6. Audio decode overlap: the same concurrent streams with the audio decode on its own CUDA stream
+   (collected a step later) and inside the step; wall times, same codes.
+7. Where a step's time goes: ``profile --device cuda`` at 1 / 64 / 512 streams.
 
 Every result is one JSON line, printed and appended to ``--out``; the last line is the summary: each
 goal of issue 20 with its threshold, the measured value and a verdict. ``--device cpu --quick`` runs
@@ -186,6 +188,47 @@ def check_syncs(model: str, device: str, steps: int) -> dict:
     }
 
 
+def check_audio_overlap(model: str, device: str, precision: str, n_streams: int, steps: int) -> dict:
+    """Streams decoded with the audio on its own stream (overlapping the next GPT step) and inline,
+    on one engine (only its audio decoder is swapped): wall time of each, and the same codes."""
+    from chattts_serve.audio.overlap import AudioDecoder
+    from chattts_serve.audio.policy import StreamPolicy
+
+    texts = ["今天天气真不错，我们一起去公园散步吧。", "The quick brown fox jumps over the lazy dog."]
+    config = EngineConfig.with_slots(n_streams, precision=precision)
+    eng = Engine.from_pretrained(model, device, config)
+    core = eng.core
+    params = SamplingParams(seed=7, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
+    runs = {}
+    for overlap in (False, True, False, True):  # the first pair warms up (shapes, allocator)
+        core.audio = AudioDecoder(core.model, core.device, core.audio_dtype, overlap=overlap, buckets=True)
+        for i in range(n_streams):
+            core.add_request(f"s{i}", core.prepare(texts[i % 2], params), StreamPolicy())
+        codes: dict[str, list] = {}
+        t0 = time.perf_counter()
+        while core.has_unfinished():
+            for out in core.step():
+                if out.finished:
+                    codes[out.request_id] = [seg.codes for seg in out.segments]
+        runs[overlap] = (time.perf_counter() - t0, codes)
+    same = all(
+        all(np.array_equal(a, b) for a, b in zip(runs[True][1][rid], runs[False][1][rid], strict=True))
+        for rid in runs[False][1]
+    )
+    inline_s, overlap_s = runs[False][0], runs[True][0]
+    return {
+        "check": "audio_overlap",
+        "streams": n_streams,
+        "steps": steps,
+        "audio_dtype": core.audio_dtype,
+        "inline_wall_s": round(inline_s, 3),
+        "overlap_wall_s": round(overlap_s, 3),
+        "speedup": round(inline_s / overlap_s, 3) if overlap_s > 0 else None,
+        "codes_identical": same,
+        "passed": same and len(runs[True][1]) == n_streams,
+    }
+
+
 def _offline(model: str, device: str, precision: str, n: int, steps: int, *extra: str) -> dict:
     argv = ["--model", model, "--device", device, "--precision", precision, "--num-texts", str(n)]
     r = offline.run(_ns(offline, [*argv, "--steps", str(steps), *extra]))
@@ -275,6 +318,9 @@ def main() -> int:
     many = record(_streams(model, dev, half, str(n), steps, "--stagger-ms", stagger, "--unseeded"))["levels"][0]
     values["first_chunk_p99_512_staggered_s"] = many["ttfb_s"]["p99"]
     values["max_rtf_512_staggered"] = many["rtf"]["max"]
+
+    n_streams, overlap_steps = (2, 12) if quick else (64, 200)
+    record(check_audio_overlap(model, dev, half, n_streams, overlap_steps))
 
     for n in (1, 2) if quick else (1, 64, 512):
         record(_profile(model, dev, half, n, 12 if quick else 100))

@@ -45,6 +45,8 @@ def test_gpu_check_quick_on_cpu(tiny_ckpt, tmp_path):
     one, many = by["streams"]
     assert one["levels"][0]["n"] == 1 and many["levels"][0]["seeded"] is False
     assert [r["streams"] for r in by["profile"]] == [1, 2]
+    overlap = by["audio_overlap"][0]
+    assert overlap["codes_identical"] and overlap["overlap_wall_s"] > 0
     summary = lines[-1]
     assert summary["check"] == "summary" and summary["passed"]
     goals = {g["goal"]: g for g in summary["goals"]}

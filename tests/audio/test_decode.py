@@ -1,4 +1,5 @@
-"""audio.decode: the Decoder + Vocos dtype (``EngineConfig.audio_dtype``) and the CPU probe behind it."""
+"""audio.decode: the Decoder + Vocos dtype (``EngineConfig.audio_dtype``) and the CPU probe behind it,
+bounded batches and out-of-memory retries, and window buckets."""
 
 from __future__ import annotations
 
@@ -25,11 +26,20 @@ def test_bf16_audio_is_close_to_fp32_with_the_same_codes(tiny_ckpt):
     assert snr > 20, snr  # the GPT is untouched; only the waveform moves (~36 dB at full size)
 
 
-def test_fp32_is_the_default():
-    assert EngineConfig().audio_dtype == "fp32"
+def test_fp32_is_the_default_on_cpu_and_bf16_on_cuda():
+    assert EngineConfig().audio_dtype == "auto"
+    assert decode_module.resolve_audio_dtype("auto", "cpu") == "fp32"
+    assert decode_module.resolve_audio_dtype("auto", "cuda") == "bf16"
+    assert decode_module.resolve_audio_dtype("tf32", "cuda") == "tf32"
     assert from_flat(audio_dtype="bf16").audio_dtype == "bf16"
     with pytest.raises(ValueError, match="audio_dtype must be one of"):
         EngineConfig(audio_dtype="fp16")
+    with pytest.raises(ValueError, match="audio dtype must be"):
+        decode_module.resolve_audio_dtype("fp16", "cuda")
+
+
+def test_tf32_on_a_cpu_is_fp32(tiny_ckpt):
+    assert np.array_equal(_audio(tiny_ckpt, "tf32"), _audio(tiny_ckpt, "fp32"))
 
 
 @pytest.mark.parametrize(
@@ -81,13 +91,13 @@ def _spy(monkeypatch, oom_above: int | None = None, error: type = RuntimeError) 
     real = decode_module._decode_batch
     sizes: list[int] = []
 
-    def fake(model, h, bf16):
+    def fake(model, h, *rest):
         sizes.append(h.shape[0])
         if oom_above is not None and h.shape[0] > oom_above:
             if error is RuntimeError:
                 raise RuntimeError("CUDA out of memory. Tried to allocate 6.00 GiB")
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        return real(model, h, bf16)
+        return real(model, h, *rest)
 
     monkeypatch.setattr(decode_module, "_decode_batch", fake)
     return sizes
@@ -143,3 +153,44 @@ def test_a_window_that_runs_out_of_memory_alone_fails_alone(model, monkeypatch):
     monkeypatch.setattr(decode_module, "_decode_batch", lambda *a: (_ for _ in ()).throw(ValueError("bad")))
     out = decode_module.decode_windows(model, windows[:2])
     assert [type(r) for r in out] == [ValueError, ValueError] and sizes == []  # not retried: not an OOM
+
+
+# --------------------------------------------------------------------------------------------------
+# Window buckets (CUDA default): fixed shapes, the same audio
+
+
+def test_window_buckets_are_few_and_waste_at_most_an_eighth():
+    sizes = [decode_module.window_bucket(n) for n in range(1, 4097)]
+    assert all(b >= n for n, b in zip(range(1, 4097), sizes, strict=True))
+    assert sizes == sorted(sizes)  # monotone: a longer window never gets a shorter bucket
+    assert all(b - n <= max(7, n // 8) for n, b in zip(range(1, 4097), sizes, strict=True))
+    assert len(set(sizes)) <= 56
+    assert [decode_module.window_bucket(n) for n in (1, 14, 34, 64, 65, 122, 469)] == [8, 16, 40, 64, 72, 128, 480]
+    with pytest.raises(ValueError, match="at least one step"):
+        decode_module.window_bucket(0)
+
+
+def test_plan_batches_groups_by_bucket_within_the_byte_bound():
+    steps = [14, 16, 9, 34, 14, 40, 3]
+    exact = decode_module.plan_batches(steps, 10, 10**9, buckets=False)
+    assert sorted(length for length, _ in exact) == [3, 9, 14, 16, 34, 40]
+    bucketed = decode_module.plan_batches(steps, 10, 10**9, buckets=True)
+    assert sorted((length, idx) for length, idx in bucketed) == [(8, [6]), (16, [0, 1, 2, 4]), (40, [3, 5])]
+    bounded = decode_module.plan_batches(steps, 10, 10 * 16 * 2, buckets=True)  # two 16-step windows a call
+    assert [idx for length, idx in bounded if length == 16] == [[0, 1], [2, 4]]
+    assert sorted(i for _, idx in bounded for i in idx) == list(range(len(steps)))
+
+
+def test_bucketed_decode_is_the_unbucketed_decode_trimmed(model, monkeypatch):
+    """Windows of 11 lengths, padded to 5 buckets, some starting mid-stream: each row's audio is that
+    of its window alone (the padding is masked before every convolution and left out of the iSTFT)."""
+    lengths = [1, 3, 6, 7, 9, 14, 16, 17, 33, 40, 70]
+    windows = _windows(model, [n + 4 for n in lengths])
+    windows = [type(w)(w.stream, 2, 2 + n, 0, 0, n, True) for w, n in zip(windows, lengths, strict=True)]
+    exact = decode_module.decode_windows(model, windows)
+    sizes = _spy(monkeypatch)
+    bucketed = decode_module.decode_windows(model, windows, buckets=True)
+    assert len(sizes) == len({decode_module.window_bucket(n) for n in lengths}) < len(lengths)
+    for n, a, b in zip(lengths, exact, bucketed, strict=True):
+        assert a.shape == b.shape == (512 * n - 256,)
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-7)  # the matmuls see other row counts

@@ -463,11 +463,11 @@ def test_audio_decode_oom_retries_smaller_and_every_request_gets_its_audio(engin
     want = _run_all(core, p, 4)
     real, sizes = decode_module._decode_batch, []
 
-    def oom_above_one(model, h, bf16):
+    def oom_above_one(model, h, *rest):
         sizes.append(h.shape[0])
         if h.shape[0] > 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
-        return real(model, h, bf16)
+        return real(model, h, *rest)
 
     monkeypatch.setattr(decode_module, "_decode_batch", oom_above_one)
     got = _run_all(core, p, 4)
@@ -483,20 +483,30 @@ def test_audio_decode_oom_retries_smaller_and_every_request_gets_its_audio(engin
 
 
 def test_a_window_that_fails_alone_fails_only_its_request(engine, monkeypatch):
-    from chattts_serve.engine import core as core_module
+    from chattts_serve.audio import overlap as overlap_module
+    from chattts_serve.audio.decode import DecodedBatch
 
     core = engine.core
-    real = core_module.decode_windows
+    real = overlap_module.decode_on_device
 
-    def doomed_fails(model, windows, dtype="fp32"):
-        out = real(model, windows, dtype)
-        for i, w in enumerate(windows):
-            if w.stream is doomed_stream[0]:
-                out[i] = RuntimeError("CUDA out of memory (one window)")
+    def doomed_fails(model, windows, *args, **kw):
+        out = []
+        for batch in real(model, windows, *args, **kw):
+            doomed = [i for i in batch.index if windows[i].stream is doomed_stream[0]]
+            rest = [(i, n) for i, n in zip(batch.index, batch.samples, strict=True) if i not in doomed]
+            if doomed:  # the doomed window fails as if alone; the others keep their rows
+                error = RuntimeError("CUDA out of memory (one window)")
+                out.append(DecodedBatch(doomed, [0] * len(doomed), error=error))
+                keep = [k for k, i in enumerate(batch.index) if i not in doomed]
+                wav = batch.wav[keep] if keep else None
+                if rest:
+                    out.append(DecodedBatch([i for i, _ in rest], [n for _, n in rest], wav=wav))
+            else:
+                out.append(batch)
         return out
 
     doomed_stream: list = []
-    monkeypatch.setattr(core_module, "decode_windows", doomed_fails)
+    monkeypatch.setattr(overlap_module, "decode_on_device", doomed_fails)
     run = Run(core)
     p = base(seed=9, min_new_tokens=24, max_new_tokens=24)
     for i in range(3):

@@ -250,3 +250,57 @@ def test_engine_stats_count_eager_static_steps(tiny_ckpt):
     eng.synthesize(TEXTS[:1], SamplingParams(seed=3, max_new_tokens=8, refine_text=False))
     stats = eng.core.stats()
     assert stats.eager_steps > 0 and stats.graph_replays == 0 and stats.graphs_refused == 0
+
+
+# ---------------------------------------------------------------- compile once, pinned buffers, SDPA log
+
+
+@torch.inference_mode()
+def test_compiled_step_compiles_a_bounded_number_of_times_for_every_bucket(gpt):
+    """Symbolic sizes: every (batch, ctx) bucket of a 48-slot cache runs on at most 3 compiled graphs
+    (static shapes compiled one per bucket: 7 x 4 = 28 here, ~180 at 256 slots). Traced with a
+    counting backend that runs the graph eagerly, so no C++ compiler is needed; outputs as eager."""
+    import torch._dynamo
+
+    from chattts_serve.engine.cuda_graph import compile_step
+
+    compiles: list[int] = []
+
+    def counting(gm, example_inputs):
+        compiles.append(len(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    cache = gpt.new_cache(48, 1101)
+    cache.k.normal_(generator=torch.Generator().manual_seed(0)), cache.v.normal_()
+    step = compile_step(gpt.decode_static, backend=counting)
+    g = torch.Generator().manual_seed(1)
+    sizes = [(bs, ctx) for bs in batch_buckets(48) for ctx in ctx_buckets(1100)]
+    assert len(sizes) == 28
+    for bs, ctx in sizes:
+        emb = torch.randn(bs, gpt.cfg.hidden_size, generator=g)
+        pos = torch.randint(0, ctx, (bs,), generator=g)
+        want = gpt.decode_static(emb, cache, pos, ctx)
+        torch.testing.assert_close(step(emb, cache, pos, ctx), want, rtol=0, atol=0)
+    assert 1 <= len(compiles) <= 3, compiles
+    torch._dynamo.reset()
+
+
+def test_static_decoder_logs_its_attention_backend(gpt, caplog):
+    import logging
+
+    cache = gpt.new_cache(2, 300)
+    with caplog.at_level(logging.INFO, logger="chattts_serve.engine.cuda_graph"):
+        dec = StaticDecoder(gpt, cache, use_graphs=False)
+    assert dec.attention_backend in ("FLASH_ATTENTION", "MATH", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+    assert any("SDPA backend" in r.getMessage() for r in caplog.records)
+
+
+def test_sdpa_backend_names_the_math_kernel_when_only_it_is_allowed():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from chattts_serve.engine.cuda_graph import sdpa_backend
+
+    q, k = torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 16, 8)
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert sdpa_backend(q, k, k, None) == "MATH"

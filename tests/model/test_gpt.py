@@ -56,6 +56,40 @@ def test_rmsnorm_formula(eps):
     torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-6)
 
 
+def _reference_rmsnorm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The reference's (Hugging Face LlamaRMSNorm) formula: fp32 math, cast back, then the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return norm.weight * h.to(x.dtype)
+
+
+def test_rmsnorm_is_the_reference_formula_to_the_bit_in_fp32():
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(768, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(768, generator=g))
+    x = torch.randn(7, 768, generator=g) * 3
+    assert torch.equal(norm(x), _reference_rmsnorm(norm, x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rmsnorm_in_half_precision_is_at_least_as_close_to_fp32_as_the_reference(dtype):
+    """F.rms_norm in bf16/fp16 rounds once (the reference's formula twice): not its bits, but no
+    further from the fp32 math on the same half-precision inputs and weight (mean error)."""
+    g = torch.Generator().manual_seed(2)
+    norm = RMSNorm(768, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(768, generator=g))
+    norm = norm.to(dtype)
+    x = (torch.randn(64, 768, generator=g) * 3).to(dtype)
+    h = x.float()
+    exact = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+    got, ref = norm(x), _reference_rmsnorm(norm, x)
+    assert got.dtype == ref.dtype == dtype
+    assert (got.float() - exact).abs().mean() <= (ref.float() - exact).abs().mean()
+    assert torch.equal(norm(x[:5]), got[:5])  # per row: the batch does not change a row
+
+
 # ---------------------------------------------------------------- RoPE
 
 

@@ -23,7 +23,8 @@ from .scheduler import SchedulerConfig
 
 DECODE_MODES = ("auto", "rows", "static")
 KV_CACHE_DTYPES = ("auto", "bf16")
-AUDIO_DTYPES = ("fp32", "bf16")
+AUDIO_DTYPES = ("auto", "fp32", "tf32", "bf16")
+SWITCHES = ("auto", "on", "off")
 SAMPLING_NOISES = ("auto", "generator", "counter")  # engine.noise.NOISE_SOURCES (no torch here)
 
 
@@ -73,6 +74,7 @@ class EngineConfig:
     precision: str = "fp32"
     """GPT precision (see ``model.quant``); every mode loads the official fp32 files."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """``max_waiting`` below ``max_num_seqs`` is raised to it."""
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     stream: StreamPolicy = field(default_factory=StreamPolicy)
     """Chunking of streamed audio when a request does not choose its own."""
@@ -82,17 +84,39 @@ class EngineConfig:
     """Audio one request may generate in all (its sentences, and the first-sentence voice step): a
     request whose ``min_new_tokens`` alone would pass it is refused; otherwise each sentence's
     ``max_new_tokens`` is capped at its share, so no request can hold the engine for longer."""
-    audio_dtype: str = "fp32"
-    """Decoder + Vocos: "fp32" (reference-exact waveform) or "bf16" (autocast; 1.6-2.4x faster where the
-    CPU has AVX-512 BF16 or AMX, ~36 dB SNR against fp32; slower elsewhere, see ``cpu_has_bf16``)."""
+    audio_dtype: str = "auto"
+    """Decoder + Vocos: "fp32" (reference-exact waveform), "tf32" (TF32 matmuls on CUDA; fp32
+    elsewhere) or "bf16" (autocast; 1.6-2.4x faster where the CPU has AVX-512 BF16 or AMX, ~36 dB SNR
+    against fp32; slower elsewhere, see ``cpu_has_bf16``). "auto": bf16 on CUDA, fp32 elsewhere."""
+    audio_overlap: str = "auto"
+    """"on": the audio decode runs on a CUDA stream of its own, overlapping the next GPT step, and its
+    audio is taken at a later step (``audio.overlap``); "off": inside the step, as on a CPU. "auto": on
+    for CUDA."""
+    audio_buckets: str = "auto"
+    """"on": windows padded to a few fixed lengths (``audio.decode.window_bucket``; the padding masked,
+    so only float rounding changes), so the kernels see repeating shapes. "auto": on for CUDA."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
         if self.audio_dtype not in AUDIO_DTYPES:
             raise ValueError(f"audio_dtype must be one of {', '.join(AUDIO_DTYPES)}; got {self.audio_dtype!r}")
+        for name in ("audio_overlap", "audio_buckets"):
+            if getattr(self, name) not in SWITCHES:
+                raise ValueError(f"{name} must be one of {', '.join(SWITCHES)}; got {getattr(self, name)!r}")
         if not self.max_audio_seconds > 0:
             raise ValueError(f"max_audio_seconds must be > 0, got {self.max_audio_seconds!r}")
+        sc = self.scheduler
+        if sc.max_waiting < sc.max_num_seqs:
+            # A burst as large as the slots must queue (it is admitted next step), not be refused with
+            # slots free: the waiting bound is at least the slot count (auto slots included).
+            object.__setattr__(self, "scheduler", replace(sc, max_waiting=sc.max_num_seqs))
+
+    def resolve_audio_overlap(self, device_type: str) -> bool:
+        return self.audio_overlap == "on" or (self.audio_overlap == "auto" and device_type == "cuda")
+
+    def resolve_audio_buckets(self, device_type: str) -> bool:
+        return self.audio_buckets == "on" or (self.audio_buckets == "auto" and device_type == "cuda")
 
     @classmethod
     def with_slots(cls, max_num_seqs: int, **kw) -> EngineConfig:
@@ -117,6 +141,8 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "sampling_noise": ("runner", "sampling_noise"),
     "max_audio_seconds": ("max_audio_seconds",),
     "audio_dtype": ("audio_dtype",),
+    "audio_overlap": ("audio_overlap",),
+    "audio_buckets": ("audio_buckets",),
 }
 _HELP = {
     "precision": "GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
@@ -134,7 +160,10 @@ _HELP = {
     "sampling_noise": "sampling noise: generator (one torch.Generator per sequence, reference-identical; CPU "
     "default), counter (hash of seed and step, one batched draw, batch-invariant; CUDA default) or auto",
     "max_audio_seconds": "audio one request may generate in all (its sentences x max_new_tokens are capped to fit)",
-    "audio_dtype": "Decoder + Vocos dtype: fp32 (reference-exact) or bf16 (faster on CPUs with AVX-512 BF16 / AMX)",
+    "audio_dtype": "Decoder + Vocos dtype: fp32 (reference-exact), tf32 (CUDA) or bf16 (faster on CPUs with "
+    "AVX-512 BF16 / AMX); auto: bf16 on CUDA, fp32 elsewhere",
+    "audio_overlap": "audio decode on its own CUDA stream, overlapping the next GPT step (auto: on for CUDA)",
+    "audio_buckets": "pad audio windows to a few fixed lengths so shapes repeat (auto: on for CUDA)",
 }
 
 
@@ -191,6 +220,8 @@ def add_engine_arguments(
                 "kv_cache_dtype": KV_CACHE_DTYPES,
                 "sampling_noise": SAMPLING_NOISES,
                 "audio_dtype": AUDIO_DTYPES,
+                "audio_overlap": SWITCHES,
+                "audio_buckets": SWITCHES,
             }.get(name)
             kind = str if default is None else type(default)
             p.add_argument(flag, type=kind, choices=choices, help=f"{_HELP[name]} {shown}".strip(), **kw)

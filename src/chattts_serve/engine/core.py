@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..audio.decode import cpu_has_bf16, decode_windows
+from ..audio.decode import cpu_has_bf16, resolve_audio_dtype
+from ..audio.overlap import AudioDecoder, Entry, split_failed
 from ..audio.policy import StreamPolicy
 from ..model.checkpoint import LoadedModel
 from ..model.prepare import ModelLayout
@@ -64,9 +65,24 @@ class EngineCore:
         self.device = self.runner.device
         self.inputs = InputProcessor(tokenizer, gpt.hidden_size, gpt.num_vq, config.max_audio_seconds)
         self.pipeline = RequestPipeline(tokenizer, gpt.hidden_size, gpt.num_vq, sc.max_model_len, self.device)
-        self.audio_dtype = config.audio_dtype
+        self.audio_dtype = resolve_audio_dtype(config.audio_dtype, self.device.type)
         if self.audio_dtype == "bf16" and self.device.type == "cpu" and not cpu_has_bf16():
             logger.warning("audio_dtype bf16 on a CPU without AVX-512 BF16 or AMX: emulated, slower than fp32")
+        on_cuda = self.device.type == "cuda"
+        self.audio = AudioDecoder(
+            model,
+            self.device,
+            self.audio_dtype,
+            overlap=config.resolve_audio_overlap(self.device.type),
+            buckets=config.resolve_audio_buckets(self.device.type),
+        )
+        if on_cuda:
+            logger.info(
+                "audio decode: %s, %s stream, %s windows",
+                self.audio_dtype,
+                "its own" if self.audio.overlap else "the engine's",
+                "bucketed" if self.audio.buckets else "exact-length",
+            )
 
     # ------------------------------------------------------------------ requests
 
@@ -131,6 +147,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.runner.release(sched.finished)
         updates = self._execute(sched)
+        # The audio submitted at earlier steps ran beside this step's GPT work; wait for it only when
+        # there is no GPT work left to overlap (otherwise take what is done and poll again next step).
+        self._accept_audio(self.audio.collect(wait=sched.is_empty))
         self._queue(self.pipeline.update(updates))
         self._decode_audio()
         self._make_voice_samples()
@@ -160,24 +179,28 @@ class EngineCore:
                 self._fail(seq.request_id, str(exc))
 
     def _decode_audio(self) -> None:
-        """Decoder + Vocos on every window ready this step, batched across requests."""
-        windows = self.pipeline.windows()
-        if not windows:
-            return
+        """Decoder + Vocos on every window ready this step, batched across requests: submitted, and
+        (without overlap) collected at once. A stream with a window in flight waits for it."""
+        windows = [e for e in self.pipeline.windows() if not self.audio.busy(e[2].stream)]
         try:
-            pcm = decode_windows(self.model, [w for _, _, w in windows], self.audio_dtype)
+            done = self.audio.submit(windows)
+            if not self.audio.overlap:
+                done += self.audio.collect(wait=True)
         except Exception as exc:
             logger.exception("audio decode failed")
             for request_id, _, _ in windows:
                 self._fail(request_id, f"audio decode failed: {exc}")
             return
-        # A window that failed alone (out of memory even by itself, or another error) fails its request only.
-        failed = {rid: r for (rid, _, _), r in zip(windows, pcm, strict=True) if isinstance(r, Exception)}
-        for request_id, exc in failed.items():
-            logger.error("audio decode failed for %s", request_id, exc_info=exc)
-            self._fail(request_id, f"audio decode failed: {exc}")
-        ok = [i for i, (rid, _, _) in enumerate(windows) if rid not in failed]
-        self.pipeline.accept([windows[i] for i in ok], [pcm[i] for i in ok])
+        self._accept_audio(done)
+
+    def _accept_audio(self, done: list[tuple[list[Entry], list]]) -> None:
+        for windows, pcm in done:
+            # A window that failed alone (out of memory even by itself, or another error) fails its request only.
+            failed, ok = split_failed(windows, pcm)
+            for request_id, exc in failed.items():
+                logger.error("audio decode failed for %s", request_id, exc_info=exc)
+                self._fail(request_id, f"audio decode failed: {exc}")
+            self.pipeline.accept([windows[i] for i in ok], [pcm[i] for i in ok])
 
     def _make_voice_samples(self) -> None:
         """DVAE-encode each finished voice step's audio into its request's voice sample."""
@@ -202,6 +225,7 @@ class EngineCore:
         for request_id in list(self.pipeline.requests):
             self.pipeline.end(request_id, "error", message)
         outputs = self.pipeline.outputs()
+        self.audio.drop()
         self.scheduler = Scheduler(self.config.scheduler)
         self.runner.states.clear()
         return outputs

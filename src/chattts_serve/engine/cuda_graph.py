@@ -15,12 +15,17 @@ stream, and the current device is per thread (0 unless set). So capture and repl
 (or any worker after the first of ``--devices``) would otherwise record on the wrong card, and an
 empty graph replays its capture-time output: garbage codes, no error. Every captured graph is checked
 once against an eager step (``graph_matches_eager``); one that differs is not used.
+
+``torch.compile`` (``compile_step``) traces the step with the batch and context sizes symbolic: one
+compile serves every bucket (dynamo still specialises batch 1), where static shapes compiled once per
+(batch, ctx) bucket, up to ~180 times at 256 slots. The start-up cost is logged.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -50,6 +55,23 @@ def _bucket(sizes: list[int], need: int) -> int:
         if s >= need:
             return s
     raise ValueError(f"{need} exceeds the largest bucket {sizes[-1]}")
+
+
+def compile_step(fn: Callable, backend: str | Callable = "inductor") -> Callable:
+    """``torch.compile`` of the static step with every size symbolic (``dynamic=True``): the batch and
+    context buckets share one compiled graph, plus one for batch 1 (sizes 0 and 1 are always
+    specialised). The graphs are captured per bucket as before, each replaying the shared kernels."""
+    return torch.compile(fn, dynamic=True, backend=backend)
+
+
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` picks for these inputs (torch's own choice
+    function): "FLASH_ATTENTION" (on a CPU: torch's CPU flash kernel), "EFFICIENT_ATTENTION",
+    "CUDNN_ATTENTION" or "MATH"."""
+    from torch.nn.attention import SDPBackend
+
+    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, False, scale=q.shape[-1] ** -0.5)
+    return SDPBackend(choice).name
 
 
 _TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
@@ -88,14 +110,17 @@ class StaticDecoder:
         self.pos = torch.full((slots,), self.scratch, dtype=torch.long, device=self.device)
         self.batch_sizes = batch_buckets(slots)
         self.ctx_sizes = ctx_buckets(self.scratch)
-        self.fn = gpt.decode_static
-        if compile:
-            import torch._dynamo as dynamo
-
-            # One specialisation per (batch, ctx) bucket; dynamo's default limit (8) would fall back to eager.
-            n_shapes = len(self.batch_sizes) * len(self.ctx_sizes)
-            dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, n_shapes + 8)
-            self.fn = torch.compile(gpt.decode_static, dynamic=False)
+        self.fn = compile_step(gpt.decode_static) if compile else gpt.decode_static
+        self.compiled = compile
+        # Slots and positions reach the device through persistent pinned buffers (CUDA), not a
+        # freshly pinned tensor per call; ``_copied`` orders a rewrite after the previous copy.
+        self._pin = self.device.type == "cuda"
+        self._host_idx = torch.zeros(slots, dtype=torch.long, pin_memory=self._pin)
+        self._host_pos = torch.zeros(slots, dtype=torch.long, pin_memory=self._pin)
+        self._dev_idx = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self._dev_pos = torch.zeros(slots, dtype=torch.long, device=self.device)
+        self._copied: torch.cuda.Event | None = None
+        self.attention_backend = self._log_attention_backend(gpt, cache)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.strict_graphs = strict_graphs
         self.graph_replays = 0
@@ -108,6 +133,21 @@ class StaticDecoder:
         if self.use_graphs:
             self.capture_all()
 
+    def _log_attention_backend(self, gpt: GPT, cache: KVCache) -> str:
+        """Which SDPA kernel the step's attention runs (logged once: flash, efficient, cuDNN or math)."""
+        # One row: the choice depends on dtype, head size, the mask and alignment, not on the batch.
+        cfg, ctx = gpt.cfg, self.ctx_sizes[0]
+        q = torch.zeros(1, cfg.num_heads, 1, cfg.head_dim, dtype=cache.k.dtype, device=self.device)
+        k = torch.zeros(1, cfg.num_heads, ctx, cfg.head_dim, dtype=cache.k.dtype, device=self.device)
+        mask = torch.ones(1, 1, 1, ctx, dtype=torch.bool, device=self.device)
+        try:
+            name = sdpa_backend(q, k, k, mask)
+        except (RuntimeError, AttributeError, ValueError) as exc:  # a private torch function: may move
+            name = f"unknown ({exc})"
+        where = "torch's CPU flash kernel" if self.device.type == "cpu" and name == "FLASH_ATTENTION" else name
+        logger.info("decode attention on %s (%s): SDPA backend %s", self.device, cache.k.dtype, where)
+        return name
+
     def _on_device(self) -> AbstractContextManager:
         """The engine's CUDA device as the current one (capture and replay use the current device)."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
@@ -117,6 +157,7 @@ class StaticDecoder:
         """One graph per (batch, ctx) bucket, largest first, sharing one memory pool, each checked once
         against an eager step. Every row points at the scratch position while capturing and checking,
         so no sequence's cache is touched."""
+        t0 = time.perf_counter()
         with self._on_device():
             self.pos.fill_(self.scratch)
             pool = None
@@ -127,7 +168,13 @@ class StaticDecoder:
                     self.graphs[(bs, ctx)] = (graph, out)
             torch.cuda.synchronize(self.device)
             self.check_graphs()
-        logger.info("captured %d CUDA graphs for decode (%d refused)", len(self.graphs), self.graphs_refused)
+        logger.info(
+            "captured %d CUDA graphs for decode (%d refused) in %.1f s%s",
+            len(self.graphs),
+            self.graphs_refused,
+            time.perf_counter() - t0,
+            ", torch.compile included (one symbolic-shape compile, plus batch 1)" if self.compiled else "",
+        )
 
     def _capture(self, bs: int, ctx: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up, then capture one bucket on a side stream of the engine's device (under ``_on_device``)."""
@@ -172,10 +219,7 @@ class StaticDecoder:
     @torch.inference_mode()
     def __call__(self, emb_rows: torch.Tensor, slots: list[int], lengths: list[int]) -> torch.Tensor:
         """emb_rows [n, hidden] of sequences in ``slots`` at cache positions ``lengths`` -> [n, hidden]."""
-        dev = self.emb.device
-        pin = dev.type == "cuda"
-        idx = torch.tensor(slots, dtype=torch.long, pin_memory=pin).to(dev, non_blocking=pin)
-        pos = torch.tensor(lengths, dtype=torch.long, pin_memory=pin).to(dev, non_blocking=pin)
+        idx, pos = self._upload(slots, lengths)
         return self.run(emb_rows, idx, pos, max(slots), max(lengths))
 
     @torch.inference_mode()
@@ -201,3 +245,21 @@ class StaticDecoder:
             out = self._eager(bs, ctx)
             self.eager_steps += 1
         return out[idx]
+
+    def _upload(self, slots: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``slots`` and ``lengths`` as device tensors: on CUDA written into the persistent pinned
+        buffers and copied without blocking (after the previous copy from them is done: a rewrite
+        while it is pending would change what it reads)."""
+        n = len(slots)
+        if not self._pin:
+            return torch.tensor(slots, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
+        if self._copied is not None:
+            self._copied.synchronize()  # done long ago in practice: each step waits for its tokens
+        self._host_idx.numpy()[:n] = slots
+        self._host_pos.numpy()[:n] = lengths
+        idx = self._dev_idx[:n]
+        pos = self._dev_pos[:n]
+        idx.copy_(self._host_idx[:n], non_blocking=True)
+        pos.copy_(self._host_pos[:n], non_blocking=True)
+        self._copied = torch.cuda.current_stream(self.device).record_event()
+        return idx, pos

@@ -69,19 +69,37 @@ class StageTimer(Protocol):
     def stage(self, name: str) -> AbstractContextManager: ...
 
 
+MAX_AUTO_SLOTS = 512
+"""Most KV slots ``auto_num_slots`` gives (500 concurrent streams fit): beyond it the static step's
+buckets (captured graphs: 36 batch x 5 context buckets at 512) and the per-step host work grow with
+no one to serve. Set ``max_num_seqs`` to go further."""
+
+AUTO_SLOTS_FRACTION = {"cuda": 0.75, "cpu": 0.5}
+"""Share of the free memory the KV cache may take: on CUDA all but the quarter
+``distributed.memory.ACTIVATION_RESERVE`` keeps for activations, the audio decode and CUDA graphs;
+on a CPU half (host RAM is shared with everything else)."""
+
+
 def auto_num_slots(
-    model: LoadedModel, max_len: int, device: torch.device, dtype: torch.dtype, fraction: float = 0.5
+    model: LoadedModel, max_len: int, device: torch.device, dtype: torch.dtype, fraction: float | None = None
 ) -> int:
-    """KV slots of ``dtype`` (``KVCache.dtype_for``) that fit in ``fraction`` of the free device
-    memory (host RAM on CPU), 1..256."""
+    """KV slots of ``dtype`` (``KVCache.dtype_for``) that fit in ``fraction`` (default
+    ``AUTO_SLOTS_FRACTION`` of the device type) of the free device memory (host RAM on CPU), 1 to
+    ``MAX_AUTO_SLOTS``."""
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
         import os
 
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    per_slot = KVCache.bytes_per_slot(model.config.gpt, max_len, dtype)
-    return max(1, min(256, int(free * fraction // per_slot)))
+    if fraction is None:
+        fraction = AUTO_SLOTS_FRACTION.get(device.type, 0.5)
+    return slots_that_fit(free, fraction, KVCache.bytes_per_slot(model.config.gpt, max_len, dtype))
+
+
+def slots_that_fit(free_bytes: int, fraction: float, bytes_per_slot: int) -> int:
+    """``fraction`` of ``free_bytes`` in slots of ``bytes_per_slot``, 1 to ``MAX_AUTO_SLOTS``."""
+    return max(1, min(MAX_AUTO_SLOTS, int(free_bytes * fraction // bytes_per_slot)))
 
 
 class ModelRunner:

@@ -1,0 +1,56 @@
+"""Auto-sized KV slots (``runner.auto_num_slots``) and the waiting bound that follows the slots."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from chattts_serve.engine.config import EngineConfig
+from chattts_serve.engine.runner import AUTO_SLOTS_FRACTION, MAX_AUTO_SLOTS, auto_num_slots, slots_that_fit
+from chattts_serve.engine.scheduler import SchedulerConfig
+from chattts_serve.model.config import ModelConfig
+from chattts_serve.model.gpt import KVCache
+
+GiB = 1 << 30
+
+
+def test_an_h200_gets_the_512_slots_that_500_streams_need():
+    per_slot = KVCache.bytes_per_slot(ModelConfig().gpt, 2304, torch.bfloat16)
+    assert 72e9 < 512 * per_slot < 73e9  # the issue's 72.5 GB for 512 slots in bf16
+    h200_free = 139 * GiB
+    assert MAX_AUTO_SLOTS == 512
+    assert slots_that_fit(h200_free, AUTO_SLOTS_FRACTION["cuda"], per_slot) == 512
+    assert slots_that_fit(h200_free, AUTO_SLOTS_FRACTION["cuda"], per_slot) > 256  # the old cap
+    # fp32 KV takes twice the bytes: what fits, below the cap.
+    fp32 = KVCache.bytes_per_slot(ModelConfig().gpt, 2304, torch.float32)
+    assert 300 < slots_that_fit(h200_free, AUTO_SLOTS_FRACTION["cuda"], fp32) < 512
+
+
+def test_slots_that_fit_is_bounded_both_ways():
+    assert slots_that_fit(10**15, 0.75, 1) == MAX_AUTO_SLOTS
+    assert slots_that_fit(0, 0.75, 10**6) == 1
+    assert slots_that_fit(100 * 10**6, 0.5, 10**6) == 50
+
+
+def test_auto_num_slots_on_a_cpu_uses_half_the_free_ram(tiny_ckpt, monkeypatch):
+    import os
+
+    from chattts_serve.model import checkpoint
+
+    model = checkpoint.load(tiny_ckpt)
+    per_slot = KVCache.bytes_per_slot(model.config.gpt, 512, torch.float32)
+    pages = {"SC_AVPHYS_PAGES": 40 * per_slot // 4096, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    assert auto_num_slots(model, 512, torch.device("cpu"), torch.float32) == 20
+    assert auto_num_slots(model, 512, torch.device("cpu"), torch.float32, fraction=0.25) == 10
+
+
+def test_the_waiting_bound_is_at_least_the_slots():
+    assert EngineConfig.with_slots(8).scheduler.max_waiting == 256  # the default, already enough
+    assert EngineConfig.with_slots(512).scheduler.max_waiting == 512
+    c = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4, max_waiting=1000))
+    assert c.scheduler.max_waiting == 1000  # a larger bound is kept
+    # Auto slots replace the scheduler config after loading: the rule applies again.
+    grown = replace(EngineConfig(), scheduler=replace(EngineConfig().scheduler, max_num_seqs=600))
+    assert grown.scheduler.max_waiting == 600
