@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw")
 TEXTS = ("今天天气很好。", "你好，很高兴认识你。", "Hello there, how are you?", "我们去公园散步吧。明天见。")
 
 

@@ -119,6 +119,12 @@ def test_wav_counter_skips_a_header_split_across_chunks():
     assert AudioCounter("mp3").feed(b"\xff" * 100) is None
 
 
+def test_g711_is_a_byte_per_sample_at_8khz():
+    for fmt in ("mulaw", "alaw"):
+        c = AudioCounter(fmt)
+        assert c.known and c.feed(b"\xff" * 4000) == pytest.approx(0.5) and c.feed(b"\xff" * 4000) == 1.0
+
+
 # ----------------------------------------------------------------------------------- request bodies
 
 
@@ -218,8 +224,9 @@ def test_concurrency_sweep(keyed_server, capsys, tmp_path):
     assert out["plot"] == str(png) and png.read_bytes()[:8] == PNG_MAGIC
 
 
-def test_native_endpoint_wav(keyed_server, capsys):
-    argv = ["--url", keyed_server, "--api-key", KEY, "--endpoint", "native", "--format", "wav", "--steps", str(STEPS)]
+@pytest.mark.parametrize("fmt", ["wav", "mulaw"])
+def test_native_endpoint_counted_formats(keyed_server, capsys, fmt):
+    argv = ["--url", keyed_server, "--api-key", KEY, "--endpoint", "native", "--format", fmt, "--steps", str(STEPS)]
     rc, out = run_main(capsys, *argv, "--requests", "1", "--timeout", "60")
     assert rc == 0 and out["endpoint"] == "native" and out["notes"] == []
     check_audio_level(out["levels"][0])

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from chattts_serve.audio.wav import write_wav
+from chattts_serve.sampling_params import speed_prompt
 
 from .conftest import HTTP_TIMEOUT, SR, decode_audio, metric, start_server, wait_until
 
@@ -67,6 +68,7 @@ def test_page_is_served(server):
         'id="download"',
         'id="voices"',
         '<details id="advanced"',
+        'id="speed_mode"',
         "/v1/tts",
         "/v1/voices",
     ):
@@ -292,6 +294,28 @@ def test_advanced_options_change_the_request(page):
     page.speak()
     assert page.state() == "error"
     assert "400" in pg.inner_text("#status") and "top_p" in pg.inner_text("#status")
+    assert not page.errors, page.errors
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["stretch", "both"])
+def test_speed_mode_sends_the_rate_of_the_speed_token(page, expected_pcm, mode):
+    """Speed N with a speed mode other than "prompt" is OpenAI's speed for the rate [speed_N] stands for
+    (the server's speed_prompt, inverted); "stretch" is the default-speed audio time-stretched to it."""
+    pg = page.pg
+    pg.fill("#text", TEXT)
+    pg.fill("#seed", str(SEED))
+    pg.click("#advanced summary")
+    pg.select_option("#speed", "3")
+    pg.select_option("#speed_mode", mode)
+    body, _ = page.speak()
+    factor = 2 ** ((3 - 5) / 2.5)
+    assert body == {"text": TEXT, "format": "pcm", "stream": True, "seed": SEED, "speed": factor, "speed_mode": mode}
+    assert speed_prompt(body["speed"]) == "[speed_3]"  # what "both" prompts for
+    assert page.state() == "done", pg.inner_text("#status")
+    if mode == "stretch":  # the same tokens, stretched: exactly as long as the stretch makes it
+        samples = round(len(expected_pcm) // 2 / factor)
+        assert _number(pg.inner_text("#audio-seconds")) == pytest.approx(samples / SR, abs=0.01)
     assert not page.errors, page.errors
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chattts_serve.text.lexicon import Lexicon, homophone
-from chattts_serve.text.ssml import MAX_SSML_CHARS, SsmlText, is_ssml, parse_ssml
+from chattts_serve.text.ssml import MAX_SSML_CHARS, SsmlText, VoiceRun, is_ssml, parse_ssml, voice_runs
 
 
 def test_what_counts_as_ssml():
@@ -102,7 +102,7 @@ def test_whitespace_entities_and_namespaces():
     "ssml, match",
     [
         ("<speak>a <emphasis>b</emphasis></speak>", r"unknown SSML tag <emphasis> at line 1, column 10"),
-        ('<speak>a\n<voice name="alloy">b</voice></speak>', r"<voice> at line 2, column 1: changing voice"),
+        ('<speak>a\n<voice name="alloy">b</voice></speak>', r"<voice> at line 2, column 1: a change of voice is a"),
         (
             '<speak>a <break time="5ms"></speak>',
             r"malformed SSML at line 1, column 30: mismatched tag \(inside <break>",
@@ -152,3 +152,118 @@ def test_size_and_depth_bounds():
         parse_ssml("<speak>" + "a" * MAX_SSML_CHARS + "</speak>")
     with pytest.raises(ValueError, match="nested deeper than"):
         parse_ssml("<speak>" + "<p>" * 40 + "a" + "</p>" * 40 + "</speak>")
+
+
+# ------------------------------------------------------------------------------ <voice>: the runs of a dialogue
+
+
+def _runs(ssml: str) -> list[tuple[str | None, str]]:
+    return [(r.voice, r.ssml) for r in voice_runs(ssml)]
+
+
+def test_without_voice_the_one_run_is_the_text_itself():
+    text = '<speak version="1.0">\n  今天<break time="500ms"/>天气 &amp; <sub alias="x">y</sub>。</speak>'
+    assert voice_runs(text) == [VoiceRun(None, None, text)]
+
+
+def test_each_voice_is_a_run_in_order_and_outside_text_is_the_requests():
+    runs = voice_runs(
+        '<speak>你好。<voice name="nova">我是诺娃。</voice>\n<voice name="alloy">我是艾洛伊。</voice>再见。</speak>'
+    )
+    assert runs == [
+        VoiceRun(None, None, "<speak>你好。</speak>"),
+        VoiceRun("nova", "line 1, column 11", "<speak>我是诺娃。\n</speak>"),  # whitespace: the run in progress
+        VoiceRun("alloy", "line 2, column 1", "<speak>我是艾洛伊。</speak>"),
+        VoiceRun(None, None, "<speak>再见。</speak>"),
+    ]
+    # each run reads as the text it holds
+    assert [parse_ssml(r.ssml).text for r in runs] == ["你好。", "我是诺娃。", "我是艾洛伊。", "再见。"]
+
+
+def test_the_elements_around_a_voice_apply_to_every_run_they_hold():
+    ssml = (
+        '<speak xml:lang="en-US"><prosody rate="slow">Call <voice name="nova">'
+        '<say-as interpret-as="digits">12</say-as> &amp; <sub alias="W">w</sub></voice> now</prosody></speak>'
+    )
+    runs = voice_runs(ssml)
+    assert [r.voice for r in runs] == [None, "nova", None]
+    assert runs[1].ssml == (
+        '<speak xml:lang="en-US"><prosody rate="slow"><say-as interpret-as="digits">12</say-as> &amp; '
+        '<sub alias="W">w</sub></prosody></speak>'
+    )
+    assert [parse_ssml(r.ssml) for r in runs] == [
+        SsmlText("Call", "[speed_4]"),
+        SsmlText("one two & W", "[speed_4]"),
+        SsmlText("now", "[speed_4]"),
+    ]
+
+
+def test_each_run_may_have_its_own_rate():
+    runs = voice_runs(
+        '<speak><voice name="a"><prosody rate="fast">快</prosody></voice>'
+        '<voice name="b"><prosody rate="slow">慢</prosody></voice></speak>'
+    )
+    assert [parse_ssml(r.ssml).speed for r in runs] == ["[speed_6]", "[speed_4]"]
+    with pytest.raises(ValueError, match=r"mixes speaking rates \(<prosody rate> at line 1, column 24"):
+        voice_runs('<speak><voice name="a"><prosody rate="fast">快</prosody>慢</voice></speak>')
+
+
+def test_nested_voices_the_innermost_speaks_and_the_outer_resumes():
+    runs = voice_runs('<speak><voice name="a">一<voice name="b">二</voice>三</voice></speak>')
+    assert [(r.voice, parse_ssml(r.ssml).text) for r in runs] == [("a", "一"), ("b", "二"), ("a", "三")]
+    assert [r.where for r in runs] == ["line 1, column 8", "line 1, column 25", "line 1, column 8"]
+
+
+def test_a_voice_again_is_one_run_with_what_came_before():
+    # the same name twice in a row (whitespace between) is one turn; so is the request's voice around nothing
+    runs = _runs('<speak> <voice name="a">一</voice> <voice name="a">二</voice> </speak>')
+    assert runs == [("a", "<speak> 一 二 </speak>")]
+
+
+def test_breaks_and_punctuation_belong_to_the_run_in_progress():
+    runs = _runs(
+        '<speak><break/><voice name="a">一</voice>，<break time="1s"/>'
+        '<voice name="b"><break strength="strong"/>二</voice>。</speak>'
+    )
+    # a pause between two voices ends the first one's turn; text with nothing to say is no turn of its own
+    assert runs == [
+        ("a", '<speak><break></break>一，<break time="1s"></break><break strength="strong"></break></speak>'),
+        ("b", "<speak>二。</speak>"),
+    ]
+    assert parse_ssml(voice_runs('<speak><voice name="a">一</voice><break time="1s"/></speak>')[0].ssml).text == (
+        "一[lbreak]"
+    )
+
+
+def test_nothing_to_say_is_one_run_for_the_engine_to_refuse():
+    runs = voice_runs('<speak><voice name="a">。</voice><break/></speak>')
+    assert runs == [VoiceRun(None, None, "<speak>。<break></break></speak>")]
+
+
+def test_runs_escape_what_they_write_back():
+    runs = voice_runs('<speak><voice name="a">&lt;b&gt; &amp; "q"</voice><sub alias=\'say "&amp;"\'>x</sub></speak>')
+    assert [parse_ssml(r.ssml).text for r in runs] == ['<b> & "q"', 'say "&"']
+
+
+@pytest.mark.parametrize(
+    "ssml, match",
+    [
+        ("<speak>a<voice>b</voice></speak>", r"<voice> at line 1, column 9: name is required"),
+        ('<speak>a<voice name=" ">b</voice></speak>', r"<voice> at line 1, column 9: name is required"),
+        ('<speak><voice name="a" gender="female">b</voice></speak>', r"<voice> at .*unsupported attribute 'gender'"),
+        ('<speak><sub alias="x"><voice name="a">b</voice></sub></speak>', r"<voice> at .*<sub> holds text only"),
+        ('<speak><voice name="a">b</speak>', r"column 27: mismatched tag \(inside <voice> from line 1, column 8"),
+        ('<speak>a\n<voice name="b"><break time="x"/>c</voice></speak>', r"<break> at line 2, column 17: time"),
+        ('<speak><voice name="a"><emphasis>b</emphasis></voice></speak>', r"unknown SSML tag <emphasis> at line 1"),
+        ('<!DOCTYPE x [<!ENTITY e "v">]><speak><voice name="a">&e;</voice></speak>', r"DOCTYPE"),
+        ('<speak><voice name="a">&e;</voice></speak>', r"undefined entity"),
+    ],
+)
+def test_bad_voices_are_refused_naming_the_place(ssml, match):
+    with pytest.raises(ValueError, match=match):
+        voice_runs(ssml)
+
+
+def test_runs_keep_the_bounds():
+    with pytest.raises(ValueError, match=f"the limit is {MAX_SSML_CHARS}"):
+        voice_runs('<speak><voice name="a">' + "a" * MAX_SSML_CHARS + "</voice></speak>")

@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200, help="audio tokens per request")
     add_max_num_seqs_argument(p, default=None, shown="--streams; 1 = the reference-exact path")
     p.add_argument("--refine", action="store_true", help="include the refine_text pass")
-    p.add_argument("--format", default="mp3", help="response format to encode: pcm, wav, mp3, opus, aac, flac")
+    p.add_argument(
+        "--format", default="mp3", help="response format to encode: pcm, wav, mp3, opus, aac, flac, mulaw, alaw"
+    )
     p.add_argument("--trace", default=None, help="write a Chrome trace (JSON) here")
     p.add_argument(
         "--ops",

@@ -26,11 +26,20 @@ from pathlib import Path
 from typing import Any
 
 from . import stats
-from .serve_load import RequestResult, build_request, closed_loop, make_client, one_request, open_loop, poisson_arrivals
+from .serve_load import (
+    COUNTED_FORMATS,
+    RequestResult,
+    build_request,
+    closed_loop,
+    make_client,
+    one_request,
+    open_loop,
+    poisson_arrivals,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_TEXT = "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun."
-FORMATS = ("pcm", "wav", "mp3", "opus", "aac", "flac")
+FORMATS = ("pcm", "wav", "mp3", "opus", "aac", "flac", "mulaw", "alaw")
 DEFAULT_RATE_REQUESTS = 20
 
 
@@ -82,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--format",
         choices=FORMATS,
         default="pcm",
-        help="response format (default pcm); audio seconds, RTF and underruns need pcm or wav",
+        help="response format (default pcm); audio seconds, RTF and underruns need pcm, wav, mulaw or alaw",
     )
     parser.add_argument("--refine-text", action="store_true", help="run ChatTTS's text refinement first")
     load = parser.add_mutually_exclusive_group()
@@ -215,10 +224,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     texts = _read_texts(args)
     jitter_s = args.jitter_ms / 1000
     notes: list[str] = []
-    if args.format not in ("pcm", "wav"):
+    if args.format not in COUNTED_FORMATS:
         notes.append(
             f"format {args.format}: compressed bytes do not map onto audio time, so audio seconds, RTF, "
-            "underruns and audio-s per s are not reported (use pcm or wav)"
+            f"underruns and audio-s per s are not reported (use {', '.join(COUNTED_FORMATS)})"
         )
     levels: list[LevelResult] = []
     with make_client(args) as client:

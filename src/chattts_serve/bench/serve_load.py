@@ -21,6 +21,8 @@ from typing import Any
 
 SAMPLE_RATE = 24000
 """pcm responses are raw s16le mono at this rate."""
+G711_RATE = 8000
+"""mulaw and alaw responses are one byte per sample at this rate (no ``sample_rate`` is sent)."""
 OPEN_LOOP_MAX_WORKERS = 256
 """Open-loop requests in flight at most; later arrivals wait client-side (and that wait counts as latency)."""
 _EPS = 1e-9
@@ -77,10 +79,14 @@ def simulate_playback(arrivals: Sequence[tuple[float, float]], start_delay_s: fl
 # ------------------------------------------------------------------------------------- audio bytes
 
 
+COUNTED_FORMATS = ("pcm", "wav", "mulaw", "alaw")
+"""The formats whose bytes ``AudioCounter`` turns into audio seconds."""
+
+
 class AudioCounter:
-    """Turns received bytes into audio seconds, per response format. pcm is 16-bit mono 24 kHz; wav is
-    counted past its header using the header's rate; compressed formats are not counted (None), since
-    their bytes do not map linearly onto time."""
+    """Turns received bytes into audio seconds, per response format. pcm is 16-bit mono 24 kHz, mulaw and
+    alaw (G.711) a byte per sample at 8 kHz; wav is counted past its header using the header's rate;
+    compressed formats are not counted (None), since their bytes do not map linearly onto time."""
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
@@ -90,13 +96,15 @@ class AudioCounter:
 
     @property
     def known(self) -> bool:
-        return self.fmt in ("pcm", "wav")
+        return self.fmt in COUNTED_FORMATS
 
     def feed(self, chunk: bytes) -> float | None:
         """Add ``chunk``; returns the cumulative audio seconds so far (None for compressed formats)."""
         self.received += len(chunk)
         if self.fmt == "pcm":
             return (self.received // 2) / SAMPLE_RATE
+        if self.fmt in ("mulaw", "alaw"):
+            return self.received / G711_RATE
         if self.fmt != "wav":
             return None
         if self._wav is None:

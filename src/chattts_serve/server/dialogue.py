@@ -50,6 +50,10 @@ class Turn:
 
     text: str
     params: SamplingParams
+    name: str | None = None
+    """How a refusal names the turn; None: ``turn I``."""
+    param: str | None = None
+    """The request field a refusal points at; None: ``turns.I``."""
 
 
 @router.post("/v1/dialogue", response_class=Response, responses={**audio_responses(sse=False), **errors(429)})
@@ -114,7 +118,7 @@ async def spoken(
     streams = [
         engine.stream(t.text, t.params, request_id=f"{request_id}-t{i}", policy=policy) for i, t in enumerate(turns)
     ]
-    firsts = [asyncio.ensure_future(_opened(s, i)) for i, s in enumerate(streams)]
+    firsts = [asyncio.ensure_future(_opened(s, t, i)) for i, (s, t) in enumerate(zip(streams, turns, strict=True))]
     index = position = sentences = 0
     try:
         await _first_turn_started(firsts)
@@ -125,7 +129,8 @@ async def spoken(
             try:
                 chunk = await first
             except (APIError, QueueFullError) as exc:  # the first turn's audio is out: the stream fails
-                raise EngineError(str(exc.detail) if isinstance(exc, APIError) else f"turn {i}: {exc}") from None
+                detail = str(exc.detail) if isinstance(exc, APIError) else f"{turns[i].name or f'turn {i}'}: {exc}"
+                raise EngineError(detail) from None
             last_turn = i == len(turns) - 1
             while True:
                 spans = [s.shifted(position - chunk.start_sample, sentences + s.index) for s in chunk.spans]
@@ -148,12 +153,12 @@ async def spoken(
             await s.aclose()  # aborts the turn's engine request if it is still running
 
 
-async def _opened(stream: AsyncIterator[RequestOutput], index: int) -> RequestOutput:
+async def _opened(stream: AsyncIterator[RequestOutput], turn: Turn, index: int) -> RequestOutput:
     """A turn's first output; the engine's refusal of its input as a 400 naming the turn."""
     try:
         return await anext(stream)
     except ValueError as exc:
-        raise APIError(400, f"turn {index}: {exc}", param=f"turns.{index}") from None
+        raise APIError(400, f"{turn.name or f'turn {index}'}: {exc}", param=turn.param or f"turns.{index}") from None
 
 
 async def _first_turn_started(firsts: list[asyncio.Future]) -> None:

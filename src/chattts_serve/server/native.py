@@ -1,6 +1,7 @@
 """Native endpoints: ``POST /v1/tts``, every ChatTTS parameter, streamed by default (``"stream": false`` for
 one file); ``POST /v1/tts/captioned``, the same as one JSON document with each sentence's timing, or as
-subtitles (``server.captions``). The WebSocket ``/v1/tts/stream`` is in ``server/websocket.py``."""
+subtitles (``server.captions``). SSML that changes voice is spoken as a dialogue (``server.ssml_turns``). The
+WebSocket ``/v1/tts/stream`` is in ``server/websocket.py``."""
 
 from __future__ import annotations
 
@@ -14,16 +15,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..audio.encode import check_rate, encode_whole
+from ..audio.policy import StreamPolicy
 from ..audio.stretch import stretch
 from ..engine.outputs import SegmentSpan
 from ..model.config import SAMPLE_RATE
+from ..sampling_params import SamplingParams
 from .audio_response import AudioResponse
 from .captions import CAPTION_MEDIA_TYPES, SegmentClock, segment_fields, subtitles
+from .dialogue import Turn
 from .errors import ClientGone, TimedStreamingResponse
 from .limits import synthesis
 from .openapi import audio_responses, errors
 from .params import tenant_of, tts_params
 from .protocol import MEDIA_TYPES, CaptionedRequest, CaptionedSpeech, TTSRequest
+from .ssml_turns import start_turns, text_turns
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
@@ -33,9 +38,9 @@ logger = logging.getLogger(__name__)
 @synthesis
 async def tts(body: TTSRequest, request: Request):
     st = request.app.state
-    params, policy, factor = tts_params(st, body, tenant_of(request.scope))
+    turns, policy, factor = _turns(st, body, request)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.timeouts.queue_wait_s)
-    await resp.start(body.text, params, policy, request.state.request_id, request)
+    await start_turns(resp, st.engine, turns, policy, request.state.request_id, request)
     if body.stream:
         return TimedStreamingResponse(
             resp.encoded(body.format, body.sample_rate, stretch=factor),
@@ -65,9 +70,9 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
     """The whole audio (base64, in ``format``) with each sentence's start and end (``server.captions``); with
     ``format`` srt or vtt, only the subtitles."""
     st = request.app.state
-    params, policy, _ = tts_params(st, body, tenant_of(request.scope))  # (no stretch: CaptionedRequest)
+    turns, policy, _ = _turns(st, body, request)  # (no stretch: CaptionedRequest)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "captioned", st.config.timeouts.queue_wait_s)
-    await resp.start(body.text, params, policy, request.state.request_id, request)
+    await start_turns(resp, st.engine, turns, policy, request.state.request_id, request)
     audio, spans = await _whole(resp, request)
     if body.format in CAPTION_MEDIA_TYPES:
         media_type = f"{CAPTION_MEDIA_TYPES[body.format]}; charset=utf-8"  # SubRip has no other way to say it
@@ -81,6 +86,19 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
         segments=[segment_fields(s) for s in spans],
         captions=subtitles(spans, body.captions) if body.captions else None,
     )
+
+
+def _turns(st, body: TTSRequest, request: Request) -> tuple[list[Turn], StreamPolicy, float]:
+    """The request's turns (``server.ssml_turns``: one, unless its SSML changes voice), chunking and stretch."""
+    tenant = tenant_of(request.scope)
+    params, policy, factor = tts_params(st, body, tenant)
+
+    def params_for(voice: str | None) -> SamplingParams:
+        if voice is None:
+            return params
+        return tts_params(st, body.model_copy(update={"voice": voice, "speaker": None}), tenant)[0]
+
+    return text_turns(body.text, params_for, "text"), policy, factor
 
 
 async def _whole(resp: AudioResponse, request: Request) -> tuple[np.ndarray, list[SegmentSpan]]:

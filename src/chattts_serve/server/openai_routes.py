@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: ``POST /v1/audio/speech`` and ``GET /v1/models``."""
+"""OpenAI-compatible endpoints: ``POST /v1/audio/speech`` and ``GET /v1/models``. An ``input`` in SSML that
+changes voice is spoken as a dialogue (``server.ssml_turns``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..audio.stretch import plan_speed
+from ..sampling_params import SamplingParams
 from .audio_response import AudioResponse
 from .captions import SegmentClock, segment_event
 from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
@@ -17,6 +19,7 @@ from .limits import synthesis
 from .openapi import audio_responses, errors
 from .params import build_params, request_defaults, resolve_voice, tenant_of
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
+from .ssml_turns import start_turns, text_turns
 
 router = APIRouter()
 MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -41,13 +44,19 @@ async def speech(body: SpeechRequest, request: Request):
             code="model_not_found",
         )
     check_length(body.input, cfg.max_input_chars, "input")
-    voice = resolve_voice(st.voices, st.engine, body.voice, cfg.voices.default, "voice", tenant_of(request.scope))
+    tenant = tenant_of(request.scope)
     speed = plan_speed(body.speed, body.speed_mode)  # the [speed_N] prompt implied, and/or a time stretch
-    params = build_params(
-        body, voice, prompt=speed.prompt, defaults=request_defaults(cfg.default_options), lexicon=cfg.lexicon
-    )
+
+    def params_for(voice_name: str | None) -> SamplingParams:
+        """The request's params; in voice ``voice_name`` (an SSML <voice>: server.ssml_turns) if one is given."""
+        name = body.voice if voice_name is None else voice_name
+        voice = resolve_voice(st.voices, st.engine, name, cfg.voices.default, "voice", tenant)
+        defaults = request_defaults(cfg.default_options)
+        return build_params(body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon)
+
+    turns = text_turns(body.input, params_for, "input")
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.timeouts.queue_wait_s)
-    await resp.start(body.input, params, st.engine.stream_policy, request.state.request_id, request)
+    await start_turns(resp, st.engine, turns, st.engine.stream_policy, request.state.request_id, request)
     timeout = cfg.timeouts.send_s
     if body.stream_format == "sse":
         sse = _sse(resp, body.response_format, body.sample_rate, body.timestamps, speed.stretch)

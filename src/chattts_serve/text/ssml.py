@@ -13,8 +13,9 @@ processing turns it into plain text here, before sentence splitting and normalis
 * ``<sub alias="...">``: the alias is spoken instead of the content;
 * ``<phoneme alphabet="pinyin" ph="chang2">长</phoneme>``: one unambiguous homophone per syllable
   (``text/lexicon.py``);
-* ``<voice>`` is refused: a change of voice inside one text needs a speaker per sentence, which the engine
-  does not have (send one request per voice).
+* ``<voice name="...">``: a change of voice. The engine speaks one request in one voice, so ``voice_runs``
+  splits a document into its voice runs, each an SSML document of its own, which the server speaks as the
+  turns of a dialogue (``server/ssml_turns.py``); ``parse_ssml`` reads one run and refuses ``<voice>``.
 
 Any other tag or attribute, and malformed XML, is a ValueError naming it and its line and column. Parsing
 is expat's (a real XML parser) with a size and depth bound; a DOCTYPE (and so any entity declaration: the
@@ -28,6 +29,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from xml.parsers import expat
+from xml.sax.saxutils import escape, quoteattr
 
 from ..sampling_params import speed_prompt
 from .lexicon import Lexicon, pinyin_to_text
@@ -64,7 +66,7 @@ _TAGS: dict[str, frozenset[str]] = {
     "say-as": frozenset({"interpret-as", "format", "detail"}),
     "sub": frozenset({"alias"}),
     "phoneme": frozenset({"alphabet", "ph"}),
-    "voice": frozenset({"name", "gender", "age", "variant", "lang"}),
+    "voice": frozenset({"name"}),
 }
 _TEXT_ONLY = ("say-as", "sub", "phoneme")  # their content is replaced, so it may not hold tags
 
@@ -92,13 +94,22 @@ class _Element:
 
 def parse_ssml(text: str, lang: str | None = None, lexicon: Lexicon | None = None) -> SsmlText:
     """``text`` (SSML) as ``SsmlText``. ``lang``: the request's ("zh"/"en"; None: ``xml:lang``, else
-    detected); ``lexicon``: applied to the document's own text (not to say-as, sub or phoneme output)."""
+    detected); ``lexicon``: applied to the document's own text (not to say-as, sub or phoneme output).
+    ``<voice>`` is refused: split the document with ``voice_runs`` first."""
+    return _spoken(_read(text), lang, lexicon)
+
+
+def _read(text: str) -> _Element:
+    """The document's tree, within the bounds; any fault a ValueError naming its place."""
     if len(text) > MAX_SSML_CHARS:
         raise ValueError(f"SSML has {len(text)} characters; the limit is {MAX_SSML_CHARS}")
     for decl in ("<!DOCTYPE", "<!ENTITY"):
         if decl in text:
             raise ValueError(f"SSML must not have a DOCTYPE or entity declarations ({decl} at {_position(text, decl)})")
-    root = _parse(text)
+    return _parse(text)
+
+
+def _spoken(root: _Element, lang: str | None, lexicon: Lexicon | None) -> SsmlText:
     lang = lang or _lang_of(root) or detect_language(_plain(root))
     pieces: list[tuple[str, float | None, str | None]] = []  # (text, rate, where the rate was set)
     _render(root, lang, lexicon, None, None, pieces)
@@ -112,6 +123,111 @@ def parse_ssml(text: str, lang: str | None = None, lexicon: Lexicon | None = Non
     speed = next(iter(rates))[0] if rates else None
     spoken = _BLANKS.sub(" ", "".join(p for p, _, _ in pieces)).strip()
     return SsmlText(spoken, speed_prompt(speed) if speed is not None else None)
+
+
+@dataclass(frozen=True, slots=True)
+class VoiceRun:
+    """A stretch of a document spoken in one voice: a dialogue turn."""
+
+    voice: str | None
+    """The ``<voice name>`` that speaks it; None: the request's voice (text outside any ``<voice>``)."""
+    where: str | None
+    """Where that ``<voice>`` starts (``line L, column C``), for the messages that name it."""
+    ssml: str
+    """The run as an SSML document of its own (``parse_ssml`` reads it): the elements around its text are
+    kept (a ``<prosody>`` around two voices applies to both), the ``<voice>`` elements are not."""
+
+
+def voice_runs(text: str) -> list[VoiceRun]:
+    """``text`` (SSML) cut where the voice changes, in order. ``<voice>`` may nest: text is spoken by its
+    innermost ``<voice>``, and the outer voice speaks again after the inner one closes. Breaks and text with
+    nothing to say (whitespace, punctuation) belong to the run in progress, so a pause between two voices
+    ends the first one's turn. Without any ``<voice>`` the one run is ``text`` itself, as it was.
+
+    Every run is checked here as ``parse_ssml`` would check it (each run may have its own ``<prosody
+    rate>``), so a fault is a ValueError naming its place in ``text``, not in a run."""
+    root = _read(text)
+    if not _has_voice(root):
+        return [VoiceRun(None, None, text)]
+    runs: list[tuple[_Element | None, list[_Leaf]]] = []
+    pending: list[_Leaf] = []  # leaves with nothing to say before the first run
+    for leaf in _leaves(root, (), None):
+        if runs and (leaf.neutral or _name(leaf.voice) == _name(runs[-1][0])):
+            runs[-1][1].append(leaf)
+        elif leaf.neutral:
+            pending.append(leaf)
+        else:
+            runs.append((leaf.voice, pending + [leaf]))
+            pending = []
+    if not runs:  # nothing to say anywhere: one run, which the engine refuses as it refuses any such text
+        runs = [(None, pending)]
+    out = []
+    for voice, leaves in runs:
+        doc = _rebuilt(leaves)
+        _spoken(doc, None, None)  # its faults, named at their place in text
+        out.append(VoiceRun(_name(voice), voice.where if voice is not None else None, _xml(doc)))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Leaf:
+    """A piece of a document that goes whole into one run: text, or an element whose content is replaced or
+    empty; with the elements around it (the root first, no ``<voice>``) and its innermost ``<voice>``."""
+
+    item: _Element | str
+    path: tuple[_Element, ...]
+    voice: _Element | None
+
+    @property
+    def neutral(self) -> bool:
+        """Nothing to say: it joins whichever run is in progress."""
+        if isinstance(self.item, str):
+            return not any(ch.isalnum() for ch in self.item)
+        return self.item.tag == "break"
+
+
+def _has_voice(el: _Element) -> bool:
+    return el.tag == "voice" or any(isinstance(c, _Element) and _has_voice(c) for c in el.children)
+
+
+def _name(voice: _Element | None) -> str | None:
+    return voice.attrs["name"].strip() if voice is not None else None
+
+
+def _leaves(el: _Element, path: tuple[_Element, ...], voice: _Element | None):
+    if el.tag == "voice":
+        if not el.attrs.get("name", "").strip():
+            raise ValueError(f"<voice> at {el.where}: name is required (a voice, as a request's voice field takes)")
+        voice = el
+    else:
+        path = (*path, el)
+    for child in el.children:
+        if isinstance(child, str) or child.tag in ("break", *_TEXT_ONLY):
+            yield _Leaf(child, path, voice)
+        else:
+            yield from _leaves(child, path, voice)
+
+
+def _rebuilt(leaves: list[_Leaf]) -> _Element:
+    """The document of one run: its leaves (in order) inside copies of the elements around them."""
+    copies: dict[int, _Element] = {}
+    for leaf in leaves:
+        parent = None
+        for el in leaf.path:
+            copy = copies.get(id(el))
+            if copy is None:
+                copy = copies[id(el)] = _Element(el.tag, el.attrs, el.where)
+                if parent is not None:
+                    parent.children.append(copy)
+            parent = copy
+        parent.children.append(leaf.item)
+    return copies[id(leaves[0].path[0])]
+
+
+def _xml(el: _Element) -> str:
+    attrs = "".join(f" {'xml:lang' if k == 'lang' else k}={quoteattr(v)}" for k, v in el.attrs.items())
+    inner = "".join(escape(c) if isinstance(c, str) else _xml(c) for c in el.children)
+    return f"<{el.tag}{attrs}>{inner}</{el.tag}>"
 
 
 def _parse(text: str) -> _Element:
@@ -208,8 +324,8 @@ def _render(
     a, tag = el.attrs, el.tag
     if tag == "voice":
         raise ValueError(
-            f"<voice> at {el.where}: changing voice inside one text needs a speaker per sentence, which the "
-            "engine does not have; send one request per voice"
+            f"<voice> at {el.where}: a change of voice is a dialogue turn, and here the text is spoken in one "
+            "voice; send it to POST /v1/audio/speech or /v1/tts, which speak each <voice> as a turn"
         )
     if tag == "break":
         if any(isinstance(c, _Element) or c.strip() for c in el.children):
