@@ -1,9 +1,9 @@
 """``ort-auto``: the 4-bit trunk while few rows go through a step, the int8 trunk from a crossover on.
 
-ORT's 4-bit ``MatMulNBits`` reads half the bytes of int8 weights, which wins while a step is bound by
-reading the weights (one stream: 1.34 s vs 1.78 s on a 2-core Zen 4); its kernel computes slower per
-row, so at 32 rows the int8 ``DynamicQuantizeMatMul`` wins by far (16.9 s vs 26.2 s for 32 texts;
-issue 24). ``AutoTrunk`` holds both sessions (the int4 and int8 exports of the same trunk, each cached
+ORT's 4-bit ``MatMulNBits`` weights are fewer bytes than int8's (114 vs 183 MB with their scales at
+full size), which wins while a step is bound by reading them (one stream: 1.34 s vs 1.78 s on a 2-core
+Zen 4); its kernel computes slower per row, so at 32 rows the int8 ``DynamicQuantizeMatMul`` wins by
+far (16.9 s vs 26.2 s for 32 texts; issue 24). ``AutoTrunk`` holds both sessions (the int4 and int8 exports of the same trunk, each cached
 by ``onnx_cache``) over ONE KV cache: both graphs are ``onnx_graph``'s with only their MatMul weights
 quantised, so their caches have the same fp32 layout and either session continues what the other
 cached. Each call goes to one session by its width.
