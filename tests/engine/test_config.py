@@ -29,6 +29,8 @@ def test_runner_config():
     assert RunnerConfig(decode="static").resolve("cpu") == "static"
     with pytest.raises(ValueError, match="decode must be"):
         RunnerConfig(decode="graph")
+    with pytest.raises(ValueError, match="ort_auto_crossover must be >= 0"):
+        RunnerConfig(ort_auto_crossover=-1)
 
 
 def test_engine_config_defaults_are_the_parts_defaults():
@@ -68,6 +70,9 @@ def test_cli_flags_default_to_the_dataclass_defaults():
     assert engine_config_from_args(args) == from_flat(
         precision="bf16", max_num_seqs=2, cuda_graphs=False, decode="static"
     )
+    auto = engine_config_from_args(p.parse_args(["--precision", "ort-auto", "--ort-auto-crossover", "6"]))
+    assert auto == from_flat(precision="ort-auto", ort_auto_crossover=6)
+    assert auto.runner == RunnerConfig(ort_auto_crossover=6)
     with pytest.raises(SystemExit):
         p.parse_args(["--precision", "int4"])
     layered = argparse.ArgumentParser()

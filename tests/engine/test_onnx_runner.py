@@ -27,11 +27,12 @@ def onnx_cache(onnx_cache_dir):
     return onnx_cache_dir
 
 
-def _config(precision: str, onnx_cache: str, slots: int = 4) -> EngineConfig:
-    return EngineConfig.with_slots(slots, precision=precision, runner=RunnerConfig(onnx_cache_dir=onnx_cache))
+def _config(precision: str, onnx_cache: str, slots: int = 4, crossover: int = 0) -> EngineConfig:
+    runner = RunnerConfig(onnx_cache_dir=onnx_cache, ort_auto_crossover=crossover)
+    return EngineConfig.with_slots(slots, precision=precision, runner=runner)
 
 
-@pytest.fixture(scope="module", params=["ort-fp32", "ort-int8", "ort-int4"])
+@pytest.fixture(scope="module", params=["ort-fp32", "ort-int8", "ort-int4", "ort-auto"])
 def engine(request, tiny_ckpt, onnx_cache):
     return Engine.from_pretrained(tiny_ckpt, config=_config(request.param, onnx_cache))
 
@@ -68,9 +69,44 @@ def test_synthesize_repeats(engine):
 def test_batch_invariance_where_promised(engine):
     if engine.precision.name == "ort-int8":  # one activation scale per call (tests/model/test_onnx.py)
         pytest.skip("ort-int8 does not promise batch invariance")
+    if engine.precision.name == "ort-auto":  # the kernel follows the rows in a call (model/onnx_auto.py)
+        pytest.skip("ort-auto does not promise batch invariance")
     batched = engine.synthesize(TEXTS, PARAMS)[1]
     alone = engine.synthesize(TEXTS[1:2], PARAMS)[0]
     np.testing.assert_array_equal(batched.codes, alone.codes)
+
+
+def test_ort_auto_is_ort_int8_or_ort_int4_at_the_extremes(tiny_ckpt, onnx_cache):
+    """A crossover of 1 row sends every call to the int8 session, one past any call's width every call
+    to the 4-bit one: the engine then gives exactly those modes' codes. In between both run, over one
+    cache, and a sequence still finishes with valid, repeatable codes."""
+    engines = {
+        name: Engine.from_pretrained(tiny_ckpt, config=_config(precision, onnx_cache, crossover=crossover))
+        for name, precision, crossover in (
+            ("int8", "ort-int8", 0),
+            ("int4", "ort-int4", 0),
+            ("auto-int8", "ort-auto", 1),
+            ("auto-int4", "ort-auto", 10**6),
+            ("auto-mixed", "ort-auto", 2),
+        )
+    }
+    out = {name: e.synthesize(TEXTS, PARAMS) for name, e in engines.items()}
+    for auto, plain in (("auto-int8", "int8"), ("auto-int4", "int4")):
+        for a, b in zip(out[auto], out[plain], strict=True):
+            np.testing.assert_array_equal(a.codes, b.codes)
+    assert engines["auto-int8"].layout.trunk.calls["small"] == 0
+    assert engines["auto-int4"].layout.trunk.calls["large"] == 0
+    # Crossover 2: the 3-row batch decodes in int8; one text alone has its prompt in int8 and its
+    # codes in 4-bit, read on from the cache the int8 prompt wrote.
+    mixed = engines["auto-mixed"]
+    calls = mixed.layout.trunk.calls
+    assert calls["small"] == 0 and calls["large"] > 0
+    alone = mixed.synthesize(TEXTS[:1], PARAMS) + mixed.synthesize(TEXTS[:1], PARAMS)
+    assert calls["small"] > 0
+    for a in alone:
+        assert 0 < a.codes.shape[0] <= PARAMS.max_new_tokens and np.isfinite(a.audio).all()
+        assert a.codes.min() >= 0 and a.codes.max() < 626
+    np.testing.assert_array_equal(alone[0].codes, alone[1].codes)
 
 
 def test_streaming_with_ort_int8(tiny_ckpt, onnx_cache):
@@ -104,6 +140,16 @@ def test_eval_reports_the_ort_modes(tiny_ckpt, onnx_cache, capsys):
     assert "| ort-int8 |" in r["markdown"]
 
 
+def test_eval_reports_ort_auto_at_one_row(tiny_ckpt, onnx_cache, capsys):
+    """eval runs one sequence at a time: prompts (wider than the crossover) in int8, code steps in 4-bit."""
+    argv = ["eval", "--model", str(tiny_ckpt), "--threads", "1", "--steps", "12", "--num-texts", "1"]
+    assert main([*argv, "--modes", "ort-auto", "--onnx-cache-dir", onnx_cache, "--ort-auto-crossover", "4"]) == 0
+    [row] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["modes"]
+    assert row["precision"] == "ort-auto" and 0.5 < row["tf_top1_agreement"] <= 1 and row["tf_kl_nats"] > 0
+    # Per pass: one prompt call, 11 single-row steps (teacher-forced) and about as many free-run steps.
+    assert 0.8 < row["ort_auto_int4_share"] < 1
+
+
 def test_profile_splits_the_ort_step_by_op(tiny_ckpt, onnx_cache, capsys):
     argv = ["profile", "--model", str(tiny_ckpt), "--threads", "1", "--steps", "12", "--streams", "2"]
     assert main([*argv, "--format", "pcm", "--precision", "ort-int8", "--onnx-cache-dir", onnx_cache, "--ops"]) == 0
@@ -118,6 +164,13 @@ def test_profile_splits_the_ort_step_by_op(tiny_ckpt, onnx_cache, capsys):
     assert classes["matmul"]["floor_ms"] == pytest.approx(r["weight_read_floor_ms"], abs=1e-3)
     assert classes["attention"]["floor_ms"] > 0 and classes["other"]["floor_ms"] is None
     assert ops["decode_kernel_ms_per_step"] <= ops["decode_run_ms_per_step"] + 0.05
+    # ort-auto: both sessions' profiles as one (2 rows decode in 4-bit, the prompts in int8).
+    auto = ["--precision", "ort-auto", "--ort-auto-crossover", "4", "--onnx-cache-dir", onnx_cache]
+    assert main([*argv, "--format", "pcm", *auto, "--ops"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ops = r["ort_ops"]
+    assert ops["decode_steps"] == r["stages"]["decode"]["calls"] and ops["prefill_runs"] == 1
+    assert "MatMulNBits" in ops["decode_op_ms_per_step"] and "DynamicQuantizeMatMul" not in ops["decode_op_ms_per_step"]
     # Splitting ORT's step needs ORT's step.
     assert main([*argv, "--ops"]) == 2
     assert "needs an ort-* precision" in capsys.readouterr().err

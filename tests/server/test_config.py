@@ -66,13 +66,15 @@ def test_environment_then_flags():
         "CHATTTS_SERVE_SEND_TIMEOUT_S": "4",
         "CHATTTS_SERVE_API_KEYS": "a, b",
         "CHATTTS_SERVE_WARMUP": "no",
-        "CHATTTS_SERVE_PRECISION": "int8",
+        "CHATTTS_SERVE_PRECISION": "ort-auto",
+        "CHATTTS_SERVE_ORT_AUTO_CROSSOVER": "6",
     }
     args = p.parse_args(["--send-timeout-s", "5", "--max-voices", "3", "--allowed-hosts", "x,y", "--max-num-seqs", "2"])
     config = ServerConfig.from_args(args, environ)
     assert (config.ws.idle_timeout_s, config.timeouts.send_s, config.voices.max_count) == (9.0, 5.0, 3)
     assert (config.api_keys, config.allowed_hosts, config.warmup) == (("a", "b"), ("x", "y"), False)
-    assert (config.engine.precision, config.engine.scheduler.max_num_seqs) == ("int8", 2)
+    assert (config.engine.precision, config.engine.scheduler.max_num_seqs) == ("ort-auto", 2)
+    assert config.engine.runner.ort_auto_crossover == 6  # an int, read as one
 
 
 @pytest.mark.parametrize(

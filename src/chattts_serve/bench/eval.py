@@ -11,6 +11,12 @@ For every text, fp32 first generates audio codes (fixed length, refine off, one 
   and Vocos run in fp32 in every mode), then Vocos into audio; mel distance (mean |log-mel diff|) and
   waveform SNR in dB vs fp32.
 
+``ort-auto`` is measured as eval runs every mode, one sequence at a time: each prompt is one call as
+wide as its tokens (int8 whenever the prompt reaches the crossover), each code step one row (4-bit
+below a crossover of 2 or more). Its row is that mix, what one stream gets; at or above the crossover
+every call is int8, which is the ``ort-int8`` row. ``ort_auto_int4_share`` says which share of the
+trunk calls of its teacher-forced and free runs went to the 4-bit session.
+
 With random weights the numbers measure numerical fidelity, not perceived quality.
 """
 
@@ -57,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--onnx-cache-dir",
         default=None,
         help="where the ort-* modes cache their ONNX exports (default: the user cache directory)",
+    )
+    p.add_argument(
+        "--ort-auto-crossover",
+        type=int,
+        default=0,
+        help="ort-auto: trunk calls of this many rows or more run int8 (0: from a table by CPU); eval's code "
+        "steps are one row, so 1 measures ort-auto's int8 path",
     )
     p.add_argument("--plot", default=None, help="PNG: agreement and SNR per mode")
 
@@ -171,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.steps < 2 or not texts:
         raise ValueError("--steps must be >= 2 and --num-texts >= 1")
 
-    runner = RunnerConfig(onnx_cache_dir=args.onnx_cache_dir)
+    runner = RunnerConfig(onnx_cache_dir=args.onnx_cache_dir, ort_auto_crossover=args.ort_auto_crossover)
     ref = Engine.from_pretrained(args.model, device, EngineConfig.with_slots(1))
     codes = _free_run(ref, texts, args.steps, args.seed)
     ids = [_prompt_ids(ref, t) for t in texts]
@@ -188,6 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         precision, kv = split_mode(mode)
         config = EngineConfig.with_slots(1, precision=precision, runner=replace(runner, kv_cache_dtype=kv))
         eng = Engine.from_pretrained(args.model, device, config)
+        auto = getattr(eng.layout.trunk, "calls", None)  # ort-auto: calls per session (a live count)
+        auto_before = dict(auto) if auto is not None else None
         top1, kl, mel_d, snr = [], [], [], []
         for i, c, (lp32, mel32, wav32) in zip(ids, codes, base, strict=True):
             h, lg = teacher_forced(eng, i, c)
@@ -204,6 +219,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             same = (a[:n] == b[:n]).all(axis=1)
             agree.append(float(same.mean()) if n else 0.0)
             first_diff.append(int(np.argmin(same)) if not same.all() else n)
+        row: dict[str, Any] = {}
+        if auto is not None:
+            small, large = (auto[k] - auto_before[k] for k in ("small", "large"))
+            row["ort_auto_int4_share"] = round(small / max(1, small + large), 4)
         rows.append(
             {
                 "precision": mode,
@@ -213,6 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "free_run_first_divergence_step": int(min(first_diff)),
                 "mel_l1": round(float(np.mean(mel_d)), 5),
                 "wav_snr_db": round(float(np.mean(snr)), 2),
+                **row,
             }
         )
         del eng

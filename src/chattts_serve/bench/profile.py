@@ -200,7 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / 24000
     trunk = engine.layout.trunk  # ort-* modes: the weights live in the ONNX export
-    nbytes = trunk.weight_bytes if trunk is not None else weight_bytes(engine.model.gpt)
+    # ort-auto: the export a decode step of this many rows reads (the other one's bytes sit idle).
+    nbytes = trunk.for_rows(args.streams).weight_bytes if trunk is not None else weight_bytes(engine.model.gpt)
     weight_floor_ms = 1000 * read_floor_s(nbytes, dev)
     # The decode step's memory floor: its weights plus the keys and values it reads, at the bandwidth
     # just measured; real time for a stream is one step per 21.3 ms (46.875 steps per audio second).

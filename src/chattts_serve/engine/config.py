@@ -3,6 +3,7 @@
 
     EngineConfig
     ├── precision     str               fp32 | bf16 | fp16 | int8 | int8-dynamic | int8-static | ort-*
+                                        (ort-fp32 | ort-int8 | ort-int4 | ort-auto)
     ├── scheduler     SchedulerConfig   KV slots, slot length, queue bound, prefill budget
     ├── runner        RunnerConfig      decode step: rows | static, CUDA graphs, torch.compile, KV dtype, ONNX cache
     └── stream        StreamPolicy      default chunking of streamed audio (per request overridable)
@@ -45,6 +46,9 @@ class RunnerConfig:
     onnx_cache_dir: str | None = None
     """Where the ``ort-*`` precisions keep their ONNX exports of the trunk, one per checkpoint and
     mode (None: ``onnx`` in the user cache directory)."""
+    ort_auto_crossover: int = 0
+    """``ort-auto``: trunk calls of this many rows or more run the int8 export, narrower ones the
+    4-bit one (0: from the table for this CPU, ``model.onnx_auto.CROSSOVER_TABLE``)."""
     kv_cache_dtype: str = "auto"
     """"auto": the trunk's dtype; "bf16": half the cache bytes under an fp32 or int8 trunk (attention
     then runs in bf16; batched decode steps are cache-bound). Torch modes only."""
@@ -61,6 +65,8 @@ class RunnerConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.sampling_noise not in SAMPLING_NOISES:
             raise ValueError(f"sampling_noise must be one of {', '.join(SAMPLING_NOISES)}; got {self.sampling_noise!r}")
+        if self.ort_auto_crossover < 0:
+            raise ValueError(f"ort_auto_crossover must be >= 0 (0: from the CPU table), got {self.ort_auto_crossover}")
 
     def resolve(self, device_type: str) -> str:
         """The decode step for a device type ("cpu", "cuda", ...)."""
@@ -137,6 +143,7 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "cuda_graphs": ("runner", "cuda_graphs"),
     "compile": ("runner", "compile"),
     "onnx_cache_dir": ("runner", "onnx_cache_dir"),
+    "ort_auto_crossover": ("runner", "ort_auto_crossover"),
     "kv_cache_dtype": ("runner", "kv_cache_dtype"),
     "sampling_noise": ("runner", "sampling_noise"),
     "max_audio_seconds": ("max_audio_seconds",),
@@ -147,7 +154,8 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
 _HELP = {
     "precision": "GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
     "int8-static (CPU, int8 activations too), ort-fp32 / ort-int8 / ort-int4 (the trunk in ONNX Runtime, CPU; "
-    "needs the [onnx] extra); see the README's quality table",
+    "needs the [onnx] extra), ort-auto (ort-int4 while few rows decode, ort-int8 from --ort-auto-crossover on); "
+    "see the README's quality table",
     "max_num_seqs": "KV-cache slots: sequences decoding at once",
     "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence)",
     "max_waiting": "sequences that may wait for a slot; beyond it submissions are refused",
@@ -156,6 +164,8 @@ _HELP = {
     "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only)",
     "compile": "torch.compile the static decode step",
     "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
+    "ort_auto_crossover": "ort-auto: trunk calls of this many rows or more run int8, narrower ones 4-bit "
+    "(0: from a table by CPU)",
     "kv_cache_dtype": "KV cache dtype: auto (the trunk's) or bf16 (half the bytes; attention in bf16; torch modes)",
     "sampling_noise": "sampling noise: generator (one torch.Generator per sequence, reference-identical; CPU "
     "default), counter (hash of seed and step, one batched draw, batch-invariant; CUDA default) or auto",

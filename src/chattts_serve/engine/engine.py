@@ -98,6 +98,7 @@ class Engine:
             compile=config.runner.compile,
             calibrate=lambda m: calibrate(m, tokenizer, stats),
             onnx_cache_dir=config.runner.onnx_cache_dir,
+            ort_auto_crossover=config.runner.ort_auto_crossover,
         )
         return cls(model, tokenizer, stats, config, layout)
 

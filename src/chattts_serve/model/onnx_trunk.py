@@ -145,6 +145,10 @@ class OnnxTrunk:
     def max_positions(self) -> int:
         return self.manifest.max_positions
 
+    def for_rows(self, rows: int) -> OnnxTrunk:
+        """The session a call of ``rows`` matmul rows runs in: this one (``onnx_auto.AutoTrunk`` picks)."""
+        return self
+
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         if max_len > self.max_positions:
             raise ValueError(f"cache of {max_len} positions exceeds the export's rotary table ({self.max_positions})")

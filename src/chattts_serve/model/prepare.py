@@ -7,6 +7,7 @@ runner only runs the result; ``ModelLayout`` tells it what was done.
 
 The ``ort-*`` precisions instead export the fp32 trunk to ONNX (or take the export from the cache) and
 open an ONNX Runtime session on it (``ModelLayout.trunk``); the torch trunk's weights are then dropped.
+``ort-auto`` opens two (its int4 and int8 exports) behind one ``onnx_auto.AutoTrunk``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from .checkpoint import LoadedModel
 from .gpt import fuse_projections_
 from .linear import pack_linears_, packing_available
+from .onnx_auto import AutoTrunk, resolve_crossover
 from .onnx_trunk import OnnxTrunk
 from .quant import PrecisionSpec, apply_precision_, check_supported
 
@@ -38,8 +40,9 @@ class ModelLayout:
     """GPT projections are oneDNN-packed (batch-invariant at any row count)."""
     pad_rows_to: int = 1
     """Run fp32 matmuls on a multiple of this many rows (batch invariance where packing is missing)."""
-    trunk: OnnxTrunk | None = None
-    """``ort-*``: the GPT trunk runs in this ONNX Runtime session (``model.gpt`` holds no weights)."""
+    trunk: OnnxTrunk | AutoTrunk | None = None
+    """``ort-*``: the GPT trunk runs in this ONNX Runtime session (``model.gpt`` holds no weights);
+    ``ort-auto``: in one of two, by the width of each call."""
 
 
 def prepare_model(
@@ -50,6 +53,7 @@ def prepare_model(
     compile: bool = False,
     calibrate: Calibrate | None = None,
     onnx_cache_dir: str | None = None,
+    ort_auto_crossover: int = 0,
 ) -> ModelLayout:
     """Prepare ``model`` in place for ``num_slots`` sequences decoding together in precision ``spec``.
 
@@ -58,11 +62,12 @@ def prepare_model(
     the same at any row count), or fp32 matmuls run on a multiple of 4 rows where packing is missing.
     ``compile``: the decode step will be compiled (inductor cannot lower packed weights; it packs its own).
     ``onnx_cache_dir``: where ``ort-*`` exports are cached (default: the user cache directory).
+    ``ort_auto_crossover``: ``ort-auto`` runs calls of this many rows or more in int8 (0: the CPU table).
     """
     device = model.embed.emb_text.weight.device
     check_supported(spec, device)
     if spec.onnx is not None:
-        return _prepare_onnx(model, spec, num_slots, device, onnx_cache_dir)
+        return _prepare_onnx(model, spec, num_slots, device, onnx_cache_dir, ort_auto_crossover)
     if spec.name != "fp32" or num_slots > 1:
         fuse_projections_(model.gpt)
     absmax = None
@@ -88,12 +93,25 @@ def prepare_model(
 
 
 def _prepare_onnx(
-    model: LoadedModel, spec: PrecisionSpec, num_slots: int, device: torch.device, cache_dir: str | None
+    model: LoadedModel,
+    spec: PrecisionSpec,
+    num_slots: int,
+    device: torch.device,
+    cache_dir: str | None,
+    crossover: int,
 ) -> ModelLayout:
     from .onnx_export import cached_export
 
-    directory = cached_export(model, spec.onnx, cache_dir)
-    trunk = OnnxTrunk(directory, model.config.gpt, spec.onnx, device)
+    def session(weights: str) -> OnnxTrunk:
+        return OnnxTrunk(cached_export(model, weights, cache_dir), model.config.gpt, weights, device)
+
+    trunk: OnnxTrunk | AutoTrunk
+    if spec.onnx == "auto":
+        rows, source = resolve_crossover(crossover)
+        trunk = AutoTrunk(session("int4"), session("int8"), rows)
+        logger.info("ort-auto: int4 below %d rows per call, int8 from there (crossover: %s)", rows, source)
+    else:
+        trunk = session(spec.onnx)
     # The session holds its own copy of the weights; the torch trunk's would only cost memory (and a
     # stray call into it fails loudly on meta tensors instead of running on stale weights).
     model.gpt.to("meta")

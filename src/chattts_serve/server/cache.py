@@ -5,8 +5,8 @@ What is cached. A request whose audio is a pure function of the request: its ``S
 (the refine pass then has one too: its own or the request's, ``SamplingParams.refine_seed``). Unseeded
 requests draw from the global RNG; they are never cached. Only a request that ran to its end ("stop" or
 "length", empty audio included) is kept; an aborted or failed one never. Where the engine is not batch
-invariant (the CUDA static step, int8-dynamic, ort-int8: README, "Determinism"), a seeded request's last bits
-may depend on what ran beside it; a hit then gives the first run's answer, every time.
+invariant (the CUDA static step, int8-dynamic, ort-int8, ort-auto: README, "Determinism"), a seeded request's
+last bits may depend on what ran beside it; a hit then gives the first run's answer, every time.
 
 The key: sha256 over everything that changes the audio's bits. The text; every ``SamplingParams`` field
 (the resolved speaker string and voice sample, the lexicon's entries: a field this module cannot spell
