@@ -520,3 +520,22 @@ def test_a_window_that_fails_alone_fails_only_its_request(engine, monkeypatch):
     assert run.final("r0").finish_reason == "error" and "one window" in run.final("r0").error
     assert [run.final(r).finish_reason for r in ("r1", "r2")] == ["length", "length"]
     assert_idle(core)
+
+
+def test_a_sequence_that_leaves_at_its_prefill_is_not_sampled_again(engine):
+    """A request whose one token comes from its prefill step leaves before it ever decodes: the next
+    step (same decode rows as the prefill step) must not reuse that step's rows, which sampled it."""
+    core = EngineCore(
+        engine.model, engine.tokenizer, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4)), engine.layout
+    )
+    long_p = base(seed=41, min_new_tokens=20, max_new_tokens=20)
+    run = Run(core)
+    run.add("long", TEXTS[0], long_p)
+    for _ in range(3):
+        run.step()
+    run.add("one", TEXTS[1], base(seed=42, min_new_tokens=1, max_new_tokens=1))
+    run.drain()
+    assert run.final("one").error is None and run.final("long").error is None
+    want, _ = alone(core, TEXTS[0], long_p, None)
+    assert_same_result(run.final("long"), want, "long")
+    assert_idle(core)

@@ -62,13 +62,16 @@ class StepPlan:
     kinds: list[KindRows]
     """Kinds with at least one sequence this step, code first."""
     max_slot: int
+    had_prefill: bool = False
+    """This step admitted sequences: its kinds sample them too, so no later step can reuse it (a sequence
+    that left at its prefill, finished or failed, would still be sampled)."""
     dec_slots: torch.Tensor | None = None
     """``[n_decode]`` slots in decode order, on the device."""
     _dec_offset: int = 0
 
     def reusable_for(self, sched: SchedulerOutput) -> bool:
         """No admission and the same decode rows: every index tensor still holds."""
-        return not sched.prefill and [s.seq_id for s in sched.decode] == self.decode_ids
+        return not self.had_prefill and not sched.prefill and [s.seq_id for s in sched.decode] == self.decode_ids
 
 
 def build_plan(sched: SchedulerOutput, staging: HostStaging, num_vq: int, vocab: dict[str, int]) -> StepPlan:
@@ -76,7 +79,7 @@ def build_plan(sched: SchedulerOutput, staging: HostStaging, num_vq: int, vocab:
     dec = sched.decode
     dec_kind = np.fromiter((s.kind == "code" for s in dec), dtype=bool, count=len(dec))
     dec_slots = np.fromiter((s.slot for s in dec), dtype=np.int64, count=len(dec))
-    plan = StepPlan([s.seq_id for s in dec], [], int(dec_slots.max()) if len(dec) else -1)
+    plan = StepPlan([s.seq_id for s in dec], [], int(dec_slots.max()) if len(dec) else -1, bool(sched.prefill))
     if len(dec):
         plan._dec_offset, buf = staging.put(len(dec))
         buf[:] = dec_slots
