@@ -413,9 +413,9 @@ class GPT(nn.Module):
         n_tok = embeds.shape[0]
         rows = -(-n_tok // pad_rows_to) * pad_rows_to
         h = embeds if rows == n_tok else torch.cat([embeds, embeds.new_zeros(rows - n_tok, embeds.shape[1])])
-        # Built on the host and moved once: no device value is read back.
-        pos = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(rows - n_tok, dtype=torch.long)])
-        slot_of = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths))
+        # From host lists, moved once: no device value is read back.
+        pos = torch.tensor([i for n in lengths for i in range(n)] + [0] * (rows - n_tok))
+        slot_of = torch.tensor([slot for slot, n in zip(slots, lengths, strict=True) for _ in range(n)])
         pos, slot_of = pos.to(h.device, non_blocking=True), slot_of.to(h.device, non_blocking=True)
         cos, sin = rope_cos_sin(pos, self.inv_freq, h.dtype)
         cos, sin = cos[:, None], sin[:, None]  # [rows, 1, head_dim]: shaped once for every layer
