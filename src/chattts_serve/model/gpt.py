@@ -170,48 +170,6 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
-    def prefill(
-        self,
-        x: torch.Tensor,  # [M, hidden]: whole prompts packed one after another; rows >= sum(lengths) pad
-        cos: torch.Tensor,  # [M, 1, head_dim]
-        sin: torch.Tensor,
-        cache: KVCache,
-        slots: list[int],
-        lengths: list[int],  # tokens of each prompt; prompt b starts at position 0 of slot slots[b]
-        where: tuple[torch.Tensor, torch.Tensor],  # [N] slot and cache position of every token
-    ) -> torch.Tensor:
-        """``forward`` for several prompts at once: the projections run on all their tokens together,
-        attention prompt by prompt with the call ``forward`` makes for that prompt alone (the same
-        shapes, strides and causal flag), so a prompt's keys and output never see another prompt's."""
-        m, n_tok = x.shape[0], where[0].shape[0]
-        q, k, v = self.project(x)
-        q = q.reshape(m, self.num_heads, self.head_dim)
-        k = k.reshape(m, self.num_kv_heads, self.head_dim)
-        v = v.reshape(m, self.num_kv_heads, self.head_dim)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        # Every token's key/value in one indexed write, each into its own slot and position (padding
-        # rows write nothing).
-        k_cache[where[0], :, where[1]] = k[:n_tok].to(k_cache.dtype)
-        v_cache[where[0], :, where[1]] = v[:n_tok].to(v_cache.dtype)
-        rep = self.num_heads // self.num_kv_heads
-        outs, start = [], 0
-        for slot, n in zip(slots, lengths, strict=True):
-            qs = q[start : start + n].unsqueeze(0).transpose(1, 2)  # [1, heads, n, head_dim], as forward's
-            # Read back from the cache, as forward does (a bf16 cache rounds the keys the prompt sees).
-            keys = k_cache[slot : slot + 1, :, :n].to(q.dtype)
-            values = v_cache[slot : slot + 1, :, :n].to(q.dtype)
-            if rep > 1:
-                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-            out = F.scaled_dot_product_attention(
-                qs, keys, values, dropout_p=0.0, is_causal=n > 1, scale=self.head_dim**-0.5
-            )
-            outs.append(out.transpose(1, 2).reshape(n, self.num_heads * self.head_dim))
-            start += n
-        if m > n_tok:  # padding rows (pad_rows_to): zeros
-            outs.append(x.new_zeros(m - n_tok, self.num_heads * self.head_dim))
-        return self.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
-
     def rotated_qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -327,10 +285,6 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, slots, start, attn_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def prefill(self, h, cos, sin, cache, slots, lengths, where):
-        h = h + self.self_attn.prefill(self.input_layernorm(h), cos, sin, cache, slots, lengths, where)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
     def decode(self, h, cos, sin, cache, slots, lengths, where):
         h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, cache, slots, lengths, where)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -387,41 +341,6 @@ class GPT(nn.Module):
         if last_only:
             h = h[:, -1]
         return self.norm(h)
-
-    def prefill(
-        self,
-        embeds: torch.Tensor,  # [N, hidden]
-        cache: KVCache,
-        slots: list[int],
-        lengths: list[int],
-        pad_rows_to: int = 1,
-    ) -> torch.Tensor:
-        """Whole prompts of several sequences in one call: ``embeds`` holds prompt b's ``lengths[b]``
-        tokens after prompt b-1's (packed, varlen); prompt b goes to positions ``0 .. lengths[b]-1`` of
-        cache slot ``slots[b]``. Returns final-norm hidden states ``[N, hidden]``.
-
-        Attention runs prompt by prompt, so a prompt's result depends on the others only through the
-        matmuls' row count: not at all with oneDNN-packed weights or fixed-scale int8, nor with plain
-        fp32 matmuls on a multiple of ``pad_rows_to=4`` rows (zero rows appended, as ``decode``); one
-        prompt alone with ``pad_rows_to=1`` runs every op ``forward`` runs (bit-exact with it)."""
-        if len(slots) != len(lengths) or not lengths or min(lengths) < 1:
-            raise ValueError(f"prefill needs one length >= 1 per slot; got slots {slots}, lengths {lengths}")
-        if sum(lengths) != embeds.shape[0]:
-            raise ValueError(f"prompt lengths sum to {sum(lengths)} but embeds has {embeds.shape[0]} rows")
-        if max(lengths) > cache.max_len:
-            raise ValueError(f"prompt of {max(lengths)} positions exceeds cache {cache.max_len}")
-        n_tok = embeds.shape[0]
-        rows = -(-n_tok // pad_rows_to) * pad_rows_to
-        h = embeds if rows == n_tok else torch.cat([embeds, embeds.new_zeros(rows - n_tok, embeds.shape[1])])
-        # From host lists, moved once: no device value is read back.
-        pos = torch.tensor([i for n in lengths for i in range(n)] + [0] * (rows - n_tok))
-        slot_of = torch.tensor([slot for slot, n in zip(slots, lengths, strict=True) for _ in range(n)])
-        pos, slot_of = pos.to(h.device, non_blocking=True), slot_of.to(h.device, non_blocking=True)
-        cos, sin = rope_cos_sin(pos, self.inv_freq, h.dtype)
-        cos, sin = cos[:, None], sin[:, None]  # [rows, 1, head_dim]: shaped once for every layer
-        for layer in self.layers:
-            h = layer.prefill(h, cos, sin, cache, slots, lengths, (slot_of, pos[:n_tok]))
-        return self.norm(h[:n_tok])
 
     def decode(
         self,

@@ -1,4 +1,4 @@
-"""model/gpt.py ``GPT.prefill``: several whole prompts packed into one trunk call. In every layout that
+"""model/prefill.py: several whole prompts packed into one trunk call. In every layout that
 keeps a matmul row's result independent of the row count (model/prepare.py), each prompt's hidden states
 and cache are bit-identical to its prefill alone; padding and neighbours never reach a prompt's keys."""
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chattts_serve.model import checkpoint
+from chattts_serve.model.prefill import prefill_prompts
 from chattts_serve.model.prepare import ModelLayout, prepare_model
 from chattts_serve.model.quant import parse_precision, record_absmax
 
@@ -48,11 +49,11 @@ def _together_and_alone(model, layout: ModelLayout, kv_dtype=None):
     gpt, prompts = model.gpt, _prompts(model)
     with torch.inference_mode():
         cache = _cache(gpt, kv_dtype)
-        together = gpt.prefill(torch.cat(prompts), cache, SLOTS, LENGTHS, layout.pad_rows_to).split(LENGTHS)
+        together = prefill_prompts(gpt, torch.cat(prompts), cache, SLOTS, LENGTHS, layout.pad_rows_to).split(LENGTHS)
         alone = []
         for slot, emb in zip(SLOTS, prompts, strict=True):
             single = _cache(gpt, kv_dtype)
-            alone.append((gpt.prefill(emb, single, [slot], [len(emb)], layout.pad_rows_to), single))
+            alone.append((prefill_prompts(gpt, emb, single, [slot], [len(emb)], layout.pad_rows_to), single))
     return prompts, together, cache, alone
 
 
@@ -96,7 +97,7 @@ def test_packed_layout_prefill_equals_forward(tiny_ckpt, precision):
 
 
 def test_one_slot_fp32_prefill_is_forward_bit_exactly(tiny_ckpt):
-    """The reference-exact layout (one slot, fp32, nothing prepared): one prompt through ``prefill``
+    """The reference-exact layout (one slot, fp32, nothing prepared): one prompt through ``prefill_prompts``
     runs every matmul on the rows ``forward`` uses, so hidden states and keys are bit-identical (the
     fidelity tests then hold the result to chattts itself)."""
     model, layout = _prepared(tiny_ckpt, "fp32", 1)
@@ -107,7 +108,7 @@ def test_one_slot_fp32_prefill_is_forward_bit_exactly(tiny_ckpt):
             n = len(emb)
             a, b = gpt.new_cache(1, MAX_LEN), gpt.new_cache(1, MAX_LEN)
             ref = gpt(emb[None], torch.arange(n)[None], a, torch.tensor([0]), 0, None, last_only=False)[0]
-            assert torch.equal(gpt.prefill(emb, b, [0], [n]), ref), n
+            assert torch.equal(prefill_prompts(gpt, emb, b, [0], [n]), ref), n
             assert torch.equal(a.k[:, :, :, :n], b.k[:, :, :, :n]) and torch.equal(a.v[:, :, :, :n], b.v[:, :, :, :n])
 
 
@@ -134,10 +135,10 @@ def test_bad_prefill_arguments_are_refused(tiny_ckpt):
     cache = gpt.new_cache(2, 8)
     with torch.inference_mode():
         with pytest.raises(ValueError, match="one length >= 1 per slot"):
-            gpt.prefill(torch.zeros(3, hidden), cache, [0, 1], [3])
+            prefill_prompts(gpt, torch.zeros(3, hidden), cache, [0, 1], [3])
         with pytest.raises(ValueError, match="one length >= 1 per slot"):
-            gpt.prefill(torch.zeros(3, hidden), cache, [0, 1], [3, 0])
+            prefill_prompts(gpt, torch.zeros(3, hidden), cache, [0, 1], [3, 0])
         with pytest.raises(ValueError, match="sum to 5 but embeds has 3 rows"):
-            gpt.prefill(torch.zeros(3, hidden), cache, [0, 1], [3, 2])
+            prefill_prompts(gpt, torch.zeros(3, hidden), cache, [0, 1], [3, 2])
         with pytest.raises(ValueError, match="prompt of 9 positions exceeds cache 8"):
-            gpt.prefill(torch.zeros(9, hidden), cache, [0], [9])
+            prefill_prompts(gpt, torch.zeros(9, hidden), cache, [0], [9])
