@@ -8,6 +8,8 @@ import torch
 from chattts_serve.model.config import GPTConfig
 from chattts_serve.model.embed import Embed, fold_weight_norm
 
+from ..host_syncs import host_syncs
+
 # Text vocab larger than the audio vocab, so text ids that are out of range for the code
 # embeddings prove that text positions never reach them.
 CFG = GPTConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32, num_text_tokens=900)
@@ -85,3 +87,13 @@ def test_text_logits():
         logits = e.text_logits(hidden)
     assert logits.shape == (2, CFG.num_text_tokens)
     torch.testing.assert_close(logits, hidden @ e.head_text.T, rtol=1e-5, atol=1e-5)
+
+
+def test_embed_prompt_reads_nothing_back_from_the_device():
+    e = make_embed(5)
+    ids = torch.randint(0, CFG.num_audio_tokens, (1, 6, CFG.num_vq))
+    text_mask = torch.tensor([[True, True, True, False, False, False]])
+    with torch.no_grad():
+        out, syncs = host_syncs(lambda: e.embed_prompt(ids, text_mask))
+    assert not syncs, syncs
+    assert torch.equal(out[0, 0], e.emb_text.weight[ids[0, 0, 0]])

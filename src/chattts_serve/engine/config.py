@@ -159,7 +159,7 @@ _HELP = {
     "max_num_seqs": "KV-cache slots: sequences decoding at once",
     "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence)",
     "max_waiting": "sequences that may wait for a slot; beyond it submissions are refused",
-    "max_prefill_tokens": "prompt tokens prefilled per step",
+    "max_prefill_tokens": "prompt tokens prefilled per step, in one batched call (caps how long running streams wait)",
     "decode": "decode step: rows (batch-invariant; CPU default) or static (fixed shapes, CUDA graphs; CUDA default)",
     "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only)",
     "compile": "torch.compile the static decode step",

@@ -61,7 +61,9 @@ class EngineCore:
         sc = config.scheduler
         gpt = model.config.gpt
         self.scheduler = Scheduler(sc)
-        self.runner = ModelRunner(model, layout, sc.max_num_seqs, sc.max_model_len, tokenizer.eos_id, config.runner)
+        self.runner = ModelRunner(
+            model, layout, sc.max_num_seqs, sc.max_model_len, tokenizer.eos_id, config.runner, sc.max_prefill_tokens
+        )
         self.device = self.runner.device
         self.inputs = InputProcessor(tokenizer, gpt.hidden_size, gpt.num_vq, config.max_audio_seconds)
         self.pipeline = RequestPipeline(tokenizer, gpt.hidden_size, gpt.num_vq, sc.max_model_len, self.device)

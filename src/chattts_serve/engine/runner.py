@@ -1,10 +1,13 @@
 """The model runner: turns a ``SchedulerOutput`` into device work and a ``RunnerOutput``.
 
-Prefill: each newly admitted sequence's prompt goes into its own slot. Torch modes: one sequence per
-call, so a sequence's prompt is computed the same way whatever else is admitted, and without padding.
-``ort-*`` modes: the prompts of sequences in consecutive slots go in one ONNX Runtime call, right-padded
-to the longest (``query_seqlens`` tells the op each row's length; a burst of 32 admissions is one call, not
-32, each of which would stream all the weights once).
+Prefill: each newly admitted sequence's prompt goes into its own slot. Torch modes: the prompts admitted
+in a step go through the trunk together, packed one after another (``model.prefill``: the projections
+on all their tokens at once, attention prompt by prompt), in calls of at most ``max_prefill_tokens`` tokens;
+a prompt's result is the one it gets alone wherever the layout keeps matmul rows independent (every
+mode but int8-dynamic; see ``model.prepare``). ``ort-*`` modes: the prompts of sequences in consecutive
+slots go in one ONNX Runtime call, right-padded to the longest (``query_seqlens`` tells the op each row's
+length). Either way a burst of 32 admissions is one call, not 32, each of which would stream all the
+weights once.
 
 Decode: all running sequences, text and code mixed, in one trunk call; heads and sampling per kind,
 batched. Sampling state lives on the device per KV slot (``engine.slot_state``): admission writes it,
@@ -28,6 +31,7 @@ import torch
 from ..model.checkpoint import LoadedModel
 from ..model.config import AUDIO_EOS
 from ..model.gpt import KVCache
+from ..model.prefill import prefill_prompts
 from ..model.prepare import ModelLayout
 from .config import RunnerConfig
 from .cuda_graph import StaticDecoder
@@ -111,8 +115,14 @@ class ModelRunner:
         max_model_len: int,
         text_eos_id: int,
         config: RunnerConfig | None = None,
+        max_prefill_tokens: int = 2048,
     ) -> None:
-        """``model`` as ``model.prepare.prepare_model`` left it (``layout``); the runner never changes it."""
+        """``model`` as ``model.prepare.prepare_model`` left it (``layout``); the runner never changes it.
+        ``max_prefill_tokens``: prompt tokens per torch prefill call (``SchedulerConfig``'s budget per
+        step; a longer prompt still goes alone, whole)."""
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens!r}")
+        self.max_prefill_tokens = max_prefill_tokens
         self.model = model
         self.config = config or RunnerConfig()
         self.device = model.embed.emb_text.weight.device
@@ -200,7 +210,7 @@ class ModelRunner:
                 if self.trunk is not None:
                     trunk_out = self._prefill_onnx(sched.prefill)
                 else:
-                    trunk_out = {seq.seq_id: self._prefill_trunk(seq) for seq in sched.prefill}
+                    trunk_out = self._prefill_trunk(sched.prefill)
                 for seq in sched.prefill:
                     h, lg = self._prefill(seq, trunk_out[seq.seq_id], admissions)
                     logits[seq.kind].append(lg)
@@ -297,33 +307,62 @@ class ModelRunner:
             lens = np.array([s.prompt_len for s in run], dtype=np.int32)
             x = torch.zeros(len(run), int(lens.max()), self.model.embed.emb_text.weight.shape[1], device=self.device)
             for b, seq in enumerate(run):
-                x[b, : seq.prompt_len] = self._embed_prompt(seq)[0]
+                x[b, : seq.prompt_len] = self._embed_prompts([seq])
             h = self.trunk.run(x, self.cache, run[0].slot, lens - 1, lens)
             out.update((seq.seq_id, h[b, : seq.prompt_len]) for b, seq in enumerate(run))
         return out
 
-    def _prefill_trunk(self, seq: Sequence) -> torch.Tensor:
-        emb = self._embed_prompt(seq)
-        positions = torch.arange(seq.prompt_len, device=self.device)[None]
-        slot = torch.tensor([seq.slot], device=self.device)
-        # All positions through the final norm and heads, then the last row: the reference's order.
-        return self.model.gpt(emb.to(self.dtype), positions, self.cache, slot, 0, None, last_only=False).float()[0]
+    def _prefill_trunk(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
+        """Trunk outputs ``[prompt_len, hidden]`` (all positions through the final norm, as the reference
+        computes them before taking the last) of every sequence in ``seqs``, prompts packed into calls of
+        at most ``max_prefill_tokens`` tokens."""
+        out: dict[int, torch.Tensor] = {}
+        for chunk in self._prefill_chunks(seqs):
+            lengths = [s.prompt_len for s in chunk]
+            emb = self._embed_prompts(chunk).to(self.dtype)
+            slots = [s.slot for s in chunk]
+            h = prefill_prompts(self.model.gpt, emb, self.cache, slots, lengths, self.pad_rows_to).float()
+            out.update(zip((s.seq_id for s in chunk), h.split(lengths), strict=True))
+        return out
 
-    def _embed_prompt(self, seq: Sequence) -> torch.Tensor:
-        """The prompt's input embeddings ``[1, prompt_len, hidden]`` (text, speaker, voice-sample codes)."""
-        inp: SeqInputs = seq.payload
-        embed = self.model.embed
-        n_text = len(inp.ids)
-        ids = torch.zeros(1, seq.prompt_len, self.num_vq, dtype=torch.long)
-        ids[0, :n_text] = torch.tensor(inp.ids, dtype=torch.long)[:, None]
-        if inp.prompt_codes is not None:
-            ids[0, n_text:] = inp.prompt_codes.to(torch.long)
-        text_mask = torch.zeros(1, seq.prompt_len, dtype=torch.bool)
-        text_mask[0, :n_text] = True
-        ids, text_mask = self._to_device(ids), self._to_device(text_mask)
-        emb = embed.embed_prompt(ids, text_mask)
-        if inp.speaker is not None:
-            emb[0, ids[0, :, 0].eq(inp.speaker_token_id) & text_mask[0]] = inp.speaker.to(emb.dtype)
+    def _prefill_chunks(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """``seqs`` in admission order, cut into runs of at most ``max_prefill_tokens`` prompt tokens."""
+        chunks: list[list[Sequence]] = []
+        tokens = 0
+        for seq in seqs:
+            if not chunks or tokens + seq.prompt_len > self.max_prefill_tokens:
+                chunks.append([])
+                tokens = 0
+            chunks[-1].append(seq)
+            tokens += seq.prompt_len
+        return chunks
+
+    def _embed_prompts(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The input embeddings ``[sum of prompt_len, hidden]`` of the prompts of ``seqs``, one after
+        another (text, speaker, voice-sample codes): built on the host, one lookup for all, and no
+        device value read back."""
+        total = sum(s.prompt_len for s in seqs)
+        ids = torch.zeros(total, self.num_vq, dtype=torch.long)
+        text_mask = torch.zeros(total, dtype=torch.bool)
+        speaker_at: list[int] = []
+        speakers: list[torch.Tensor] = []
+        start = 0
+        for seq in seqs:
+            inp: SeqInputs = seq.payload
+            n_text = len(inp.ids)
+            ids[start : start + n_text] = torch.tensor(inp.ids, dtype=torch.long)[:, None]
+            if inp.prompt_codes is not None:
+                ids[start + n_text : start + seq.prompt_len] = inp.prompt_codes.to(torch.long)
+            text_mask[start : start + n_text] = True
+            if inp.speaker is not None:
+                # The [spk_emb] text positions take the speaker embedding instead of the token's.
+                at = [start + i for i, t in enumerate(inp.ids) if t == inp.speaker_token_id]
+                speaker_at += at
+                speakers += [inp.speaker] * len(at)
+            start += seq.prompt_len
+        emb = self.model.embed.embed_prompt(self._to_device(ids)[None], self._to_device(text_mask)[None])[0]
+        if speaker_at:
+            emb[self._to_device(torch.tensor(speaker_at))] = torch.stack(speakers).to(emb.device, emb.dtype)
         return emb
 
     def _decode_trunk(self, seqs: list[Sequence], plan: StepPlan) -> torch.Tensor:

@@ -37,7 +37,8 @@ class SchedulerConfig:
     """Bound of the waiting queue; beyond it submissions are refused with QueueFullError."""
     max_prefill_tokens: int = 2048
     """Prompt tokens prefilled per step (at least one sequence is always admitted when a slot is free),
-    so a burst of new requests cannot stall the running ones for long."""
+    so a burst of new requests cannot stall the running ones for long; also the most tokens one torch
+    prefill call packs together (a step's admissions go in one call)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_prefill_tokens"):

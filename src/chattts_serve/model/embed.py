@@ -44,12 +44,12 @@ class Embed(nn.Module):
         """ids [B, T, num_vq] (text positions repeat the id), text_mask [B, T] -> [B, T, hidden].
 
         Text positions use ``emb_text``; every other position (audio codes, left padding) uses the
-        codebook sum.
+        codebook sum. Both are looked up everywhere and one picked per position (the same values as
+        writing the text rows through the mask, without reading the mask back to the host).
         """
-        out = self.embed_codes(ids.masked_fill(text_mask[..., None], 0))
-        if text_mask.any():
-            out[text_mask] = self.emb_text(ids[..., 0][text_mask])
-        return out
+        codes = self.embed_codes(ids.masked_fill(text_mask[..., None], 0))
+        text = self.emb_text(ids[..., 0].masked_fill(~text_mask, 0))
+        return torch.where(text_mask[..., None], text, codes)
 
     def pack_heads(self) -> None:
         """Use oneDNN-packed head weights from now on (see ``model.linear``)."""
