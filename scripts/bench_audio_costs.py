@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -28,6 +26,7 @@ import numpy as np
 from chattts_serve.audio.encode import StreamingEncoder
 from chattts_serve.audio.resample import StreamingResampler
 from chattts_serve.audio.stretch import StreamingStretcher
+from chattts_serve.cpu import probe
 from chattts_serve.model.config import SAMPLE_RATE
 
 CHUNK_S = 0.5
@@ -150,8 +149,7 @@ def main() -> int:
     pcm = _audio()
     out = {
         "bench": "audio_costs",
-        "cpu": platform.processor() or platform.machine(),
-        "threads": os.cpu_count(),
+        "cpu": probe().describe(),
         "stretch_ms_per_audio_s": stretch_costs(pcm, args.repeats),
         "resample_ms_per_audio_s": resample_costs(pcm, args.repeats),
         "telephony_encode_ms_per_audio_s": telephony_costs(pcm, args.repeats),

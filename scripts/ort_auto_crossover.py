@@ -19,8 +19,8 @@ import time
 import numpy as np
 import torch
 
+from chattts_serve.cpu import probe
 from chattts_serve.model import checkpoint
-from chattts_serve.model.onnx_auto import cpu_kind
 from chattts_serve.model.onnx_export import cached_export
 from chattts_serve.model.onnx_trunk import OnnxTrunk
 
@@ -75,7 +75,8 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "cpu_kind": cpu_kind(),
+                "cpu_kind": probe().kind,
+                "cpu": probe().describe(),
                 "threads": torch.get_num_threads(),
                 "context": args.context,
                 "ms": {w: {k: round(1000 * v, 2) for k, v in r.items()} for w, r in rows.items()},

@@ -284,15 +284,17 @@ def test_checkpoint_digest_follows_the_trunk_files(tiny_ckpt, tmp_path):
     assert onnx_cache.checkpoint_digest(copy) != onnx_cache.checkpoint_digest(tiny_ckpt)
 
 
-def test_int8_keeps_to_7_bits_where_the_kernel_can_saturate(monkeypatch):
-    import platform
+def test_int8_keeps_to_7_bits_where_the_kernel_can_saturate():
+    from chattts_serve.cpu import parse_cpuinfo
 
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    assert int8_reduce_range("flags\t: fpu sse avx2 fma\n")  # AVX2 only: vpmaddubsw (int16 sums)
-    assert not int8_reduce_range("flags\t: avx2 avx512f avx512_vnni\n")
-    assert not int8_reduce_range("flags\t: avx2 avx_vnni\n")
-    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    assert not int8_reduce_range("")
+    def cpu(flags: str, arch: str = "x86_64"):
+        return parse_cpuinfo(f"flags\t: {flags}\n", arch=arch)
+
+    assert int8_reduce_range(cpu("fpu sse avx2 fma"))  # AVX2 only: vpmaddubsw (int16 sums)
+    assert not int8_reduce_range(cpu("avx2 avx512f avx512_vnni"))
+    assert not int8_reduce_range(cpu("avx2 avx_vnni"))
+    assert int8_reduce_range(parse_cpuinfo("", arch="x86_64"))  # unreadable: the safe choice
+    assert not int8_reduce_range(parse_cpuinfo("", arch="aarch64"))  # Arm's dot products sum in int32
     digest = "0" * 64
     assert onnx_cache.cache_key(digest, "int8", True) != onnx_cache.cache_key(digest, "int8", False)
     assert onnx_cache.cache_key(digest, "int4", True) == onnx_cache.cache_key(digest, "int4", False)

@@ -10,8 +10,9 @@ import torch
 
 pytest.importorskip("onnxruntime", reason="the ort-* precisions need the [onnx] extra")
 
+from chattts_serve.cpu import parse_cpuinfo  # noqa: E402
 from chattts_serve.model import checkpoint  # noqa: E402
-from chattts_serve.model.onnx_auto import CROSSOVER_TABLE, AutoTrunk, cpu_kind, resolve_crossover  # noqa: E402
+from chattts_serve.model.onnx_auto import CROSSOVER_TABLE, AutoTrunk, resolve_crossover  # noqa: E402
 from chattts_serve.model.onnx_export import cached_export  # noqa: E402
 from chattts_serve.model.onnx_trunk import OnnxTrunk  # noqa: E402
 
@@ -141,8 +142,8 @@ CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 {}\n"
     ],
 )
 def test_cpu_kind_and_the_table(flags, kind):
-    info = CPUINFO.format(flags)
-    assert cpu_kind(info) == kind
+    info = parse_cpuinfo(CPUINFO.format(flags), arch="x86_64")
+    assert info.kind == kind
     assert resolve_crossover(0, info) == (CROSSOVER_TABLE[kind], f"table ({kind})")
     assert resolve_crossover(5, info) == (5, "configured")  # a configured crossover wins over the table
 

@@ -17,7 +17,6 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -94,16 +93,6 @@ def resolve_audio_dtype(dtype: str, device_type: str) -> str:
     if dtype not in _DTYPES:
         raise ValueError(f"audio dtype must be auto or one of {', '.join(_DTYPES)}; got {dtype!r}")
     return dtype
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX): elsewhere oneDNN emulates it and
-    a bf16 decode is slower than fp32. Probed from /proc/cpuinfo (Linux; False elsewhere)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 @torch.inference_mode()

@@ -125,6 +125,9 @@ def run_tool(
         result = run(args)
     except ValueError as exc:
         return fail(str(exc))
+    from ..cpu import probe
+
+    result.setdefault("cpu", probe().describe())  # every figure says which CPU it came from
     if args.plot and plot is not None and plot(result, args.plot):
         result["plot"] = args.plot
     stats.emit(result)

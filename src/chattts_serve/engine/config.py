@@ -93,7 +93,7 @@ class EngineConfig:
     audio_dtype: str = "auto"
     """Decoder + Vocos: "fp32" (reference-exact waveform), "tf32" (TF32 matmuls on CUDA; fp32
     elsewhere) or "bf16" (autocast; 1.6-2.4x faster where the CPU has AVX-512 BF16 or AMX, ~36 dB SNR
-    against fp32; slower elsewhere, see ``cpu_has_bf16``). "auto": bf16 on CUDA, fp32 elsewhere."""
+    against fp32; slower elsewhere, see ``cpu.CpuInfo.bf16``). "auto": bf16 on CUDA, fp32 elsewhere."""
     audio_overlap: str = "auto"
     """"on": the audio decode runs on a CUDA stream of its own, overlapping the next GPT step, and its
     audio is taken at a later step (``audio.overlap``); "off": inside the step, as on a CPU. "auto": on

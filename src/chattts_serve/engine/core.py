@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..audio.decode import cpu_has_bf16, resolve_audio_dtype
+from ..audio.decode import resolve_audio_dtype
 from ..audio.overlap import AudioDecoder, Entry, split_failed
 from ..audio.policy import StreamPolicy
+from ..cpu import probe
 from ..model.checkpoint import LoadedModel
 from ..model.prepare import ModelLayout
 from ..model.speaker import MIN_VOICE_SAMPLES
@@ -68,7 +69,7 @@ class EngineCore:
         self.inputs = InputProcessor(tokenizer, gpt.hidden_size, gpt.num_vq, config.max_audio_seconds)
         self.pipeline = RequestPipeline(tokenizer, gpt.hidden_size, gpt.num_vq, sc.max_model_len, self.device)
         self.audio_dtype = resolve_audio_dtype(config.audio_dtype, self.device.type)
-        if self.audio_dtype == "bf16" and self.device.type == "cpu" and not cpu_has_bf16():
+        if self.audio_dtype == "bf16" and self.device.type == "cpu" and not probe().bf16:
             logger.warning("audio_dtype bf16 on a CPU without AVX-512 BF16 or AMX: emulated, slower than fp32")
         on_cuda = self.device.type == "cuda"
         self.audio = AudioDecoder(

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cpu import CpuInfo, probe
 from .gpt import KVCache
 from .onnx_trunk import OnnxTrunk, OpProfile
 
@@ -45,36 +46,17 @@ CROSSOVER_TABLE: dict[str, int] = {
     "avx2": 4,  # without VNNI the int8 kernel is slower (and 7-bit): perhaps a higher crossover
     "other": 4,
 }
-"""Rows from which a call runs the int8 trunk, by ``cpu_kind``; below it, the 4-bit trunk."""
+"""Rows from which a call runs the int8 trunk, by ``CpuInfo.kind``; below it, the 4-bit trunk."""
 
 
-def cpu_kind(cpuinfo: str | None = None) -> str:
-    """The CPU's int8 matmul units as a ``CROSSOVER_TABLE`` key: "amx" (AMX int8 tiles),
-    "avx512_vnni", "avx2" (no VNNI: ORT's int8 kernel adds pairs in int16) or "other" (not x86, or
-    /proc/cpuinfo unreadable)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return "other"
-    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
-    if "amx_int8" in flags:
-        return "amx"
-    if "avx512_vnni" in flags:
-        return "avx512_vnni"
-    if "avx2" in flags:
-        return "avx2"
-    return "other"
-
-
-def resolve_crossover(configured: int = 0, cpuinfo: str | None = None) -> tuple[int, str]:
+def resolve_crossover(configured: int = 0, cpu: CpuInfo | None = None) -> tuple[int, str]:
     """The crossover to run with and where it came from: ``configured`` when > 0, else the table's
-    entry for this CPU."""
+    entry for ``cpu`` (default: this machine's, ``cpu.probe()``)."""
     if configured < 0:
         raise ValueError(f"ort_auto_crossover must be >= 0 (0: from the CPU table), got {configured}")
     if configured:
         return configured, "configured"
-    kind = cpu_kind(cpuinfo)
+    kind = (cpu or probe()).kind
     return CROSSOVER_TABLE[kind], f"table ({kind})"
 
 

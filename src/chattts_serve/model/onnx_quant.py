@@ -11,27 +11,21 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..cpu import CpuInfo, probe
 from .onnx_cache import MODEL_FILE, WEIGHT_KINDS, save_model
 
 INT4_BLOCK_SIZE = 32
 
 
-def int8_reduce_range(cpuinfo: str | None = None) -> bool:
-    """Whether int8 weights should keep to 7 bits on this CPU. ORT's x86 u8 x s8 kernel without VNNI
-    (AVX2's vpmaddubsw) adds pairs of products into int16, which full-range weights can overflow
-    (2 x 255 x 127 > 32767); 7-bit weights cannot. VNNI (AVX-512 or AVX) and Arm's dot products
-    accumulate in int32: full 8 bits there. Unknown CPUs get the safe choice."""
-    import platform
-
-    if platform.machine().lower() in ("aarch64", "arm64"):
+def int8_reduce_range(cpu: CpuInfo | None = None) -> bool:
+    """Whether int8 weights should keep to 7 bits on this CPU (default: ``cpu.probe()``). ORT's x86
+    u8 x s8 kernel without VNNI (AVX2's vpmaddubsw) adds pairs of products into int16, which full-range
+    weights can overflow (2 x 255 x 127 > 32767); 7-bit weights cannot. VNNI (AVX-512 or AVX) and Arm's
+    dot products accumulate in int32: full 8 bits there. Unknown CPUs get the safe choice."""
+    cpu = cpu or probe()
+    if cpu.arm:
         return False
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return True
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return not ({"avx512_vnni", "avx_vnni"} & set(flags))
+    return not cpu.vnni
 
 
 def _nbits_quantizer():

@@ -27,7 +27,7 @@ call from the whole batch (so a row's result depends on its neighbours: not batc
 
 The ``ort-*`` modes leave the torch trunk alone: ``model.prepare`` exports it to ONNX (cached) and the
 runner steps it in ONNX Runtime over the same KV slot cache (``model.onnx_export``, ``model.onnx_trunk``).
-ort-int8's weights keep to 7 bits on x86 CPUs without VNNI (``onnx_export.int8_reduce_range``).
+ort-int8's weights keep to 7 bits on x86 CPUs without VNNI (``onnx_quant.int8_reduce_range``).
 Batch invariance: ort-fp32 and ort-int4 keep it (MLAS computes each row the same at any row count;
 checked by the tests), ort-int8 does not (one activation scale per call, as int8-dynamic), nor does
 ort-auto (the kernel, hence a request's codes, follows the rows in each call: ``model.onnx_auto``).
