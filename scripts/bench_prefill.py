@@ -56,8 +56,8 @@ def main() -> None:
             torch.cuda.synchronize(device)
 
     runs = {
-        "one_per_call": lambda: [runner._prefill_trunk([s]) for s in seqs],
-        "batched": lambda: runner._prefill_trunk(seqs),
+        "one_per_call": lambda: [runner.prefiller.trunk_outputs([s]) for s in seqs],
+        "batched": lambda: runner.prefiller.trunk_outputs(seqs),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from chattts_serve.engine import runner as runner_module
+from chattts_serve.engine import prefill_runner as prefill_runner_module
 from chattts_serve.engine.config import RunnerConfig
 from chattts_serve.engine.outputs import SchedulerOutput
 from chattts_serve.engine.request import Sequence
@@ -93,13 +93,13 @@ def test_prompts_admitted_together_equal_each_alone(tiny_ckpt, precision, compil
     together = _runner(model, layout, 6)
     seqs = _sequences(model, SLOTS)
     with torch.inference_mode():
-        trunk = together._prefill_trunk(seqs)
+        trunk = together.prefiller.trunk_outputs(seqs)
     batch = _sequences(model, SLOTS)  # the same prompts again, through the whole prefill step
     out = together.execute(SchedulerOutput(prefill=batch))
     for i, seq in enumerate(seqs):
         alone = _runner(model, layout, 6)
         with torch.inference_mode():
-            [h] = alone._prefill_trunk([seq]).values()
+            [h] = alone.prefiller.trunk_outputs([seq]).values()
         assert torch.equal(trunk[seq.seq_id], h), (precision, seq.prompt_len)
         n, slot = seq.prompt_len, seq.slot
         for kv, kv_alone in ((together.cache.k, alone.cache.k), (together.cache.v, alone.cache.v)):
@@ -109,7 +109,7 @@ def test_prompts_admitted_together_equal_each_alone(tiny_ckpt, precision, compil
         got = _runner(model, layout, 6).execute(SchedulerOutput(prefill=[single]))
         assert out.tokens[batch[i].seq_id] == got.tokens[single.seq_id]
         if seq.kind == "code":
-            assert torch.equal(out.hidden[batch[i].seq_id], got.hidden[single.seq_id])
+            assert torch.equal(out.hidden_of(batch[i].seq_id), got.hidden_of(single.seq_id))
 
 
 def test_int8_dynamic_prompts_together_stay_close_to_alone(tiny_ckpt):
@@ -118,9 +118,9 @@ def test_int8_dynamic_prompts_together_stay_close_to_alone(tiny_ckpt):
     model, layout = _model(tiny_ckpt, "int8-dynamic", 6)
     seqs = _sequences(model, SLOTS)
     with torch.inference_mode():
-        trunk = _runner(model, layout, 6)._prefill_trunk(seqs)
+        trunk = _runner(model, layout, 6).prefiller.trunk_outputs(seqs)
         for seq in seqs:
-            [h] = _runner(model, layout, 6)._prefill_trunk([seq]).values()
+            [h] = _runner(model, layout, 6).prefiller.trunk_outputs([seq]).values()
             rel = float((trunk[seq.seq_id] - h).norm() / h.norm())
             assert rel < 0.1, (seq.prompt_len, rel)
 
@@ -130,7 +130,7 @@ def test_prompt_embedding_places_speaker_text_and_codes(tiny_ckpt):
     runner, embed = _runner(model, layout, 6), model.embed
     seqs = _sequences(model, SLOTS)
     with torch.inference_mode():
-        emb, syncs = host_syncs(lambda: runner._embed_prompts(seqs))
+        emb, syncs = host_syncs(lambda: runner.prefiller.embed_prompts(seqs))
         assert not syncs, syncs
         assert emb.shape == (sum(s.prompt_len for s in seqs), model.config.gpt.hidden_size)
         start = 0
@@ -142,7 +142,7 @@ def test_prompt_embedding_places_speaker_text_and_codes(tiny_ckpt):
                 assert torch.equal(rows[i], want), (seq.prompt_len, i)
             if inp.prompt_codes is not None:
                 assert torch.equal(rows[len(inp.ids) :], embed.embed_codes(inp.prompt_codes))
-            assert torch.equal(runner._embed_prompts([seq]), rows)  # alone: the same rows
+            assert torch.equal(runner.prefiller.embed_prompts([seq]), rows)  # alone: the same rows
             start += seq.prompt_len
 
 
@@ -151,23 +151,23 @@ def test_prefill_calls_hold_at_most_max_prefill_tokens(tiny_ckpt, monkeypatch):
     seqs = _sequences(model, SLOTS)
     lengths = [s.prompt_len for s in seqs]  # 14, 31, 20, 22, 3
     with torch.inference_mode():
-        whole = _runner(model, layout, 6)._prefill_trunk(seqs)
+        whole = _runner(model, layout, 6).prefiller.trunk_outputs(seqs)
     calls: list[list[int]] = []
 
     def counting(gpt, emb, cache, slots, lens, pad_rows_to=1):
         calls.append(list(lens))
         return prefill_prompts(gpt, emb, cache, slots, lens, pad_rows_to)
 
-    monkeypatch.setattr(runner_module, "prefill_prompts", counting)
+    monkeypatch.setattr(prefill_runner_module, "prefill_prompts", counting)
     runner = _runner(model, layout, 6, max_prefill_tokens=45)
     with torch.inference_mode():
-        chunked, syncs = host_syncs(lambda: runner._prefill_trunk(seqs))
+        chunked, syncs = host_syncs(lambda: runner.prefiller.trunk_outputs(seqs))
     assert calls == [lengths[:2], lengths[2:]] and all(sum(c) <= 45 for c in calls)
     assert not syncs, syncs  # the trunk call reads nothing back either
     assert all(torch.equal(whole[s.seq_id], chunked[s.seq_id]) for s in seqs)
     calls.clear()
     with torch.inference_mode():  # a prompt longer than the budget still goes, alone and whole
-        _runner(model, layout, 6, max_prefill_tokens=10)._prefill_trunk(seqs[:2])
+        _runner(model, layout, 6, max_prefill_tokens=10).prefiller.trunk_outputs(seqs[:2])
     assert calls == [[14], [31]]
     with pytest.raises(ValueError, match="max_prefill_tokens must be >= 1"):
         _runner(model, layout, 6, max_prefill_tokens=0)
@@ -193,7 +193,7 @@ def test_engine_requests_admitted_together_equal_each_alone(tiny_engine, monkeyp
         calls.append(len(lens))
         return prefill_prompts(gpt, emb, cache, slots, lens, pad_rows_to)
 
-    monkeypatch.setattr(runner_module, "prefill_prompts", counting)
+    monkeypatch.setattr(prefill_runner_module, "prefill_prompts", counting)
     together = tiny_engine.synthesize(texts, params)
     assert calls[0] == len(texts), calls  # one call for the four prompts
     for text, p, got in zip(texts, params, together, strict=True):

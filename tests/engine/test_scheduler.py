@@ -84,9 +84,11 @@ class Driver:
     def answer(self, out: SchedulerOutput, tokens: dict[int, tuple[int, ...]] | None = None) -> RunnerOutput:
         tokens = tokens or {}
         every = (*out.prefill, *out.decode)
+        code = [s for s in every if s.kind == "code"]
         return RunnerOutput(
             {s.seq_id: tokens.get(s.seq_id, normal_token(s)) for s in every},
-            {s.seq_id: f"h{s.seq_id}" for s in every if s.kind == "code"},
+            [f"h{s.seq_id}" for s in code],  # stands in for the step's hidden-state tensor
+            {s.seq_id: row for row, s in enumerate(code)},
         )
 
     def step(self, tokens: dict[int, tuple[int, ...]] | None = None) -> tuple[SchedulerOutput, list[StepOutput]]:
@@ -315,7 +317,7 @@ def test_prefill_then_decode_next_step():
     out, outs = d.step()
     assert ids(out.prefill) == [a.seq_id] and out.decode == []
     assert [o.token for o in outs] == [CODE] and a.tokens == [CODE]
-    assert outs[0].hidden == f"h{a.seq_id}"
+    assert d.answer(out).hidden[outs[0].hidden_row] == f"h{a.seq_id}"
     b = seq("b")
     sched.add(b)
     out, _ = d.step()
@@ -351,7 +353,7 @@ def test_text_eos_stops():
     sched.add(t)
     d.step()
     _, [o] = d.step({t.seq_id: (TEXT_EOS,)})
-    assert o.finished and o.token is None and o.hidden is None
+    assert o.finished and o.token is None and o.hidden_row is None
     assert t.status == SequenceStatus.FINISHED_STOPPED and t.tokens == [(7,)]
 
 

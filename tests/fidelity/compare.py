@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -80,9 +81,11 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
     captured: list = []
     update = engine.core.pipeline.update
 
-    def recording_update(outputs):
-        captured.extend(outputs)
-        return update(outputs)
+    def recording_update(outputs, hidden=None):
+        for o in outputs:  # each output with its own hidden state (the step's tensor is shared)
+            h = hidden[o.hidden_row].clone() if o.hidden_row is not None else None
+            captured.append(SimpleNamespace(seq=o.seq, token=o.token, hidden=h))
+        return update(outputs, hidden)
 
     engine.core.pipeline.update = recording_update
     report = {"cases": 0, "steps_compared": 0, "long_cases": 0, "eos_cases": 0, "max_abs": {}}

@@ -44,9 +44,23 @@ class Window:
 class AudioStream:
     """Collects one utterance's steps (hidden states or codes) and plans its windows."""
 
-    def __init__(self, policy: StreamPolicy, hidden_size: int, max_steps: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        policy: StreamPolicy,
+        hidden_size: int,
+        max_steps: int,
+        device: torch.device,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
+        """``hidden``: the ``[max_steps, hidden_size]`` fp32 buffer to keep the steps in (the engine's
+        shared ``engine.hidden_store`` row, which the engine writes itself); None: a buffer of its own."""
         self.policy = policy
-        self.hidden = torch.empty(max_steps, hidden_size, dtype=torch.float32, device=device)
+        if hidden is None:
+            hidden = torch.empty(max_steps, hidden_size, dtype=torch.float32, device=device)
+        elif hidden.shape != (max_steps, hidden_size) or hidden.dtype != torch.float32:
+            want = f"({max_steps}, {hidden_size}) fp32"
+            raise ValueError(f"hidden buffer {tuple(hidden.shape)} {hidden.dtype}: want {want}")
+        self.hidden = hidden
         self.codes: list[tuple[int, ...]] = []
         self.num_steps = 0
         self.emitted_steps = 0  # steps whose samples have been emitted
@@ -55,10 +69,17 @@ class AudioStream:
         self.next_chunk = policy.first_chunk
         self._tail: np.ndarray | None = None  # decoded overlap past the last chunk, to crossfade
 
-    def push(self, code: tuple[int, ...], hidden: torch.Tensor) -> None:
-        self.hidden[self.num_steps] = hidden
+    def push(self, code: tuple[int, ...], hidden: torch.Tensor | None = None) -> int:
+        """Add one step; returns its index. ``hidden`` None: the caller writes ``self.hidden[index]``
+        (the engine writes a whole step's streams at once, ``engine.hidden_store``)."""
+        step = self.num_steps
+        if step >= self.hidden.shape[0]:
+            raise ValueError(f"stream is full: {step} steps")
+        if hidden is not None:
+            self.hidden[step] = hidden
         self.codes.append(code)
         self.num_steps += 1
+        return step
 
     def finish(self) -> None:
         self.finished = True

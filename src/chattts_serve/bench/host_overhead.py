@@ -22,7 +22,8 @@ timer's cost per op is calibrated on a trivial op. ``ops_per_step`` is exact.
 
 ``--before FILE``: also time an older ``runner.py`` (``git show main:src/chattts_serve/engine/runner.py
 > /tmp/runner_main.py``) loaded side by side inside this package, with the same stub (its sampler calls
-take the device path too). On a shared CPU the figures are noisy: compare ratios from one run.
+take the device path too), the two runners' steps interleaved (``measure``). On a shared CPU the figures
+are noisy: compare ratios from one run.
 """
 
 from __future__ import annotations
@@ -138,8 +139,11 @@ def _load_runner_class(path: str | None):
     return module.ModelRunner
 
 
-def measure(model: Any, layout: Any, eos_id: int, runner_cls, n: int, steps: int, costs) -> dict[str, float]:
-    """One runner at ``n`` sequences: medians over ``steps`` decode steps (see the module docstring)."""
+def measure(model: Any, layout: Any, eos_id: int, runner_classes: dict, n: int, steps: int, costs) -> dict:
+    """Each runner at ``n`` sequences: medians over ``steps`` decode steps (see the module docstring).
+    The runners' steps interleave, first one then the other and the order swapped every step, so
+    the state of the process (the heap after the other runner's frees, caches, the machine's load)
+    weighs on both alike."""
     import torch
 
     from ..engine.config import RunnerConfig
@@ -147,30 +151,38 @@ def measure(model: Any, layout: Any, eos_id: int, runner_cls, n: int, steps: int
 
     launch, timer_cost = costs
     config = RunnerConfig(decode="static", sampling_noise="counter", cuda_graphs=False)
-    runner = runner_cls(model, layout, n, 256, eos_id, config)
-    runner.sync_free = True
-    runner.static = _StubTrunk(torch.randn(n, model.gpt.norm.weight.shape[0]))
-    seqs = _sequences(runner, n, seed=n)
-    out = runner.execute(SchedulerOutput(prefill=seqs))
-    rows = []
+    state = {}
+    for name, cls in runner_classes.items():
+        runner = cls(model, layout, n, 256, eos_id, config)
+        runner.sync_free = True
+        runner.static = _StubTrunk(torch.randn(n, model.gpt.norm.weight.shape[0]))
+        seqs = _sequences(runner, n, seed=n)
+        state[name] = (runner, seqs, runner.execute(SchedulerOutput(prefill=seqs)), [])
+    names = list(state)
     for i in range(steps + 1):  # the first: warm-up (and the step that builds the index tensors)
-        for s in seqs:
-            s.tokens.append(out.tokens[s.seq_id])
-        timer = _TimedOps()
-        t0 = _clock()
-        with timer:
-            out = runner.execute(SchedulerOutput(decode=seqs))
-        wall = _clock() - t0
-        python = max(wall - timer.inside - timer.ops * timer_cost, 0.0)
-        if i:
-            rows.append((wall, python, timer.ops, python + timer.ops * launch))
-    wall, python, ops, host = (statistics.median(col) for col in zip(*rows, strict=True))
-    return {
-        "step_ms": round(wall * 1e3, 3),
-        "ops_per_step": int(ops),
-        "python_us_per_seq": round(python * 1e6 / n, 2),
-        "host_us_per_seq": round(host * 1e6 / n, 2),
-    }
+        for name in names if i % 2 else names[::-1]:
+            runner, seqs, out, rows = state[name]
+            for s in seqs:
+                s.tokens.append(out.tokens[s.seq_id])
+            timer = _TimedOps()
+            t0 = _clock()
+            with timer:
+                out = runner.execute(SchedulerOutput(decode=seqs))
+            wall = _clock() - t0
+            state[name] = (runner, seqs, out, rows)
+            python = max(wall - timer.inside - timer.ops * timer_cost, 0.0)
+            if i:
+                rows.append((wall, python, timer.ops, python + timer.ops * launch))
+    result = {}
+    for name in names:
+        wall, python, ops, host = (statistics.median(col) for col in zip(*state[name][3], strict=True))
+        result[name] = {
+            "step_ms": round(wall * 1e3, 3),
+            "ops_per_step": int(ops),
+            "python_us_per_seq": round(python * 1e6 / n, 2),
+            "host_us_per_seq": round(host * 1e6 / n, 2),
+        }
+    return result
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,9 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = checkpoint.load(path, device="cpu", dtype=torch.float32)
         eos_id = Tokenizer(model.root / checkpoint.TOKENIZER_DIR).eos_id
         layout = prepare_model(model, parse_precision("fp32"), n)
-        out["sizes"][n] = {
-            name: measure(model, layout, eos_id, cls, n, args.steps, costs) for name, cls in runners.items()
-        }
+        out["sizes"][n] = measure(model, layout, eos_id, runners, n, args.steps, costs)
     return out
 
 

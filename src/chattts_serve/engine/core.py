@@ -67,7 +67,9 @@ class EngineCore:
         )
         self.device = self.runner.device
         self.inputs = InputProcessor(tokenizer, gpt.hidden_size, gpt.num_vq, config.max_audio_seconds)
-        self.pipeline = RequestPipeline(tokenizer, gpt.hidden_size, gpt.num_vq, sc.max_model_len, self.device)
+        self.pipeline = RequestPipeline(
+            tokenizer, gpt.hidden_size, gpt.num_vq, sc.max_model_len, self.device, sc.max_num_seqs
+        )
         self.audio_dtype = resolve_audio_dtype(config.audio_dtype, self.device.type)
         if self.audio_dtype == "bf16" and self.device.type == "cpu" and not probe().bf16:
             logger.warning("audio_dtype bf16 on a CPU without AVX-512 BF16 or AMX: emulated, slower than fp32")
@@ -149,11 +151,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.runner.release(sched.finished)
-        updates = self._execute(sched)
+        updates, hidden = self._execute(sched)
         # The audio submitted at earlier steps ran beside this step's GPT work; wait for it only when
         # there is no GPT work left to overlap (otherwise take what is done and poll again next step).
         self._accept_audio(self.audio.collect(wait=sched.is_empty))
-        self._queue(self.pipeline.update(updates))
+        self._queue(self.pipeline.update(updates, hidden))
         self._decode_audio()
         self._make_voice_samples()
         outputs = self.pipeline.outputs()
@@ -161,17 +163,18 @@ class EngineCore:
             self.scheduler.abort(request_id)
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> list[StepOutput]:
+    def _execute(self, sched: SchedulerOutput) -> tuple[list[StepOutput], torch.Tensor | None]:
+        """The step's outputs, and the code sequences' hidden states they index (``StepOutput.hidden_row``)."""
         if sched.is_empty:
-            return []
+            return [], None
         try:
             result = self.runner.execute(sched)
         except Exception as exc:  # a device error fails this step's requests, never the engine
             logger.exception("model step failed")
             for seq in (*sched.prefill, *sched.decode):
                 self._fail(seq.request_id, f"model step failed: {exc}")
-            return []
-        return self.scheduler.update(sched, result)
+            return [], None
+        return self.scheduler.update(sched, result), result.hidden
 
     def _queue(self, seqs: list[Sequence]) -> None:
         """Queue the passes that follow accepted requests (never refused for a full queue)."""

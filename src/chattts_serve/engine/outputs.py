@@ -46,8 +46,16 @@ class SchedulerOutput:
 class RunnerOutput:
     tokens: dict[int, tuple[int, ...]]
     """seq_id -> the sampled token (4 codes, or 1 text id)."""
-    hidden: dict[int, Any] = field(default_factory=dict)
-    """seq_id -> the hidden state ([hidden], on the device) that predicted the token (code sequences)."""
+    hidden: Any = None
+    """``[rows, hidden]`` on the device: the hidden states that predicted the code sequences' tokens,
+    one tensor for the step (not one per sequence); None when no code sequence ran."""
+    hidden_rows: dict[int, int] = field(default_factory=dict)
+    """seq_id -> its row of ``hidden`` (code sequences)."""
+
+    def hidden_of(self, seq_id: int) -> Any:
+        """One sequence's hidden state ``[hidden]`` (a view), or None."""
+        row = self.hidden_rows.get(seq_id)
+        return None if row is None else self.hidden[row]
 
 
 @dataclass(slots=True)
@@ -55,7 +63,8 @@ class StepOutput:
     seq: Sequence
     token: tuple[int, ...] | None
     """The kept token of this step; None when the step ended the sequence (EOS) or restarted it."""
-    hidden: Any = None
+    hidden_row: int | None = None
+    """The row of the step's ``RunnerOutput.hidden`` that predicted ``token`` (code sequences)."""
     finished: bool = False
     restarted: bool = False
     """The first step was EOS and the sequence goes back to the queue for new draws."""

@@ -25,6 +25,7 @@ from ..audio.stream import AudioStream, Window
 from ..model.config import AUDIO_EOS
 from ..model.speaker import encode_prompt_codes, normalized_speaker_embedding
 from ..model.tokenizer import Tokenizer, code_prompt, refine_prompt
+from .hidden_store import HiddenStore
 from .input_processor import PreparedRequest
 from .outputs import RequestOutput, SegmentResult, SegmentSpan, StepOutput
 from .request import FinishReason, Sequence, SequenceStatus
@@ -41,6 +42,8 @@ class _Segment:
     text: str
     refined_text: str | None = None
     stream: AudioStream | None = None
+    hidden_row: tuple[int, int] | None = None
+    """The stream's row of the pipeline's ``HiddenStore`` while it needs its hidden states."""
     pcm: list[np.ndarray] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     code_queued: bool = False
@@ -84,11 +87,15 @@ class _Request:
 
 
 class RequestPipeline:
-    def __init__(self, tokenizer: Tokenizer, hidden_size: int, num_vq: int, max_model_len: int, device) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, hidden_size: int, num_vq: int, max_model_len: int, device, num_slots: int = 16
+    ) -> None:
+        """``num_slots``: the engine's KV slots (the hidden-state store's first block holds as many streams)."""
         self.tokenizer = tokenizer
         self.hidden_size, self.num_vq = hidden_size, num_vq
         self.max_model_len = max_model_len
         self.device = device
+        self.hidden_store = HiddenStore(hidden_size, max_model_len, device, first_rows=num_slots)
         self.requests: dict[str, _Request] = {}
         self._by_seq: dict[int, tuple[_Request, _Segment]] = {}
         self._failed: list[str] = []
@@ -134,6 +141,14 @@ class RequestPipeline:
         if req is not None:
             for seq_id in [k for k, (r, _) in self._by_seq.items() if r is req]:
                 del self._by_seq[seq_id]
+            for seg in req.live_segments():
+                self._close_stream(seg)
+
+    def _close_stream(self, seg: _Segment) -> None:
+        """Give the segment's hidden-state row back (its stream decodes nothing more from it)."""
+        if seg.hidden_row is not None:
+            self.hidden_store.release(seg.hidden_row)
+            seg.hidden_row = None
 
     def end(self, request_id: str, status: FinishReason, error: str | None = None) -> bool:
         """End a request early ("aborted" or "error"); its final output follows. False if not running."""
@@ -211,9 +226,17 @@ class RequestPipeline:
 
     # ------------------------------------------------------------------ one step's results
 
-    def update(self, outputs: list[StepOutput]) -> list[Sequence]:
+    def update(self, outputs: list[StepOutput], hidden: torch.Tensor | None = None) -> list[Sequence]:
         """Apply the step's tokens; returns the sequences that follow (the code pass after a refine).
-        An error while applying one request's token ends that request only (see ``take_failed``)."""
+        ``hidden``: the step's ``RunnerOutput.hidden`` (``StepOutput.hidden_row`` indexes it), written
+        into the streams' rows at once. An error while applying one request's token ends that request
+        only (see ``take_failed``)."""
+        try:
+            return self._update(outputs)
+        finally:
+            self.hidden_store.write(hidden)
+
+    def _update(self, outputs: list[StepOutput]) -> list[Sequence]:
         follow: list[Sequence] = []
         for out in outputs:
             entry = self._by_seq.get(out.seq.seq_id)
@@ -233,9 +256,13 @@ class RequestPipeline:
             if seg.stream is None or out.restarted:
                 # The voice step's audio is decoded once, whole, as the reference decodes it.
                 policy = StreamPolicy.one_shot() if seg is req.voice else req.policy
-                seg.stream = AudioStream(policy, self.hidden_size, seq.max_new_tokens, self.device)
+                self._close_stream(seg)
+                seg.hidden_row, buffer = self.hidden_store.acquire(seq.max_new_tokens)
+                seg.stream = AudioStream(policy, self.hidden_size, seq.max_new_tokens, self.device, buffer)
             if out.token is not None:
-                seg.stream.push(out.token, out.hidden)
+                if out.hidden_row is None:
+                    raise RuntimeError(f"code sequence {seq.seq_id}: a token without its hidden state")
+                self.hidden_store.stage(seg.hidden_row, seg.stream.push(out.token), out.hidden_row)
                 req.num_steps += seg is not req.voice
             if out.finished:
                 seg.stream.finish()
@@ -298,6 +325,7 @@ class RequestPipeline:
             req.voice_sample = encode_prompt_codes(codes)
         else:
             logger.info("request %s: the first sentence gave too little audio for a voice sample", request_id)
+        self._close_stream(req.voice)
         req.voice = None
         return self._code_passes(req)
 
@@ -331,6 +359,7 @@ class RequestPipeline:
             req.samples_out += sum(len(p) for p in seg.pcm)
             seg.pcm = []
             if seg.stream is not None and seg.stream.done:
+                self._close_stream(seg)
                 start = req.spans[-1].end if req.spans else 0
                 req.spans.append(SegmentSpan(seg.index, self._caption(seg.text), start, req.samples_out))
                 req.emit_index += 1

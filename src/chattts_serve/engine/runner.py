@@ -1,13 +1,8 @@
 """The model runner: turns a ``SchedulerOutput`` into device work and a ``RunnerOutput``.
 
-Prefill: each newly admitted sequence's prompt goes into its own slot. Torch modes: the prompts admitted
-in a step go through the trunk together, packed one after another (``model.prefill``: the projections
-on all their tokens at once, attention prompt by prompt), in calls of at most ``max_prefill_tokens`` tokens;
-a prompt's result is the one it gets alone wherever the layout keeps matmul rows independent (every
-mode but int8-dynamic; see ``model.prepare``). ``ort-*`` modes: the prompts of sequences in consecutive
-slots go in one ONNX Runtime call, right-padded to the longest (``query_seqlens`` tells the op each row's
-length). Either way a burst of 32 admissions is one call, not 32, each of which would stream all the
-weights once.
+Prefill: each newly admitted sequence's prompt goes into its own slot, all of a step's prompts in as
+few trunk calls as the mode allows, and their first logits from one heads call per kind where rows
+are independent (``engine.prefill_runner``).
 
 Decode: all running sequences, text and code mixed, in one trunk call; heads and sampling per kind,
 batched. Sampling state lives on the device per KV slot (``engine.slot_state``): admission writes it,
@@ -15,14 +10,14 @@ a step gathers it by slot index and writes its tokens back, so host work and lau
 with the batch (except the ``generator`` noise source's one draw per unseeded sequence, and the CPU
 row-by-row attention). A step moves data between host and device at most twice: one staging copy in
 (admissions and index tensors, none while the running set is unchanged) and one copy out (the sampled
-tokens), which is the step's only wait on the device. Noise: ``engine.noise`` (which source is
+tokens), which is the step's only wait on the device. The code sequences' hidden states leave as one
+tensor (``RunnerOutput.hidden``), never one per sequence. Noise: ``engine.noise`` (which source is
 reference-identical).
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -31,40 +26,18 @@ import torch
 from ..model.checkpoint import LoadedModel
 from ..model.config import AUDIO_EOS
 from ..model.gpt import KVCache
-from ..model.prefill import prefill_prompts
 from ..model.prepare import ModelLayout
 from .config import RunnerConfig
 from .cuda_graph import StaticDecoder
 from .noise import CounterNoise, GeneratorNoise, resolve_noise, seed_value
 from .outputs import RunnerOutput, SchedulerOutput
+from .prefill_runner import KindPrefill, Prefiller, SeqInputs, StepSampling
 from .request import Sequence
 from .sampler import PENALTY_WINDOW, batched_probs, sample_with_noise
 from .slot_state import Admission, HostStaging, SlotState, TokenReadback
 from .step_plan import KindRows, StepPlan, bind, build_plan
 
-
-@dataclass(frozen=True, slots=True)
-class StepSampling:
-    """How one sequence samples (its length limits are the ``Sequence``'s own)."""
-
-    temperature: tuple[float, ...]  # 1 value (text) or one per codebook (code)
-    top_p: float
-    top_k: int
-    repetition_penalty: float
-    seed: int | None
-    """Generator noise: re-seed before every step; counter noise: the hash's seed (None: one drawn
-    from the global RNG at admission). See ``engine.noise``."""
-
-
-@dataclass(slots=True)
-class SeqInputs:
-    """``Sequence.payload``: what the runner needs to prefill a sequence."""
-
-    ids: list[int]  # prompt token ids
-    sampling: StepSampling
-    speaker: torch.Tensor | None = None  # [hidden] normalized; replaces the [spk_emb] position
-    speaker_token_id: int | None = None
-    prompt_codes: torch.Tensor | None = None  # [T_s, 4] voice-sample codes after the text
+__all__ = ["ModelRunner", "SeqInputs", "StepSampling", "auto_num_slots"]
 
 
 class StageTimer(Protocol):
@@ -120,9 +93,6 @@ class ModelRunner:
         """``model`` as ``model.prepare.prepare_model`` left it (``layout``); the runner never changes it.
         ``max_prefill_tokens``: prompt tokens per torch prefill call (``SchedulerConfig``'s budget per
         step; a longer prompt still goes alone, whole)."""
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens!r}")
-        self.max_prefill_tokens = max_prefill_tokens
         self.model = model
         self.config = config or RunnerConfig()
         self.device = model.embed.emb_text.weight.device
@@ -147,6 +117,7 @@ class ModelRunner:
         # (bit-exact with chattts). More slots: packed weights or padded rows (see model.prepare).
         self.pad_rows_to = layout.pad_rows_to
         self.packed = layout.packed
+        self.prefiller = Prefiller(model, self.cache, self.trunk, self.pad_rows_to, max_prefill_tokens)
         self.states: dict[int, int] = {}
         """seq_id -> slot of every sequence with sampling state (registered at prefill)."""
         self._owner: list[int | None] = [None] * num_slots
@@ -165,7 +136,6 @@ class ModelRunner:
         device path."""
         self.stage_timer: StageTimer | None = None
         """Set to time the prefill / decode / sampling stages of every step (profiling)."""
-        self._pin = self.device.type == "cuda"
         self.static: StaticDecoder | None = None
         if self.decode_mode == "static":
             cfg = self.config
@@ -183,12 +153,6 @@ class ModelRunner:
         k = self.cache.k  # [layers, slots, kv_heads, positions, head_dim]
         return 2 * k.shape[0] * k.shape[2] * k.shape[4] * k.element_size()
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Host -> device; on CUDA through pinned memory without blocking the host."""
-        if self._pin:
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
-
     # ------------------------------------------------------------------ one step
 
     def release(self, finished: list[Sequence]) -> None:
@@ -203,19 +167,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         logits: dict[str, list[torch.Tensor]] = {"code": [], "text": []}
-        hidden: dict[int, torch.Tensor] = {}
+        code_hidden: list[torch.Tensor] = []  # in the code kind's sampling order: prefills, then decodes
         admissions: list[Admission] = []
         if sched.prefill:
             with self._stage("prefill"):
-                if self.trunk is not None:
-                    trunk_out = self._prefill_onnx(sched.prefill)
-                else:
-                    trunk_out = self._prefill_trunk(sched.prefill)
-                for seq in sched.prefill:
-                    h, lg = self._prefill(seq, trunk_out[seq.seq_id], admissions)
-                    logits[seq.kind].append(lg)
-                    if seq.kind == "code":
-                        hidden[seq.seq_id] = h
+                pre: dict[str, KindPrefill] = self.prefiller.run(sched.prefill)
+                for kind, p in pre.items():
+                    logits[kind].append(p.logits)
+                if "code" in pre:
+                    code_hidden.append(pre["code"].last)
+                admissions = [self._admission(seq) for seq in sched.prefill]
         plan = self._step_plan(sched, admissions)
         if sched.decode:
             with self._stage("decode"):
@@ -224,33 +185,27 @@ class ModelRunner:
                     if k.n_decode:
                         logits[k.kind].append(self._heads(k.kind, h_dec, k.dec_pos, k.n_decode))
                         if k.kind == "code":
-                            hidden.update(zip(k.decode_ids, h_dec.index_select(0, k.dec_pos).unbind(0), strict=True))
+                            code_hidden.append(h_dec.index_select(0, k.dec_pos))
         with self._stage("sampling"):
             sampled = [self._sample(k, torch.cat(logits[k.kind])) for k in plan.kinds]
             flat = self._readback.read(torch.cat(sampled) if len(sampled) > 1 else sampled[0])
             # ^ the step's one device-to-host copy and its one wait
         tokens: dict[int, tuple[int, ...]] = {}
+        hidden_rows: dict[int, int] = {}
         pos = 0
         for k in plan.kinds:
             n = len(k.seqs) * k.rows
             tokens.update(zip(k.ids, map(tuple, flat[pos : pos + n].reshape(-1, k.rows).tolist()), strict=True))
             pos += n
-        return RunnerOutput(tokens, hidden)
+            if k.kind == "code":
+                hidden_rows = {seq_id: row for row, seq_id in enumerate(k.ids)}
+        hidden = (torch.cat(code_hidden) if len(code_hidden) > 1 else code_hidden[0]) if code_hidden else None
+        return RunnerOutput(tokens, hidden, hidden_rows)
 
     # ------------------------------------------------------------------ pieces
 
     def _stage(self, name: str) -> AbstractContextManager:
         return self.stage_timer.stage(name) if self.stage_timer is not None else nullcontext()
-
-    def _prefill(
-        self, seq: Sequence, h: torch.Tensor, admissions: list[Admission]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Finish one sequence's prefill from its trunk output ``h`` ``[prompt_len, hidden]``: returns its
-        last hidden state and first logits, and stages its sampling state."""
-        embed = self.model.embed
-        logits = embed.code_logits(h)[-self.num_vq :] if seq.kind == "code" else embed.text_logits(h)[-1:]
-        admissions.append(self._admission(seq))
-        return h[-1], logits
 
     def _admission(self, seq: Sequence) -> Admission:
         """The sequence's sampling row; the generator source also gets its generator now."""
@@ -290,80 +245,6 @@ class ModelRunner:
             self.slot_state.admit(st, off, len(admissions))
         self._plan = plan
         return plan
-
-    def _prefill_onnx(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
-        """Trunk outputs ``[prompt_len, hidden]`` of every sequence in ``seqs``: one ORT call per run of
-        consecutive slots, rows right-padded to the run's longest prompt (padding is zeros: it never
-        enters a row's keys, and int8's per-call activation scale does not see it)."""
-        out: dict[int, torch.Tensor] = {}
-        by_slot = sorted(seqs, key=lambda s: s.slot)
-        runs: list[list[Sequence]] = []
-        for seq in by_slot:
-            if runs and seq.slot == runs[-1][-1].slot + 1:
-                runs[-1].append(seq)
-            else:
-                runs.append([seq])
-        for run in runs:
-            lens = np.array([s.prompt_len for s in run], dtype=np.int32)
-            x = torch.zeros(len(run), int(lens.max()), self.model.embed.emb_text.weight.shape[1], device=self.device)
-            for b, seq in enumerate(run):
-                x[b, : seq.prompt_len] = self._embed_prompts([seq])
-            h = self.trunk.run(x, self.cache, run[0].slot, lens - 1, lens)
-            out.update((seq.seq_id, h[b, : seq.prompt_len]) for b, seq in enumerate(run))
-        return out
-
-    def _prefill_trunk(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
-        """Trunk outputs ``[prompt_len, hidden]`` (all positions through the final norm, as the reference
-        computes them before taking the last) of every sequence in ``seqs``, prompts packed into calls of
-        at most ``max_prefill_tokens`` tokens."""
-        out: dict[int, torch.Tensor] = {}
-        for chunk in self._prefill_chunks(seqs):
-            lengths = [s.prompt_len for s in chunk]
-            emb = self._embed_prompts(chunk).to(self.dtype)
-            slots = [s.slot for s in chunk]
-            h = prefill_prompts(self.model.gpt, emb, self.cache, slots, lengths, self.pad_rows_to).float()
-            out.update(zip((s.seq_id for s in chunk), h.split(lengths), strict=True))
-        return out
-
-    def _prefill_chunks(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        """``seqs`` in admission order, cut into runs of at most ``max_prefill_tokens`` prompt tokens."""
-        chunks: list[list[Sequence]] = []
-        tokens = 0
-        for seq in seqs:
-            if not chunks or tokens + seq.prompt_len > self.max_prefill_tokens:
-                chunks.append([])
-                tokens = 0
-            chunks[-1].append(seq)
-            tokens += seq.prompt_len
-        return chunks
-
-    def _embed_prompts(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The input embeddings ``[sum of prompt_len, hidden]`` of the prompts of ``seqs``, one after
-        another (text, speaker, voice-sample codes): built on the host, one lookup for all, and no
-        device value read back."""
-        total = sum(s.prompt_len for s in seqs)
-        ids = torch.zeros(total, self.num_vq, dtype=torch.long)
-        text_mask = torch.zeros(total, dtype=torch.bool)
-        speaker_at: list[int] = []
-        speakers: list[torch.Tensor] = []
-        start = 0
-        for seq in seqs:
-            inp: SeqInputs = seq.payload
-            n_text = len(inp.ids)
-            ids[start : start + n_text] = torch.tensor(inp.ids, dtype=torch.long)[:, None]
-            if inp.prompt_codes is not None:
-                ids[start + n_text : start + seq.prompt_len] = inp.prompt_codes.to(torch.long)
-            text_mask[start : start + n_text] = True
-            if inp.speaker is not None:
-                # The [spk_emb] text positions take the speaker embedding instead of the token's.
-                at = [start + i for i, t in enumerate(inp.ids) if t == inp.speaker_token_id]
-                speaker_at += at
-                speakers += [inp.speaker] * len(at)
-            start += seq.prompt_len
-        emb = self.model.embed.embed_prompt(self._to_device(ids)[None], self._to_device(text_mask)[None])[0]
-        if speaker_at:
-            emb[self._to_device(torch.tensor(speaker_at))] = torch.stack(speakers).to(emb.device, emb.dtype)
-        return emb
 
     def _decode_trunk(self, seqs: list[Sequence], plan: StepPlan) -> torch.Tensor:
         """Embed every decoding slot's last token (kept on the device) and run the trunk step."""

@@ -162,7 +162,7 @@ class Scheduler:
             seq.tokens.append(token)
             if seq.num_generated >= seq.max_new_tokens:
                 seq.status = SequenceStatus.FINISHED_LENGTH
-            outputs.append(StepOutput(seq, token, result.hidden.get(seq.seq_id), finished=seq.status.is_finished))
+            outputs.append(StepOutput(seq, token, result.hidden_rows.get(seq.seq_id), seq.status.is_finished))
         for o in outputs:
             if o.finished and o.seq.slot is not None:
                 self._release(o.seq)

@@ -56,6 +56,11 @@ class Embed(nn.Module):
         self._packed_text = pack_weight(self.head_text)
         self._packed_code = [pack_weight(self.head_code[q]) for q in range(self.num_vq)]
 
+    @property
+    def heads_packed(self) -> bool:
+        """The heads run oneDNN-packed: a row's logits are the same bits whatever the other rows."""
+        return self._packed_code is not None
+
     def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, hidden] -> [B, num_text_tokens] in fp32."""
         return linear(hidden.float(), self.head_text, self._packed_text)
