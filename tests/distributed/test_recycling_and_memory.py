@@ -52,20 +52,20 @@ def test_rss_of_this_process_is_plausible():
 
 
 def test_kv_slots_fit_inside_the_fraction():
-    budget = MemoryBudget(total_bytes=80 * 2**30, fraction=0.25, weights_bytes=2 * 2**30, kv_bytes_per_slot=100 * MiB)
+    budget = MemoryBudget(total_bytes=80 * 2**30, fraction=0.25, weights_bytes=2 * 2**30, bytes_per_slot=100 * MiB)
     # 20 GiB share, 1 GiB of it for the CUDA context -> 19 GiB allocator cap, 25 % reserve -> 14.25 GiB,
     # minus 2 GiB of weights -> 12.25 GiB / 100 MiB = 125 slots
     assert budget.cap_bytes == 20 * 2**30 and budget.allocator_bytes == 19 * 2**30
     assert budget.num_slots(max_slots=1000) == 125
     assert budget.num_slots(max_slots=16) == 16  # never more than configured
-    tight = MemoryBudget(total_bytes=8 * 2**30, fraction=0.1, weights_bytes=2 * 2**30, kv_bytes_per_slot=MiB)
+    tight = MemoryBudget(total_bytes=8 * 2**30, fraction=0.1, weights_bytes=2 * 2**30, bytes_per_slot=MiB)
     with pytest.raises(ValueError, match="no room"):
         tight.num_slots(16)
     with pytest.raises(ValueError, match="max_memory_fraction"):
         MemoryBudget(8, 1.5, 1, 1)
     no_context = MemoryBudget(80 * 2**30, 0.25, 2 * 2**30, 100 * MiB, context_bytes=0)  # configurable
     assert no_context.num_slots(max_slots=1000) == 133
-    small = MemoryBudget(total_bytes=2 * 2**30, fraction=0.5, weights_bytes=0, kv_bytes_per_slot=MiB)
+    small = MemoryBudget(total_bytes=2 * 2**30, fraction=0.5, weights_bytes=0, bytes_per_slot=MiB)
     with pytest.raises(ValueError, match="MiB for the CUDA context"):  # the whole share is the context
         small.num_slots(16)
 
@@ -94,6 +94,7 @@ def test_budget_sizes_kv_slots_by_the_kv_cache_dtype(tiny_ckpt, monkeypatch):
 
     from chattts_serve.distributed.memory import budget_for
     from chattts_serve.engine.config import EngineConfig, RunnerConfig
+    from chattts_serve.engine.hidden_store import HiddenStore
     from chattts_serve.model import checkpoint
     from chattts_serve.model.gpt import KVCache
 
@@ -103,15 +104,11 @@ def test_budget_sizes_kv_slots_by_the_kv_cache_dtype(tiny_ckpt, monkeypatch):
     bf16_kv = EngineConfig.with_slots(4, runner=RunnerConfig(kv_cache_dtype="bf16"))
     dev = torch.device("cuda", 0)
     max_len = fp32.scheduler.max_model_len
-    assert budget_for(str(tiny_ckpt), fp32, dev, 0.5).kv_bytes_per_slot == KVCache.bytes_per_slot(
-        g, max_len, torch.float32
-    )
-    half = budget_for(str(tiny_ckpt), bf16_kv, dev, 0.5).kv_bytes_per_slot
-    assert (
-        half
-        == KVCache.bytes_per_slot(g, max_len, torch.bfloat16)
-        == budget_for(str(tiny_ckpt), fp32, dev, 0.5).kv_bytes_per_slot // 2
-    )
+    row = HiddenStore.bytes_per_row(g.hidden_size, max_len)  # the stream's hidden states: fp32 always
+    full = budget_for(str(tiny_ckpt), fp32, dev, 0.5).bytes_per_slot
+    assert full == KVCache.bytes_per_slot(g, max_len, torch.float32) + row
+    half = budget_for(str(tiny_ckpt), bf16_kv, dev, 0.5).bytes_per_slot
+    assert half == KVCache.bytes_per_slot(g, max_len, torch.bfloat16) + row == (full - row) // 2 + row
 
 
 def test_cap_device_memory_caps_the_allocator_below_the_share(tiny_ckpt, monkeypatch):

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from chattts_serve.engine.config import EngineConfig
-from chattts_serve.engine.runner import AUTO_SLOTS_FRACTION, MAX_AUTO_SLOTS, auto_num_slots, slots_that_fit
+from chattts_serve.engine.runner import AUTO_SLOTS_FRACTION, MAX_AUTO_SLOTS, auto_num_slots, slot_bytes, slots_that_fit
 from chattts_serve.engine.scheduler import SchedulerConfig
 from chattts_serve.model.config import ModelConfig
 from chattts_serve.model.gpt import KVCache
@@ -16,14 +16,16 @@ GiB = 1 << 30
 
 
 def test_an_h200_gets_the_512_slots_that_500_streams_need():
-    per_slot = KVCache.bytes_per_slot(ModelConfig().gpt, 2304, torch.bfloat16)
-    assert 72e9 < 512 * per_slot < 73e9  # the 72.5 GB for 512 slots in bf16
+    kv = KVCache.bytes_per_slot(ModelConfig().gpt, 2304, torch.bfloat16)
+    assert 72e9 < 512 * kv < 73e9  # the 72.5 GB for 512 slots in bf16
+    per_slot = slot_bytes(ModelConfig().gpt, 2304, torch.bfloat16)  # + the stream's hidden-state row
+    assert 3.5e9 < 512 * (per_slot - kv) < 3.7e9
     h200_free = 139 * GiB
     assert MAX_AUTO_SLOTS == 512
     assert slots_that_fit(h200_free, AUTO_SLOTS_FRACTION["cuda"], per_slot) == 512
     assert slots_that_fit(h200_free, AUTO_SLOTS_FRACTION["cuda"], per_slot) > 256  # the old cap
     # fp32 KV takes twice the bytes: what fits, below the cap.
-    fp32 = KVCache.bytes_per_slot(ModelConfig().gpt, 2304, torch.float32)
+    fp32 = slot_bytes(ModelConfig().gpt, 2304, torch.float32)
     assert 300 < slots_that_fit(h200_free, AUTO_SLOTS_FRACTION["cuda"], fp32) < 512
 
 
@@ -39,7 +41,7 @@ def test_auto_num_slots_on_a_cpu_uses_half_the_free_ram(tiny_ckpt, monkeypatch):
     from chattts_serve.model import checkpoint
 
     model = checkpoint.load(tiny_ckpt)
-    per_slot = KVCache.bytes_per_slot(model.config.gpt, 512, torch.float32)
+    per_slot = slot_bytes(model.config.gpt, 512, torch.float32)
     pages = {"SC_AVPHYS_PAGES": 40 * per_slot // 4096, "SC_PAGE_SIZE": 4096}
     monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
     assert auto_num_slots(model, 512, torch.device("cpu"), torch.float32) == 20

@@ -35,7 +35,9 @@ class MemoryBudget:
     """Share of it this process may allocate."""
     weights_bytes: int
     """The model's weights as loaded."""
-    kv_bytes_per_slot: int
+    bytes_per_slot: int
+    """What one KV slot costs on the device: keys, values and its stream's hidden-state row
+    (``engine.runner.slot_bytes``)."""
     context_bytes: int = CUDA_CONTEXT_RESERVE
     """Held outside torch's allocator (CUDA context, workspaces): taken off the allocator's cap."""
 
@@ -64,11 +66,11 @@ class MemoryBudget:
         """KV slots that fit in the allocator's cap once the weights and the reserve are set aside, at
         most ``max_slots``. Raises ValueError when not even one fits (the replica could not serve)."""
         free = self.allocator_bytes * (1 - reserve) - self.weights_bytes
-        fit = int(free // self.kv_bytes_per_slot) if free > 0 else 0
+        fit = int(free // self.bytes_per_slot) if free > 0 else 0
         if fit < 1:
             raise ValueError(
                 f"max_memory_fraction {self.fraction:g} of {self.total_bytes / 2**30:.1f} GiB leaves no room for "
-                f"one KV slot ({self.kv_bytes_per_slot / 2**20:.0f} MiB) after "
+                f"one slot ({self.bytes_per_slot / 2**20:.0f} MiB) after "
                 f"{self.weights_bytes / 2**20:.0f} MiB of weights and {self.context_bytes / 2**20:.0f} MiB for the "
                 "CUDA context"
             )
@@ -94,6 +96,7 @@ def budget_for(
     """The budget of ``fraction`` of ``device`` for the checkpoint at ``model``, read without loading it."""
     import torch
 
+    from ..engine.runner import slot_bytes
     from ..model import checkpoint
     from ..model.gpt import KVCache
     from ..model.quant import parse_precision
@@ -102,7 +105,7 @@ def budget_for(
     dims = checkpoint.read_config(root)
     # The runner's own rule: the cache holds kv_cache_dtype (bf16 halves it), not always the trunk's.
     dtype = KVCache.dtype_for(config.runner.kv_cache_dtype, parse_precision(config.precision).trunk_dtype)
-    per_slot = KVCache.bytes_per_slot(dims.gpt, config.scheduler.max_model_len, dtype)
+    per_slot = slot_bytes(dims.gpt, config.scheduler.max_model_len, dtype)
     total = torch.cuda.get_device_properties(device).total_memory
     return MemoryBudget(total, fraction, weights_bytes(root, config.precision), per_slot, context_reserve)
 

@@ -35,6 +35,12 @@ class HiddenStore:
         self._staging: HostStaging | None = None
         self._pending: list[tuple[int, int, int]] = []  # this step's (block, flat destination, source row)
 
+    @staticmethod
+    def bytes_per_row(hidden_size: int, max_steps: int) -> int:
+        """One stream's row (fp32 hidden states of up to ``max_steps`` steps): part of what a KV slot
+        costs, since the first block has a row per slot (``runner.slot_bytes``)."""
+        return max_steps * hidden_size * 4
+
     @property
     def rows(self) -> int:
         return sum(b.shape[0] for b in self.blocks)

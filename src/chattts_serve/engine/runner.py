@@ -24,11 +24,12 @@ import numpy as np
 import torch
 
 from ..model.checkpoint import LoadedModel
-from ..model.config import AUDIO_EOS
+from ..model.config import AUDIO_EOS, GPTConfig
 from ..model.gpt import KVCache
 from ..model.prepare import ModelLayout
 from .config import RunnerConfig
 from .cuda_graph import StaticDecoder
+from .hidden_store import HiddenStore
 from .noise import CounterNoise, GeneratorNoise, resolve_noise, seed_value
 from .outputs import RunnerOutput, SchedulerOutput
 from .prefill_runner import KindPrefill, Prefiller, SeqInputs, StepSampling
@@ -71,7 +72,13 @@ def auto_num_slots(
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if fraction is None:
         fraction = AUTO_SLOTS_FRACTION.get(device.type, 0.5)
-    return slots_that_fit(free, fraction, KVCache.bytes_per_slot(model.config.gpt, max_len, dtype))
+    return slots_that_fit(free, fraction, slot_bytes(model.config.gpt, max_len, dtype))
+
+
+def slot_bytes(cfg: GPTConfig, max_len: int, kv_dtype: torch.dtype) -> int:
+    """Device bytes one sequence slot holds: its keys and values (``KVCache.bytes_per_slot``) and its
+    audio stream's row of hidden states (``HiddenStore.bytes_per_row``; the first block has one per slot)."""
+    return KVCache.bytes_per_slot(cfg, max_len, kv_dtype) + HiddenStore.bytes_per_row(cfg.hidden_size, max_len)
 
 
 def slots_that_fit(free_bytes: int, fraction: float, bytes_per_slot: int) -> int:
