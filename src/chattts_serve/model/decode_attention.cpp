@@ -3,9 +3,9 @@
 // Keys and values are read once, as bf16, straight from each row's slot of the layer's cache
 // [slots, kv_heads, positions, head_dim]; dots, softmax and the weighted sum run in fp32. The work is
 // split flash-decoding style into (row, kv head, chunk of kChunk positions) items, each one pass over
-// its keys and one over its values with a softmax local to the chunk; the chunks of a row and head are
-// then combined in order. The chunk size is a constant, so a row's result never depends on the number
-// of threads or on which other rows run in the same step (the engine's batch invariance).
+// its keys and values together with an online softmax local to the chunk; the chunks of a row and head
+// are then combined in order. The chunk size is a constant, so a row's result never depends on the
+// number of threads or on which other rows run in the same step (the engine's batch invariance).
 //
 // Built at first use by torch.utils.cpp_extension with AVX-512 flags; only loaded on CPUs that have it.
 
@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -27,7 +28,8 @@
 
 namespace {
 
-constexpr int64_t kChunk = 256;  // positions per work item (128 KB of keys and values at head_dim 64)
+constexpr int64_t kChunk = 256;  // positions per work item (64 KB of keys and values at head_dim 64)
+constexpr int64_t kBlock = 4;    // items a thread takes at once (consecutive chunks of one row and head)
 
 // exp(x) for a vector of x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln2 in
 // [-ln2/2, ln2/2], p the degree-6 Taylor polynomial (relative error < 2e-7, below fp32's rounding
@@ -116,6 +118,14 @@ struct Row {
     if constexpr (kTail) acc = _mm512_fmadd_ps(tail, load_bf16(p + 32 * W), acc);
     return acc;
   }
+  void add(const Row& o) {
+    for (int w = 0; w < W; ++w) even[w] = _mm512_add_ps(even[w], o.even[w]), odd[w] = _mm512_add_ps(odd[w], o.odd[w]);
+    tail = _mm512_add_ps(tail, o.tail);
+  }
+  void scale(__m512 f) {
+    for (int w = 0; w < W; ++w) even[w] = _mm512_mul_ps(even[w], f), odd[w] = _mm512_mul_ps(odd[w], f);
+    tail = _mm512_mul_ps(tail, f);
+  }
   void add_scaled(__m512 s, const at::BFloat16* p) {  // this += s * (bf16 row at p)
     for (int w = 0; w < W; ++w) {
       const __m512i v = _mm512_loadu_si512(p + 32 * w);
@@ -137,39 +147,49 @@ struct Layout {
 
 // One item: row `row` (cache slot `slot`), kv head `g`, positions [p0, p1). Writes for each of the
 // kv head's `rep` query heads the chunk's max score, its sum of exp and its weighted value sum
-// (D floats) at part + r * (D + 2). Query heads run one after another over the same chunk: the
-// chunk's keys and values (kChunk * D * 2 bytes each) come from memory once and then from cache.
+// (D floats) at part + r * (D + 2).
+//
+// Keys and values are read in the same loop, 16 positions at a time, with the softmax kept online
+// (a running max; the sums rescaled when it grows): two streams in flight at once read the slot
+// layout's runs of a few tens of KB markedly faster than one pass over keys then one over values.
+// Query heads of a kv head run one after another over the same chunk: its keys and values (kChunk *
+// D * 2 bytes each) come from memory once and then from cache.
 template <int D>
 void chunk_item(const Layout& L, int64_t row, int64_t slot, int64_t g, int64_t p0, int64_t p1, float* part) {
-  const int64_t n = p1 - p0, padded = (n + 15) / 16 * 16;
+  const int64_t n = p1 - p0;
   const at::BFloat16* k0 = L.k + slot * L.k_slot + g * L.k_head + p0 * L.k_pos;
   const at::BFloat16* v0 = L.v + slot * L.v_slot + g * L.v_head + p0 * L.v_pos;
-  alignas(64) float s[kChunk];
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float e[16];
   for (int64_t r = 0; r < L.rep; ++r) {
-    Row<D> q;
+    Row<D> q, out, odd_out;  // odd_out: the odd positions' sum, a second chain of FMAs
     q.load_split(L.q + (row * L.heads + g * L.rep + r) * D);
-    int64_t p = 0;
-    for (; p + 16 <= n; p += 16) {
-      __m512 lanes[16];
-      for (int i = 0; i < 16; ++i) lanes[i] = q.dot_lanes(k0 + (p + i) * L.k_pos);
-      _mm512_store_ps(s + p, sum16(lanes));
-    }
-    for (; p < n; ++p) s[p] = _mm512_reduce_add_ps(q.dot_lanes(k0 + p * L.k_pos));
-    for (; p < padded; ++p) s[p] = -std::numeric_limits<float>::infinity();
-
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (p = 0; p < padded; p += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(s + p));
-    const float m = _mm512_reduce_max_ps(mx);
+    out.zero(), odd_out.zero();
+    float m = -std::numeric_limits<float>::infinity();
     __m512 sum = _mm512_setzero_ps();
-    for (p = 0; p < padded; p += 16) {
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(s + p), _mm512_set1_ps(m)));
-      _mm512_store_ps(s + p, e);
-      sum = _mm512_add_ps(sum, e);
+    for (int64_t p = 0; p < n; p += 16) {
+      const int cnt = static_cast<int>(std::min<int64_t>(16, n - p));
+      __m512 lanes[16];
+      for (int i = 0; i < 16; ++i) lanes[i] = i < cnt ? q.dot_lanes(k0 + (p + i) * L.k_pos) : _mm512_setzero_ps();
+      const __m512 scores = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>((1u << cnt) - 1), sum16(lanes));
+      const float block_max = _mm512_reduce_max_ps(scores);
+      if (block_max > m) {  // rescale what was summed under the old max (m = -inf: nothing yet, factor 0)
+        const __m512 factor = exp_nonpositive(_mm512_set1_ps(m - block_max));
+        out.scale(factor), odd_out.scale(factor);
+        sum = _mm512_mul_ps(sum, factor);
+        m = block_max;
+      }
+      const __m512 w = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(m)));  // masked lanes: 0
+      sum = _mm512_add_ps(sum, w);
+      _mm512_store_ps(e, w);
+      int i = 0;
+      for (; i + 2 <= cnt; i += 2) {
+        out.add_scaled(_mm512_set1_ps(e[i]), v0 + (p + i) * L.v_pos);
+        odd_out.add_scaled(_mm512_set1_ps(e[i + 1]), v0 + (p + i + 1) * L.v_pos);
+      }
+      if (i < cnt) out.add_scaled(_mm512_set1_ps(e[i]), v0 + (p + i) * L.v_pos);
     }
-
-    Row<D> out;
-    out.zero();
-    for (p = 0; p < n; ++p) out.add_scaled(_mm512_set1_ps(s[p]), v0 + p * L.v_pos);
+    out.add(odd_out);
     float* dst = part + r * (D + 2);
     dst[0] = m;
     dst[1] = _mm512_reduce_add_ps(sum);
@@ -186,14 +206,21 @@ void run(const Layout& L, const int64_t* slots, const int64_t* last, int64_t row
   const int64_t part_size = L.rep * (D + 2);
   std::vector<float> parts(items * part_size);
 
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    int64_t row = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t it = begin; it < end; ++it) {
-      while (it >= first[row + 1]) ++row;
-      const int64_t chunks = (last[row] + kChunk) / kChunk, local = it - first[row];
-      const int64_t g = local / chunks, c = local % chunks;
-      const int64_t p0 = c * kChunk, p1 = std::min(last[row] + 1, p0 + kChunk);
-      chunk_item<D>(L, row, slots[row], g, p0, p1, parts.data() + it * part_size);
+  // Threads take blocks of items from a shared counter rather than fixed halves: on a busy machine a
+  // thread that loses its core for a while does not hold the others at the end (and ragged rows
+  // balance themselves). Which thread computes an item does not change its result.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t begin; (begin = next.fetch_add(kBlock)) < items;) {
+      const int64_t end = std::min(items, begin + kBlock);
+      int64_t row = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+      for (int64_t it = begin; it < end; ++it) {
+        while (it >= first[row + 1]) ++row;
+        const int64_t chunks = (last[row] + kChunk) / kChunk, local = it - first[row];
+        const int64_t g = local / chunks, c = local % chunks;
+        const int64_t p0 = c * kChunk, p1 = std::min(last[row] + 1, p0 + kChunk);
+        chunk_item<D>(L, row, slots[row], g, p0, p1, parts.data() + it * part_size);
+      }
     }
   });
 
