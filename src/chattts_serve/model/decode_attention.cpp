@@ -225,28 +225,29 @@ void run(const Layout& L, const int64_t* slots, const int64_t* last, int64_t row
   });
 
   // Combine each (row, query head)'s chunks in chunk order: rescale to the largest max, then divide.
-  at::parallel_for(0, rows * L.heads, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t row = rh / L.heads, h = rh % L.heads, g = h / L.rep, r = h % L.rep;
-      const int64_t chunks = (last[row] + kChunk) / kChunk;
-      const float* base = parts.data() + (first[row] + g * chunks) * part_size + r * (D + 2);
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, base[c * part_size]);
-      float total = 0.0f;
-      float* o = out + rh * D;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float* p = base + c * part_size;
-        const __m512 w = _mm512_set1_ps(std::exp(p[0] - m));
-        total += std::exp(p[0] - m) * p[1];
-        for (int j = 0; j < D; j += 16) {
-          const __m512 prev = c == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + j);
-          _mm512_storeu_ps(o + j, _mm512_fmadd_ps(w, _mm512_loadu_ps(p + 2 + j), prev));
-        }
+  // On this thread: a few FLOPs per value, less than what a second parallel region costs to start
+  // (on a busy machine, up to a scheduler time slice while the other thread waits for a core).
+  for (int64_t rh = 0; rh < rows * L.heads; ++rh) {
+    const int64_t row = rh / L.heads, h = rh % L.heads, g = h / L.rep, r = h % L.rep;
+    const int64_t chunks = (last[row] + kChunk) / kChunk;
+    const float* base = parts.data() + (first[row] + g * chunks) * part_size + r * (D + 2);
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, base[c * part_size]);
+    float total = 0.0f;
+    float* o = out + rh * D;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* p = base + c * part_size;
+      const float f = std::exp(p[0] - m);
+      const __m512 w = _mm512_set1_ps(f);
+      total += f * p[1];
+      for (int j = 0; j < D; j += 16) {
+        const __m512 prev = c == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + j);
+        _mm512_storeu_ps(o + j, _mm512_fmadd_ps(w, _mm512_loadu_ps(p + 2 + j), prev));
       }
-      const __m512 inv = _mm512_set1_ps(1.0f / total);
-      for (int j = 0; j < D; j += 16) _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), inv));
     }
-  });
+    const __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int j = 0; j < D; j += 16) _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), inv));
+  }
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,

@@ -34,7 +34,10 @@ MODE_ENV = "CHATTTS_DECODE_ATTENTION"
 """"auto" (default): the C++ kernel where it applies; "torch": always torch's SDPA."""
 _SOURCE = Path(__file__).with_name("decode_attention.cpp")
 # The kernel is written with AVX-512F intrinsics only (no BF16 instructions): any AVX-512 CPU runs it.
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+# -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the op runs on one
+# thread. The OpenMP runtime it links is the one torch has already loaded (same soname).
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 
 
@@ -67,6 +70,7 @@ def _load() -> bool:
                 name="chattts_decode_attention",
                 sources=[str(_SOURCE)],
                 extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
                 is_python_module=False,
                 verbose=False,
             )
