@@ -47,8 +47,8 @@ def test_matches_plain_attention(heads, kv_heads, head_dim, rows):
     last[0] = positions - 1  # the whole cache
     if rows > 1:
         last[1] = 0  # one position: the softmax of one key is 1
-    if rows > 4:  # either side of the kernel's 256-position chunks
-        last[2:5] = torch.tensor([255, 256, 511])
+    if rows > 5:  # either side of the kernel's 512-position chunks (and of 256)
+        last[2:6] = torch.tensor([255, 256, 511, 512])
     scale = head_dim**-0.5
     out = da.attend(q, k, v, slots, last, scale)
     assert out.shape == (rows, heads, head_dim) and out.dtype == torch.float32
@@ -62,7 +62,7 @@ def test_sharp_softmax_and_repeated_slots():
     _kernel_or_skip()
     k, v = _cache(3, 4, 700, 64, seed=1)
     q = 40 * torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(2))
-    slots, last = torch.tensor([2, 2, 0, 1]), torch.tensor([699, 300, 17, 256])
+    slots, last = torch.tensor([2, 2, 0, 1]), torch.tensor([699, 300, 17, 512])
     out = da.attend(q, k, v, slots, last, 0.125)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, da.reference(q, k, v, slots, last, 0.125), atol=ATOL, rtol=0)

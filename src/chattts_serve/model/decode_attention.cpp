@@ -28,7 +28,7 @@
 
 namespace {
 
-constexpr int64_t kChunk = 256;  // positions per work item (64 KB of keys and values at head_dim 64)
+constexpr int64_t kChunk = 512;  // positions per work item (128 KB of keys and values at head_dim 64)
 constexpr int64_t kBlock = 4;    // items a thread takes at once (consecutive chunks of one row and head)
 
 // exp(x) for a vector of x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln2 in
