@@ -1,8 +1,8 @@
 """Decode attention over a bf16 KV cache at memory bandwidth: a small C++ op built at first use.
 
 The decode step's attention is cache-bound at many rows: each row reads all its keys and values once.
-Torch's bf16 SDPA reads a bf16 cache far below the bandwidth its bytes allow (on a Zen 4 core it
-converts at compute speed: ~6x slower per call than on an fp32 cache of twice the bytes), so
+Torch's bf16 SDPA reads a bf16 cache far below the bandwidth its bytes allow (on a Zen 4 box a step's
+attention takes 2-3x as long as on an fp32 cache of twice the bytes: ``bench attention``), so
 ``decode_attention.cpp`` reads the engine's slot layout ``[slots, kv_heads, positions, head_dim]``
 directly: every row's keys and values of its own slot once, bf16 converted to fp32 in registers, dots,
 softmax and weighted sum in fp32, split into fixed chunks of positions across threads
