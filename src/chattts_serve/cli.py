@@ -96,6 +96,7 @@ def _build_parser() -> argparse.ArgumentParser:
         ("offline", "N texts through the offline engine: throughput, latency, memory (vs the reference)"),
         ("streams", "concurrent streams in one process: first chunk, RTF, underruns (vs the reference)"),
         ("serve", "drive a running server over HTTP: concurrency sweep or Poisson arrivals"),
+        ("attention", "decode attention over the KV cache against the memory read floor (full-size shapes)"),
     ):
         _bench_command(bench_sub.add_parser(name, help=help_), name)
     overhead = bench_sub.add_parser("host-overhead", help="host time of a decode step per sequence at 64 / 256 / 512")

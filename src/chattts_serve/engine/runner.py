@@ -23,6 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..model import decode_attention
 from ..model.checkpoint import LoadedModel
 from ..model.config import AUDIO_EOS, GPTConfig
 from ..model.gpt import KVCache
@@ -116,6 +117,8 @@ class ModelRunner:
         else:
             kv_dtype = KVCache.dtype_for(self.config.kv_cache_dtype, layout.precision.trunk_dtype)
             self.cache = model.gpt.new_cache(num_slots, max_model_len + extra, dtype=kv_dtype)
+            if self.decode_mode == "rows":  # build the bf16 cache's attention kernel now, not mid-request
+                decode_attention.prepare(self.cache.k)
         if self.decode_mode == "static":
             self.cache.k.zero_(), self.cache.v.zero_()  # rows that decode nothing read finite values
         self.num_vq = model.config.gpt.num_vq

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import decode_attention
 from .config import GPTConfig
 
 
@@ -203,8 +204,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """One new token per row, each row at its own position in its own slot.
 
-        Attention runs row by row over exactly that row's keys, with the same call a batch-1 decode
-        makes, so a row's result never depends on the other rows (batch invariance).
+        Attention reads exactly each row's own keys, with the same computation a batch-1 decode makes
+        (torch's SDPA row by row, or ``decode_attention`` for a bf16 cache), so a row's result never
+        depends on the other rows (batch invariance).
         """
         m, n = x.shape[0], len(slots)
         q, k, v = self.rotated_qkv(x, cos, sin)
@@ -212,8 +214,21 @@ class Attention(nn.Module):
         # Every row's new key/value in one indexed write (a copy: the same values as row by row).
         k_cache[where[0], :, where[1]] = k[:n, :, 0].to(k_cache.dtype)
         v_cache[where[0], :, where[1]] = v[:n, :, 0].to(v_cache.dtype)
-        # A bf16 cache: attention runs in bf16 (the query rounded once), so the keys are read at half
-        # the bytes instead of upcast into a copy; the kernel accumulates in fp32.
+        if decode_attention.applies(k_cache):
+            # A bf16 cache on an AVX-512 CPU: every row's keys and values read once, in one C++ call.
+            scale = self.head_dim**-0.5
+            outs = [decode_attention.attend(q[:n, :, 0], k_cache, v_cache, where[0], where[1], scale)[:, :, None]]
+        else:
+            outs = self._attend_rows(q, k_cache, v_cache, slots, lengths)
+        if m > n:  # padding rows (pad_rows_to): zeros
+            outs.append(outs[0].new_zeros(m - n, self.num_heads, 1, self.head_dim))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
+
+    def _attend_rows(self, q, k_cache, v_cache, slots: list[int], lengths: list[int]) -> list[torch.Tensor]:
+        """Torch's attention, row by row over exactly each row's keys (the same call a batch-1 decode
+        makes). A bf16 cache: attention runs in bf16 (the query rounded once), so the keys are read at
+        half the bytes instead of upcast into a copy; the kernel accumulates in fp32."""
         q = q.to(k_cache.dtype)
         rep = self.num_heads // self.num_kv_heads
         outs = []
@@ -224,10 +239,7 @@ class Attention(nn.Module):
             outs.append(
                 F.scaled_dot_product_attention(q[row : row + 1], keys, values, dropout_p=0.0, scale=self.head_dim**-0.5)
             )
-        if m > n:  # padding rows (pad_rows_to): zeros
-            outs.append(q.new_zeros(m - n, self.num_heads, 1, self.head_dim))
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
+        return outs
 
     def decode_static(
         self,

@@ -1,0 +1,297 @@
+// Decode attention over a bf16 slot KV cache, one new token per row (see decode_attention.py).
+//
+// Keys and values are read once, as bf16, straight from each row's slot of the layer's cache
+// [slots, kv_heads, positions, head_dim]; dots, softmax and the weighted sum run in fp32. The work is
+// split flash-decoding style into (row, kv head, chunk of kChunk positions) items, each one pass over
+// its keys and values together with an online softmax local to the chunk; the chunks of a row and head
+// are then combined in order. The chunk size is a constant, so a row's result never depends on the
+// number of threads or on which other rows run in the same step (the engine's batch invariance).
+//
+// Built at first use by torch.utils.cpp_extension with AVX-512 flags; only loaded on CPUs that have it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#ifndef __AVX512F__
+#error "decode_attention.cpp needs AVX-512 (built with -mavx512f by decode_attention.py)"
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 512;  // positions per work item (128 KB of keys and values at head_dim 64)
+constexpr int64_t kBlock = 4;    // items a thread takes at once (consecutive chunks of one row and head)
+
+// exp(x) for a vector of x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln2 in
+// [-ln2/2, ln2/2], p the degree-6 Taylor polynomial (relative error < 2e-7, below fp32's rounding
+// of the inputs' bf16 products). Inputs under -87 (exp < 1e-38) give 0 or a denormal, as expf.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split: exact first part
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 bf16 -> 16 fp32: a bf16 is the top half of the fp32 with the same value.
+inline __m512 load_bf16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// 32 bf16 read as 16 32-bit words: the even elements (low halves) and the odd ones (high halves) as
+// fp32, one instruction each. Dots and weighted sums then run on even/odd-split vectors; the query is
+// split the same way and the weighted sum is interleaved back once per chunk.
+inline __m512 even_bf16(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
+inline __m512 odd_bf16(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))); }
+
+// Sixteen vectors to the vector of their sums, in order: a transposing add tree, ~2 shuffles and one
+// add per vector instead of a full horizontal reduction each.
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit quarters: b[i] = positions 2i (q0, q1) and 2i+1 (q2, q3)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarter j of c[i]: position 4i + j
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // quarter j of d[i]: lanes 0-1 position 8i + j, lanes 2-3 position 8i + 4 + j
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  // lane 4j + i: position 4i + j
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
+
+// A head_dim-D row held as W = D / 32 even/odd pairs plus, when D is an odd multiple of 16, a plain tail.
+template <int D>
+struct Row {
+  static constexpr int W = D / 32;
+  static constexpr bool kTail = D % 32 != 0;
+  __m512 even[W > 0 ? W : 1], odd[W > 0 ? W : 1], tail;
+
+  void zero() {
+    for (int w = 0; w < W; ++w) even[w] = odd[w] = _mm512_setzero_ps();
+    tail = _mm512_setzero_ps();
+  }
+  void load_split(const float* x) {  // fp32 in natural order -> even/odd split
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_add_epi32(ie, _mm512_set1_epi32(1));
+    for (int w = 0; w < W; ++w) {
+      const __m512 lo = _mm512_loadu_ps(x + 32 * w), hi = _mm512_loadu_ps(x + 32 * w + 16);
+      even[w] = _mm512_permutex2var_ps(lo, ie, hi);
+      odd[w] = _mm512_permutex2var_ps(lo, io, hi);
+    }
+    if constexpr (kTail) tail = _mm512_loadu_ps(x + 32 * W);
+  }
+  void store_joined(float* x) const {  // even/odd split -> fp32 in natural order
+    const __m512i il = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i ih = _mm512_add_epi32(il, _mm512_set1_epi32(8));
+    for (int w = 0; w < W; ++w) {
+      _mm512_storeu_ps(x + 32 * w, _mm512_permutex2var_ps(even[w], il, odd[w]));
+      _mm512_storeu_ps(x + 32 * w + 16, _mm512_permutex2var_ps(even[w], ih, odd[w]));
+    }
+    if constexpr (kTail) _mm512_storeu_ps(x + 32 * W, tail);
+  }
+  // Lane-wise partial products of this (query) row with the bf16 row at p; sum the lanes for the dot.
+  __m512 dot_lanes(const at::BFloat16* p) const {
+    __m512 acc = _mm512_setzero_ps();
+    for (int w = 0; w < W; ++w) {
+      const __m512i k = _mm512_loadu_si512(p + 32 * w);
+      acc = _mm512_fmadd_ps(even[w], even_bf16(k), acc);
+      acc = _mm512_fmadd_ps(odd[w], odd_bf16(k), acc);
+    }
+    if constexpr (kTail) acc = _mm512_fmadd_ps(tail, load_bf16(p + 32 * W), acc);
+    return acc;
+  }
+  void add(const Row& o) {
+    for (int w = 0; w < W; ++w) even[w] = _mm512_add_ps(even[w], o.even[w]), odd[w] = _mm512_add_ps(odd[w], o.odd[w]);
+    tail = _mm512_add_ps(tail, o.tail);
+  }
+  void scale(__m512 f) {
+    for (int w = 0; w < W; ++w) even[w] = _mm512_mul_ps(even[w], f), odd[w] = _mm512_mul_ps(odd[w], f);
+    tail = _mm512_mul_ps(tail, f);
+  }
+  void add_scaled(__m512 s, const at::BFloat16* p) {  // this += s * (bf16 row at p)
+    for (int w = 0; w < W; ++w) {
+      const __m512i v = _mm512_loadu_si512(p + 32 * w);
+      even[w] = _mm512_fmadd_ps(s, even_bf16(v), even[w]);
+      odd[w] = _mm512_fmadd_ps(s, odd_bf16(v), odd[w]);
+    }
+    if constexpr (kTail) tail = _mm512_fmadd_ps(s, load_bf16(p + 32 * W), tail);
+  }
+};
+
+struct Layout {
+  const float* q;  // [rows, heads, D], contiguous, already scaled
+  const at::BFloat16* k;
+  const at::BFloat16* v;
+  int64_t k_slot, k_head, k_pos;  // strides (elements) of the cache views; head_dim is contiguous
+  int64_t v_slot, v_head, v_pos;
+  int64_t heads, rep;
+};
+
+// One item: row `row` (cache slot `slot`), kv head `g`, positions [p0, p1). Writes for each of the
+// kv head's `rep` query heads the chunk's max score, its sum of exp and its weighted value sum
+// (D floats) at part + r * (D + 2).
+//
+// Keys and values are read in the same loop, 16 positions at a time, with the softmax kept online
+// (a running max; the sums rescaled when it grows): two streams in flight at once read the slot
+// layout's runs of a few tens of KB markedly faster than one pass over keys then one over values.
+// Query heads of a kv head run one after another over the same chunk: its keys and values (kChunk *
+// D * 2 bytes each) come from memory once and then from cache.
+template <int D>
+void chunk_item(const Layout& L, int64_t row, int64_t slot, int64_t g, int64_t p0, int64_t p1, float* part) {
+  const int64_t n = p1 - p0;
+  const at::BFloat16* k0 = L.k + slot * L.k_slot + g * L.k_head + p0 * L.k_pos;
+  const at::BFloat16* v0 = L.v + slot * L.v_slot + g * L.v_head + p0 * L.v_pos;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float e[16];
+  for (int64_t r = 0; r < L.rep; ++r) {
+    Row<D> q, out, odd_out;  // odd_out: the odd positions' sum, a second chain of FMAs
+    q.load_split(L.q + (row * L.heads + g * L.rep + r) * D);
+    out.zero(), odd_out.zero();
+    float m = -std::numeric_limits<float>::infinity();
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t p = 0; p < n; p += 16) {
+      const int cnt = static_cast<int>(std::min<int64_t>(16, n - p));
+      __m512 lanes[16];
+      for (int i = 0; i < 16; ++i) lanes[i] = i < cnt ? q.dot_lanes(k0 + (p + i) * L.k_pos) : _mm512_setzero_ps();
+      const __m512 scores = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>((1u << cnt) - 1), sum16(lanes));
+      const float block_max = _mm512_reduce_max_ps(scores);
+      if (block_max > m) {  // rescale what was summed under the old max (m = -inf: nothing yet, factor 0)
+        const __m512 factor = exp_nonpositive(_mm512_set1_ps(m - block_max));
+        out.scale(factor), odd_out.scale(factor);
+        sum = _mm512_mul_ps(sum, factor);
+        m = block_max;
+      }
+      const __m512 w = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(m)));  // masked lanes: 0
+      sum = _mm512_add_ps(sum, w);
+      _mm512_store_ps(e, w);
+      int i = 0;
+      for (; i + 2 <= cnt; i += 2) {
+        out.add_scaled(_mm512_set1_ps(e[i]), v0 + (p + i) * L.v_pos);
+        odd_out.add_scaled(_mm512_set1_ps(e[i + 1]), v0 + (p + i + 1) * L.v_pos);
+      }
+      if (i < cnt) out.add_scaled(_mm512_set1_ps(e[i]), v0 + (p + i) * L.v_pos);
+    }
+    out.add(odd_out);
+    float* dst = part + r * (D + 2);
+    dst[0] = m;
+    dst[1] = _mm512_reduce_add_ps(sum);
+    out.store_joined(dst + 2);
+  }
+}
+
+template <int D>
+void run(const Layout& L, const int64_t* slots, const int64_t* last, int64_t rows, int64_t kv_heads, float* out) {
+  // Items in (row, kv head, chunk) order; first[row] is the row's first item.
+  std::vector<int64_t> first(rows + 1, 0);
+  for (int64_t i = 0; i < rows; ++i) first[i + 1] = first[i] + kv_heads * ((last[i] + kChunk) / kChunk);
+  const int64_t items = first[rows];
+  const int64_t part_size = L.rep * (D + 2);
+  std::vector<float> parts(items * part_size);
+
+  // Threads take blocks of items from a shared counter rather than fixed halves: on a busy machine a
+  // thread that loses its core for a while does not hold the others at the end (and ragged rows
+  // balance themselves). Which thread computes an item does not change its result.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t begin; (begin = next.fetch_add(kBlock)) < items;) {
+      const int64_t end = std::min(items, begin + kBlock);
+      int64_t row = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+      for (int64_t it = begin; it < end; ++it) {
+        while (it >= first[row + 1]) ++row;
+        const int64_t chunks = (last[row] + kChunk) / kChunk, local = it - first[row];
+        const int64_t g = local / chunks, c = local % chunks;
+        const int64_t p0 = c * kChunk, p1 = std::min(last[row] + 1, p0 + kChunk);
+        chunk_item<D>(L, row, slots[row], g, p0, p1, parts.data() + it * part_size);
+      }
+    }
+  });
+
+  // Combine each (row, query head)'s chunks in chunk order: rescale to the largest max, then divide.
+  // On this thread: a few FLOPs per value, less than what a second parallel region costs to start
+  // (on a busy machine, up to a scheduler time slice while the other thread waits for a core).
+  for (int64_t rh = 0; rh < rows * L.heads; ++rh) {
+    const int64_t row = rh / L.heads, h = rh % L.heads, g = h / L.rep, r = h % L.rep;
+    const int64_t chunks = (last[row] + kChunk) / kChunk;
+    const float* base = parts.data() + (first[row] + g * chunks) * part_size + r * (D + 2);
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, base[c * part_size]);
+    float total = 0.0f;
+    float* o = out + rh * D;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* p = base + c * part_size;
+      const float f = std::exp(p[0] - m);
+      const __m512 w = _mm512_set1_ps(f);
+      total += f * p[1];
+      for (int j = 0; j < D; j += 16) {
+        const __m512 prev = c == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + j);
+        _mm512_storeu_ps(o + j, _mm512_fmadd_ps(w, _mm512_loadu_ps(p + 2 + j), prev));
+      }
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int j = 0; j < D; j += 16) _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), inv));
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                            const at::Tensor& last, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be float32 [rows, heads, head_dim]");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(), "k and v must be [slots, kv_heads, positions, head_dim]");
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "k and v must be bfloat16");
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && q.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "head_dim must be contiguous in k and v");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && last.scalar_type() == at::kLong, "slots and last must be int64");
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
+  TORCH_CHECK(slots.numel() == rows && last.numel() == rows, "one slot and one last position per row");
+  TORCH_CHECK(k.size(3) == d, "q and k head_dim differ");
+  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(d % 16 == 0 && d <= 128, "head_dim must be a multiple of 16, at most 128");
+  const at::Tensor qs = (q * scale).contiguous();
+  const at::Tensor sl = slots.contiguous(), ls = last.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* lp = ls.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "slot ", sp[i], " out of range");
+    TORCH_CHECK(lp[i] >= 0 && lp[i] < k.size(2), "last position ", lp[i], " out of range");
+  }
+  at::Tensor out = at::empty({rows, heads, d}, q.options());
+  if (rows == 0) return out;
+  const Layout L{qs.data_ptr<float>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(),
+                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), heads, heads / kv_heads};
+  float* o = out.data_ptr<float>();
+  switch (d / 16) {
+    case 1: run<16>(L, sp, lp, rows, kv_heads, o); break;
+    case 2: run<32>(L, sp, lp, rows, kv_heads, o); break;
+    case 3: run<48>(L, sp, lp, rows, kv_heads, o); break;
+    case 4: run<64>(L, sp, lp, rows, kv_heads, o); break;
+    case 5: run<80>(L, sp, lp, rows, kv_heads, o); break;
+    case 6: run<96>(L, sp, lp, rows, kv_heads, o); break;
+    case 7: run<112>(L, sp, lp, rows, kv_heads, o); break;
+    default: run<128>(L, sp, lp, rows, kv_heads, o); break;
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(chattts_decode_attention, m) {
+  m.def("bf16(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor last, float scale) -> Tensor");
+  m.impl("bf16", c10::DispatchKey::CPU, &decode_attention);
+}

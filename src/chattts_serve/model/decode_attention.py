@@ -1,0 +1,131 @@
+"""Decode attention over a bf16 KV cache at memory bandwidth: a small C++ op built at first use.
+
+The decode step's attention is cache-bound at many rows: each row reads all its keys and values once.
+Torch's bf16 SDPA reads a bf16 cache far below the bandwidth its bytes allow (on a Zen 4 box a step's
+attention takes 2-3x as long as on an fp32 cache of twice the bytes: ``bench attention``), so
+``decode_attention.cpp`` reads the engine's slot layout ``[slots, kv_heads, positions, head_dim]``
+directly: every row's keys and values of its own slot once, bf16 converted to fp32 in registers, dots,
+softmax and weighted sum in fp32, split into fixed chunks of positions across threads
+(flash-decoding). A row's result depends only on its own query and keys (batch-invariant), and it is
+deterministic: chunks are combined in order whatever the thread count.
+
+Where it runs: a CPU with AVX-512 (torch's own probe, ``torch.backends.cpu.get_cpu_capability``), a
+bf16 cache, and a C++ compiler and ninja to build it (the first build takes ~30-60 s and is cached
+per user, ``TORCH_EXTENSIONS_DIR``). Elsewhere, or when the build fails (a slim container without a
+compiler), decode attention stays on torch's SDPA with one warning. An fp32 cache never uses it (the
+fp32 mode stays bit-exact with its own attention). ``CHATTTS_DECODE_ATTENTION=torch`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODE_ENV = "CHATTTS_DECODE_ATTENTION"
+""""auto" (default): the C++ kernel where it applies; "torch": always torch's SDPA."""
+_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+# The kernel is written with AVX-512F intrinsics only (no BF16 instructions): any AVX-512 CPU runs it.
+# -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the op runs on one
+# thread. The OpenMP runtime it links is the one torch has already loaded (same soname).
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+_lock = threading.Lock()
+
+
+def _find_compiler() -> str | None:
+    """The C++ compiler torch.utils.cpp_extension would use ($CXX, else c++), if it is on the PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def cpu_supported() -> bool:
+    """Whether this CPU runs the kernel: AVX-512 (as torch's dispatch sees it, so ATEN_CPU_CAPABILITY
+    lowered to avx2 turns it off too)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (or load the cached build of) the op once per process; False with one warning when it
+    cannot be built, and the caller keeps torch's attention."""
+    why = None
+    if _find_compiler() is None:
+        why = "no C++ compiler on the PATH"
+    elif shutil.which("ninja") is None:
+        why = "ninja is not installed"
+    if why is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            log.info("building the decode attention kernel (once per machine, ~30-60 s)")
+            load(
+                name="chattts_decode_attention",
+                sources=[str(_SOURCE)],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=_LDFLAGS,
+                is_python_module=False,
+                verbose=False,
+            )
+            return True
+        except Exception as exc:  # a failed build must not stop the engine: it still has torch's path
+            why = f"its build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1:]})"
+    warnings.warn(
+        f"decode attention over the bf16 KV cache runs on torch's SDPA (slower): {why}", RuntimeWarning, stacklevel=2
+    )
+    return False
+
+
+def applies(k_cache: torch.Tensor) -> bool:
+    """Whether ``attend`` runs for this layer cache ``[slots, kv_heads, positions, head_dim]``: bf16 on
+    the CPU, head_dim a multiple of 16 up to 128, an AVX-512 CPU, not turned off, and the op built.
+    Cheap after the first call (the build is attempted once)."""
+    if k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu":
+        return False
+    d = k_cache.shape[-1]
+    if d % 16 or d > 128 or os.environ.get(MODE_ENV, "auto") == "torch" or not cpu_supported():
+        return False
+    with _lock:
+        return _load()
+
+
+def prepare(k_cache: torch.Tensor) -> bool:
+    """Build the op now if it will be used for this cache (start-up, not the first request's step)."""
+    return applies(k_cache)
+
+
+def attend(
+    q: torch.Tensor,  # [rows, heads, head_dim], any float dtype
+    k_cache: torch.Tensor,  # [slots, kv_heads, positions, head_dim] bf16
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [rows] int64: each row's cache slot
+    last: torch.Tensor,  # [rows] int64: each row's last position; it attends to 0..last
+    scale: float,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v over each row's positions 0..last[row] of its slot, fp32 ``[rows, heads,
+    head_dim]``; query heads share kv heads in groups (GQA) when heads > kv_heads. Call only where
+    ``applies(k_cache)``."""
+    if q.dim() != 3 or q.shape[0] != slots.numel() or q.shape[0] != last.numel():
+        raise ValueError(f"q must be [rows, heads, head_dim], one slot and one last position per row; got {q.shape}")
+    return torch.ops.chattts_decode_attention.bf16(q.float(), k_cache, v_cache, slots, last, float(scale))
+
+
+def reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, last: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``attend`` in plain torch, row by row in float64 (the tests' oracle; slow)."""
+    rep = q.shape[1] // k_cache.shape[1]
+    outs = []
+    for row, (slot, end) in enumerate(zip(slots.tolist(), last.tolist(), strict=True)):
+        keys = k_cache[slot, :, : end + 1].double().repeat_interleave(rep, dim=0)
+        values = v_cache[slot, :, : end + 1].double().repeat_interleave(rep, dim=0)
+        weights = torch.softmax((q[row].double()[:, None] @ keys.transpose(-1, -2)) * scale, dim=-1)
+        outs.append((weights @ values)[:, 0])
+    return torch.stack(outs).float()
