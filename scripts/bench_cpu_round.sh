@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The CPU figures of BENCHMARKS.md and the README's per-CPU table, again on this machine: one stream
+# (94 tokens), offline 32 x 150 and 32 concurrent streams, per speed mode, in 3 alternating rounds (take
+# medians), the reference in the same rounds. Run it on a quiet machine (nothing else running); every
+# JSON line records the CPU. Usage:
+#   scripts/bench_cpu_round.sh CKPT REFERENCE_PYTHON OUT_DIR [ONNX_CACHE_DIR]
+set -u
+CK=${1:?checkpoint directory (chattts-serve checkpoint random CKPT --size full)}
+REF=${2:?python of the reference environment (bash ../shared/oracle/setup_venv.sh DIR)}
+O=${3:?output directory}
+OC=${4:+--onnx-cache-dir $4}
+mkdir -p "$O"
+common="--model $CK --threads 2 $OC"
+run() { local out=$1; shift; chattts-serve "$@" >> "$O/$out.jsonl" 2>> "$O/err.log" || echo "failed: $*" >> "$O/err.log"; }
+for round in 1 2 3; do
+  run one_fp32_ref bench streams $common --precision fp32 --concurrency 1 --steps 94 --reference-python "$REF"
+  for p in int8-static ort-int8 ort-int4 ort-auto; do
+    run "one_$p" bench streams $common --precision $p --audio-dtype bf16 --concurrency 1 --steps 94
+  done
+  run one_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
+    --concurrency 1 --steps 94
+  if [ "$round" = 1 ]; then
+    run off_ref bench offline $common --precision int8-static --num-texts 32 --steps 150 --reference-python "$REF"
+  fi
+  for p in ort-int8 ort-auto int8-static; do
+    run "off_$p" bench offline $common --precision $p --audio-dtype bf16 --num-texts 32 --steps 150
+  done
+  run off_int8-static-kvbf16 bench offline $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
+    --num-texts 32 --steps 150
+  run off_fp32 bench offline $common --precision fp32 --num-texts 32 --steps 150
+done
+for p in ort-int8 int8-static; do
+  run "s32_$p" bench streams $common --precision $p --audio-dtype bf16 --concurrency 32 --steps 150
+done
+run s32_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
+  --concurrency 32 --steps 150
+echo "done: $O" >&2
