@@ -52,30 +52,30 @@ def _median_ms_per_audio_s(fn, pcm: np.ndarray, repeats: int) -> float:
     return round(1000 * statistics.median(times) / (len(pcm) / SAMPLE_RATE), 3)
 
 
+def _streamed(make):
+    """A run over a response's chunks through a fresh ``make()`` (``process`` each chunk, then ``flush``)."""
+
+    def go(chunks):
+        f = make()
+        for c in chunks:
+            f.process(c)
+        f.flush()
+
+    return go
+
+
 def stretch_costs(pcm: np.ndarray, repeats: int) -> dict[str, float]:
-    def run(factor):
-        def go(chunks):
-            s = StreamingStretcher(factor)
-            for c in chunks:
-                s.process(c)
-            s.flush()
-
-        return go
-
-    return {f"x{f}": _median_ms_per_audio_s(run(f), pcm, repeats) for f in (0.5, 1.5, 2.0, 4.0)}
+    return {
+        f"x{f}": _median_ms_per_audio_s(_streamed(lambda f=f: StreamingStretcher(f)), pcm, repeats)
+        for f in (0.5, 1.5, 2.0, 4.0)
+    }
 
 
 def resample_costs(pcm: np.ndarray, repeats: int) -> dict[str, float]:
-    def run(rate):
-        def go(chunks):
-            r = StreamingResampler(rate)
-            for c in chunks:
-                r.process(c)
-            r.flush()
-
-        return go
-
-    return {f"{r}Hz": _median_ms_per_audio_s(run(r), pcm, repeats) for r in (8000, 16000, 44100, 48000)}
+    return {
+        f"{r}Hz": _median_ms_per_audio_s(_streamed(lambda r=r: StreamingResampler(r)), pcm, repeats)
+        for r in (8000, 16000, 44100, 48000)
+    }
 
 
 def telephony_costs(pcm: np.ndarray, repeats: int) -> dict[str, float]:
