@@ -26,6 +26,7 @@ import numpy as np
 from chattts_serve.audio.encode import StreamingEncoder
 from chattts_serve.audio.resample import StreamingResampler
 from chattts_serve.audio.stretch import StreamingStretcher
+from chattts_serve.bench.common import wait_ready
 from chattts_serve.cpu import probe
 from chattts_serve.model.config import SAMPLE_RATE
 
@@ -107,15 +108,7 @@ def cache_costs(model: str, requests: int, tokens: int) -> dict[str, float]:
     proc = subprocess.Popen([*cmd, "--cache-mb", "64"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise RuntimeError("server did not start")
+        wait_ready(base, proc, 300)
         body = {"text": "今天天气真不错，我们一起去公园散步吧。", "format": "wav", "refine_text": False}
         body.update(min_new_tokens=tokens, max_new_tokens=tokens)
         miss, hit = [], []

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import httpx
 
+from chattts_serve.bench.common import wait_ready
+
 FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw")
 TEXTS = ("今天天气很好。", "你好，很高兴认识你。", "Hello there, how are you?", "我们去公园散步吧。明天见。")
 
@@ -112,17 +114,10 @@ def main() -> int:
     log = open(tmp / "server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:  # it died at start-up: say so now, not after the deadline
-                raise SystemExit(f"server exited with {proc.returncode}; log: {tmp / 'server.log'}")
-            try:
-                if httpx.get(base + "/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise SystemExit("server did not become ready")
+        try:
+            wait_ready(base, proc, 180)
+        except RuntimeError as exc:
+            raise SystemExit(f"{exc}; log: {tmp / 'server.log'}") from None
         rng = random.Random(0)
         outcomes: dict[str, int] = {}
         samples = []

@@ -212,3 +212,15 @@ def test_profile_weight_bytes_per_mode(tiny_ckpt, precision, slots, per_weight):
         + 3 * g.hidden_size * g.intermediate_size
     )
     assert weight_bytes(e.model.gpt) == n * per_weight
+
+
+def test_wait_ready_says_when_the_server_died_at_start_up():
+    import subprocess
+    import sys
+
+    from chattts_serve.bench.common import wait_ready
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    proc.wait(timeout=30)
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        wait_ready("http://127.0.0.1:9", proc, timeout=60)  # port 9: nothing answers

@@ -132,3 +132,23 @@ def run_tool(
         result["plot"] = args.plot
     stats.emit(result)
     return 0
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Wait until the ``chattts-serve serve`` that ``proc`` runs at ``base`` answers ``/ready`` with 200
+    (model loaded); RuntimeError if it exits first or ``timeout`` seconds pass."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:  # it died at start-up: say so now, not after the deadline
+            raise RuntimeError(f"server exited with {proc.returncode} at start-up")
+        try:
+            if httpx.get(base + "/ready", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)  # loading: ask again, without hammering it
+    raise RuntimeError(f"server did not become ready within {timeout:.0f} s")
