@@ -42,8 +42,6 @@ def test_tf32_on_a_cpu_is_fp32(tiny_ckpt):
     assert np.array_equal(_audio(tiny_ckpt, "tf32"), _audio(tiny_ckpt, "fp32"))
 
 
-
-
 # --------------------------------------------------------------------------------------------------
 # Bounded batches and out-of-memory retries (decode_windows)
 

@@ -57,6 +57,10 @@ class RunnerConfig:
     reference-identical; the CPU default), "counter" (a hash of seed, step, row and column for the
     whole batch in one call, batch-invariant but not the reference's stream; the CUDA default), or
     "auto" (by device)."""
+    step_graphs: str = "auto"
+    """Code decode steps (no admission, no text sequence) as one graph: embed, trunk, heads and sampling
+    (``engine.step_graph``). "auto": where CUDA graphs are captured with counter noise (the CUDA
+    defaults); "on": also eagerly without CUDA (the same function; tests); "off": the trunk alone."""
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
@@ -65,6 +69,8 @@ class RunnerConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.sampling_noise not in SAMPLING_NOISES:
             raise ValueError(f"sampling_noise must be one of {', '.join(SAMPLING_NOISES)}; got {self.sampling_noise!r}")
+        if self.step_graphs not in SWITCHES:
+            raise ValueError(f"step_graphs must be one of {', '.join(SWITCHES)}; got {self.step_graphs!r}")
         if self.ort_auto_crossover < 0:
             raise ValueError(f"ort_auto_crossover must be >= 0 (0: from the CPU table), got {self.ort_auto_crossover}")
 
@@ -146,6 +152,7 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "ort_auto_crossover": ("runner", "ort_auto_crossover"),
     "kv_cache_dtype": ("runner", "kv_cache_dtype"),
     "sampling_noise": ("runner", "sampling_noise"),
+    "step_graphs": ("runner", "step_graphs"),
     "max_audio_seconds": ("max_audio_seconds",),
     "audio_dtype": ("audio_dtype",),
     "audio_overlap": ("audio_overlap",),
@@ -169,6 +176,8 @@ _HELP = {
     "kv_cache_dtype": "KV cache dtype: auto (the trunk's) or bf16 (half the bytes; attention in bf16; torch modes)",
     "sampling_noise": "sampling noise: generator (one torch.Generator per sequence, reference-identical; CPU "
     "default), counter (hash of seed and step, one batched draw, batch-invariant; CUDA default) or auto",
+    "step_graphs": "code decode steps as one CUDA graph: embed, trunk, heads and sampling (auto: with CUDA "
+    "graphs and counter noise; on: also eagerly on a CPU)",
     "max_audio_seconds": "audio one request may generate in all (its sentences x max_new_tokens are capped to fit)",
     "audio_dtype": "Decoder + Vocos dtype: fp32 (reference-exact), tf32 (CUDA) or bf16 (faster on CPUs with "
     "AVX-512 BF16 / AMX); auto: bf16 on CUDA, fp32 elsewhere",
@@ -229,6 +238,7 @@ def add_engine_arguments(
                 "decode": DECODE_MODES,
                 "kv_cache_dtype": KV_CACHE_DTYPES,
                 "sampling_noise": SAMPLING_NOISES,
+                "step_graphs": SWITCHES,
                 "audio_dtype": AUDIO_DTYPES,
                 "audio_overlap": SWITCHES,
                 "audio_buckets": SWITCHES,

@@ -52,6 +52,15 @@ class EngineStats:
     refused by its self-check. 0 in the "rows" and "onnx" decode modes."""
     graphs_refused: int = 0
     """CUDA graphs that failed their start-up self-check (not used)."""
+    step_graph_replays: int = 0
+    """Code decode steps run by replaying a whole-step graph (``engine.step_graph``); these count in
+    neither ``graph_replays`` nor ``eager_steps``."""
+    step_graph_eager_steps: int = 0
+    """Code decode steps that ran the whole-step function eagerly (no CUDA, or a refused bucket)."""
+    step_graphs_captured: int = 0
+    """Whole-step graphs captured (each bucket once, at its first step) and kept."""
+    step_graphs_refused: int = 0
+    """Whole-step graphs that failed their check against the eager step (their buckets run eagerly)."""
 
 
 class EngineCore:
@@ -135,7 +144,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         sched = self.scheduler  # one read: ``reset`` may replace it from the engine thread
         slots = sched.config.max_num_seqs
-        static = self.runner.static
+        static, whole = self.runner.static, self.runner.step_graph
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
@@ -144,6 +153,10 @@ class EngineCore:
             graph_replays=static.graph_replays if static else 0,
             eager_steps=static.eager_steps if static else 0,
             graphs_refused=static.graphs_refused if static else 0,
+            step_graph_replays=whole.graph_replays if whole else 0,
+            step_graph_eager_steps=whole.eager_steps if whole else 0,
+            step_graphs_captured=len(whole.graphs) if whole else 0,
+            step_graphs_refused=len(whole.refused) if whole else 0,
         )
 
     # ------------------------------------------------------------------ one step

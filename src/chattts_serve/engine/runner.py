@@ -37,6 +37,7 @@ from .prefill_runner import KindPrefill, Prefiller, SeqInputs, StepSampling
 from .request import Sequence
 from .sampler import PENALTY_WINDOW, batched_probs, sample_with_noise
 from .slot_state import Admission, HostStaging, SlotState, TokenReadback
+from .step_graph import StepGraph, step_graphs_apply
 from .step_plan import KindRows, StepPlan, bind, build_plan
 
 __all__ = ["ModelRunner", "SeqInputs", "StepSampling", "auto_num_slots"]
@@ -150,6 +151,12 @@ class ModelRunner:
         if self.decode_mode == "static":
             cfg = self.config
             self.static = StaticDecoder(model.gpt, self.cache, cfg.cuda_graphs, cfg.compile, cfg.strict_cuda_graphs)
+        self.step_graph: StepGraph | None = None
+        """Code decode steps as one graph (CUDA defaults; ``engine.step_graph``)."""
+        if step_graphs_apply(
+            self.config.step_graphs, self.device.type, self.decode_mode, self.noise_source, self.config.cuda_graphs
+        ):
+            self.step_graph = StepGraph(self, self.config.cuda_graphs, self.config.strict_cuda_graphs)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -188,6 +195,12 @@ class ModelRunner:
                     code_hidden.append(pre["code"].last)
                 admissions = [self._admission(seq) for seq in sched.prefill]
         plan = self._step_plan(sched, admissions)
+        if sched.decode and self.step_graph is not None and self.step_graph.applies(plan):
+            # A code-only decode step: embed, trunk, heads and sampling in one graph (engine.step_graph).
+            with self._stage("decode"):
+                step_tokens, h = self.step_graph.run(plan, max(s.cache_len for s in sched.decode))
+            flat = self._readback.read(step_tokens)  # the step's one device-to-host copy and its one wait
+            return self._output(plan, flat, [h])
         if sched.decode:
             with self._stage("decode"):
                 h_dec = self._decode_trunk(sched.decode, plan)  # [rows, hidden], padded
@@ -200,6 +213,11 @@ class ModelRunner:
             sampled = [self._sample(k, torch.cat(logits[k.kind])) for k in plan.kinds]
             flat = self._readback.read(torch.cat(sampled) if len(sampled) > 1 else sampled[0])
             # ^ the step's one device-to-host copy and its one wait
+        return self._output(plan, flat, code_hidden)
+
+    def _output(self, plan: StepPlan, flat: np.ndarray, code_hidden: list[torch.Tensor]) -> RunnerOutput:
+        """The step's tokens per sequence from the host copy ``flat`` (kinds in plan order), and the code
+        sequences' hidden states as one tensor."""
         tokens: dict[int, tuple[int, ...]] = {}
         hidden_rows: dict[int, int] = {}
         pos = 0
@@ -310,8 +328,26 @@ class ModelRunner:
     def _sample(self, k: KindRows, logits: torch.Tensor) -> torch.Tensor:
         """One kind's tokens ``[len(seqs) * rows]``, every row with its slot's parameters, gathered on
         the device in a fixed number of launches; then recorded into the slots' state."""
-        st, slots, n, rows = self.slot_state, k.slots, len(k.seqs), k.rows
-        assert slots is not None
+        assert k.slots is not None
+        return self.sample_slots(k.kind, k.slots, len(k.seqs), k.rows, k.k_max, logits, k.host_slots)
+
+    def sample_slots(
+        self,
+        kind: str,
+        slots: torch.Tensor,
+        n: int,
+        rows: int,
+        k_max: int,
+        logits: torch.Tensor,
+        host_slots: list[int] | None = None,
+        active: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Tokens ``[n * rows]`` of the ``n`` sequences in ``slots`` from their ``logits`` ``[n * rows, V]``,
+        recorded into the slots' state. ``k_max`` >= every row's effective top_k (the vocabulary always
+        is: the same k-th value, no host value in the shapes). ``host_slots``: the generator noise's
+        slots. ``active`` ``[n]`` bool (the whole-step graph, ``engine.step_graph``): rows that are not
+        active are sampled but leave their slot's state as it was."""
+        st = self.slot_state
 
         def per_row(values: torch.Tensor) -> torch.Tensor:  # [n] per sequence -> [n * rows]
             return values[:, None].expand(n, rows).reshape(n * rows)
@@ -324,7 +360,9 @@ class ModelRunner:
         block = per_row(generated < st.min_new_tokens.index_select(0, slots))
         history = st.history.index_select(0, slots)[:, :rows].reshape(n * rows, PENALTY_WINDOW)
         valid = st.window[None] < per_row(generated.clamp(max=PENALTY_WINDOW))[:, None]
-        eos = AUDIO_EOS if k.kind == "code" else self.text_eos_id
+        if active is not None:  # a row that is not active may hold a text id or a freed slot's ids
+            history = history.masked_fill(~per_row(active)[:, None], 0)
+        eos = AUDIO_EOS if kind == "code" else self.text_eos_id
         probs = batched_probs(
             logits,
             history,
@@ -333,16 +371,20 @@ class ModelRunner:
             penalty,
             top_p,
             top_k,
-            k.k_max,
+            k_max,
             block,
             eos,
             host_reads=not self.sync_free,
         )
         vocab = logits.shape[-1]
         if self._generator_noise is not None:
-            noise = self._generator_noise(k.host_slots, rows, vocab)
+            assert host_slots is not None
+            noise = self._generator_noise(host_slots, rows, vocab)
         else:
             noise = self._counter_noise(st.seed.index_select(0, slots), generated, rows, vocab)
         tokens = sample_with_noise(probs, noise)
-        st.record(slots, generated, tokens.view(n, rows))
+        if active is None:
+            st.record(slots, generated, tokens.view(n, rows))
+        else:
+            st.record_active(n, generated, tokens.view(n, rows), active)
         return tokens

@@ -164,3 +164,16 @@ class SlotState:
         self.history.index_put_((slots[:, None], self.codebooks[None, :rows], col[:, None]), tokens)
         self.last.index_copy_(0, slots, tokens.expand(n, self.num_vq) if rows == 1 else tokens)
         self.generated.index_copy_(0, slots, generated + 1)
+
+    def record_active(self, n: int, generated: torch.Tensor, tokens: torch.Tensor, active: torch.Tensor) -> None:
+        """``record`` for slots ``0..n-1`` (rows are slots: the whole-step graph) where only the
+        ``active`` ``[n]`` ones took a step: the others keep their history, last token and count (each
+        is written back unchanged, so the launches do not depend on which rows are active)."""
+        rows = tokens.shape[1]
+        col = generated.remainder(PENALTY_WINDOW)[:, None, None].expand(n, rows, 1)
+        history = self.history[:n, :rows]
+        history.scatter_(2, col, torch.where(active[:, None, None], tokens[:, :, None], history.gather(2, col)))
+        new_last = tokens.expand(n, self.num_vq) if rows == 1 else tokens
+        last = self.last[:n]
+        last.copy_(torch.where(active[:, None], new_last, last))
+        self.generated[:n].copy_(torch.where(active, generated + 1, generated))

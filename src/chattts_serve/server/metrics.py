@@ -82,5 +82,16 @@ class _DecodeStepCollector:
             ("chattts_cuda_graph_replays", "Static decode steps run by replaying a CUDA graph", "graph_replays"),
             ("chattts_decode_eager_steps", "Static decode steps run eagerly (no graph for the shape)", "eager_steps"),
             ("chattts_cuda_graphs_refused", "CUDA graphs that failed their start-up self-check", "graphs_refused"),
+            (
+                "chattts_step_graph_replays",
+                "Code decode steps run by replaying a whole-step graph",
+                "step_graph_replays",
+            ),
+            (
+                "chattts_step_graph_eager_steps",
+                "Code decode steps that ran the whole-step function eagerly",
+                "step_graph_eager_steps",
+            ),
+            ("chattts_step_graphs_refused", "Whole-step graphs that failed their check", "step_graphs_refused"),
         ):
             yield CounterMetricFamily(name, doc, value=getattr(stats, attr, 0))

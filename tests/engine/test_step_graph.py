@@ -1,0 +1,279 @@
+"""The whole-step graph (``engine.step_graph``) on the CPU: its function, run eagerly, gives every
+sequence the tokens and hidden states of the ordinary step, leaves the slots that do not decode alone,
+and keeps the one-sync step; the capture-and-check logic runs against stand-in CUDA calls (a graph that
+recomputes, one that does nothing, one that corrupts the state). The capture itself needs CUDA
+(``scripts/gpu_check.py``)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from chattts_serve.engine.config import EngineConfig, RunnerConfig
+from chattts_serve.engine.engine import Engine
+from chattts_serve.engine.outputs import SchedulerOutput
+from chattts_serve.engine.request import Sequence
+from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
+from chattts_serve.engine.scheduler import SchedulerConfig
+from chattts_serve.engine.step_graph import step_graphs_apply
+from chattts_serve.model.config import AUDIO_EOS
+from chattts_serve.sampling_params import SamplingParams
+
+from .sync_counter import SyncCounter
+
+SLOTS = 24
+
+
+def make_runner(tiny_ckpt, step_graphs: str, noise: str = "counter", **kw) -> ModelRunner:
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=SLOTS, max_model_len=256),
+        runner=RunnerConfig(decode="static", sampling_noise=noise, step_graphs=step_graphs, **kw),
+    )
+    runner = Engine.from_pretrained(tiny_ckpt, device="cpu", config=config).core.runner
+    runner.sync_free = True  # the device branches of the sampler, as on CUDA
+    return runner
+
+
+def make_seq(runner: ModelRunner, i: int, slot: int, kind: str = "code") -> Sequence:
+    """Sequence i in ``slot``, with its own temperatures, top_p, top_k (0 = off included), penalty,
+    min_new_tokens (EOS blocked for a while) and seed (or none)."""
+    rng = random.Random(i)
+    temps = tuple(rng.uniform(0.2, 1.0) for _ in range(4)) if kind == "code" and i % 3 else (rng.uniform(0.2, 1),)
+    sampling = StepSampling(
+        temps, rng.uniform(0.5, 1.0), rng.choice([0, 5, 20]), rng.choice([1.0, 1.05, 1.3]), rng.choice([None, i])
+    )
+    ids = [rng.randrange(runner._vocab["text"]) for _ in range(rng.randint(3, 9))]
+    eos = AUDIO_EOS if kind == "code" else runner.text_eos_id
+    seq = Sequence(f"r{i}", kind, len(ids), rng.choice([0, 3, 50]), 100, eos, sampling.seed is not None, False)
+    seq.payload, seq.slot = SeqInputs(ids, sampling), slot
+    return seq
+
+
+def script(runner: ModelRunner) -> list[tuple[str, list[Sequence]]]:
+    """A run whose running set changes: admissions, departures, holes in the slots, a text sequence
+    for a while (those steps take the ordinary path), a sequence skipped for one step."""
+    code = [make_seq(runner, i, slot) for i, slot in enumerate([0, 1, 2, 3, 5, 8, 9, 13])]
+    late = [make_seq(runner, 20, 4), make_seq(runner, 21, 19)]
+    text = make_seq(runner, 30, 6, kind="text")
+    steps: list[tuple[str, list[Sequence]]] = [("prefill", code)]
+    steps += [("decode", code)] * 3
+    steps += [("release", [code[2], code[5]])]
+    alive = [s for s in code if s not in (code[2], code[5])]
+    steps += [("decode", alive)] * 2
+    steps += [("prefill", late), ("decode", alive + late), ("decode", alive + late)]
+    steps += [("prefill", [text]), ("decode", alive + late + [text]), ("release", [text])]
+    steps += [("decode", alive + late)] * 2
+    steps += [("decode", [s for s in alive + late if s.slot != 5])]  # slot 5 skips a step
+    steps += [("decode", alive + late)] * 2
+    return steps
+
+
+def drive(runner: ModelRunner, steps) -> list:
+    """Run the script; each step's (tokens, hidden rows) by request id (seq ids differ between runs)."""
+    torch.manual_seed(0)  # unseeded sequences draw their seeds from the global RNG
+    outs = []
+    for what, seqs in steps:
+        if what == "release":
+            runner.release(seqs)
+            continue
+        sched = SchedulerOutput(prefill=seqs) if what == "prefill" else SchedulerOutput(decode=seqs)
+        out = runner.execute(sched)
+        tokens = {s.request_id: out.tokens[s.seq_id] for s in seqs}
+        hidden = {s.request_id: out.hidden_of(s.seq_id).clone() for s in seqs if s.kind == "code"}
+        outs.append((tokens, hidden))
+        for seq in seqs:
+            seq.tokens.append(out.tokens[seq.seq_id])
+    return outs
+
+
+def test_step_graph_function_gives_the_ordinary_steps_tokens_and_hidden_states(tiny_ckpt):
+    plain = make_runner(tiny_ckpt, "off")
+    whole = make_runner(tiny_ckpt, "on")
+    assert plain.step_graph is None and whole.step_graph is not None
+    want = drive(plain, script(plain))
+    got = drive(whole, script(whole))
+    assert len(got) == len(want)
+    for (tok_g, hid_g), (tok_w, hid_w) in zip(got, want, strict=True):
+        assert tok_g == tok_w
+        assert hid_g.keys() == hid_w.keys()
+        for sid in hid_w:
+            assert torch.equal(hid_g[sid], hid_w[sid])
+    # Code-only decode steps took the step function; the text and admission steps did not.
+    assert whole.step_graph.eager_steps == 12 and whole.step_graph.graph_replays == 0
+
+
+@torch.inference_mode()
+def test_a_slot_that_does_not_decode_keeps_its_state_and_its_keys(tiny_ckpt):
+    runner = make_runner(tiny_ckpt, "on")
+    seqs = [make_seq(runner, i, i) for i in range(4)]
+    out = runner.execute(SchedulerOutput(prefill=seqs))
+    for s in seqs:
+        s.tokens.append(out.tokens[s.seq_id])
+    st, cache = runner.slot_state, runner.cache
+    idle = seqs[1]  # slot 1, inside the batch bucket of slots 0..3
+    saved = {n: getattr(st, n)[idle.slot].clone() for n in ("last", "generated", "history")}
+    keys = cache.k[:, idle.slot, :, : cache.max_len - 1].clone()  # all but the scratch position
+    runner.execute(SchedulerOutput(decode=[s for s in seqs if s is not idle]))
+    assert runner.step_graph.eager_steps == 1
+    for n, value in saved.items():
+        assert torch.equal(getattr(st, n)[idle.slot], value), n
+    assert torch.equal(cache.k[:, idle.slot, :, : cache.max_len - 1], keys)
+    assert (st.generated[[0, 2, 3]] == 2).all()
+
+
+def test_step_graph_step_has_one_sync(tiny_ckpt):
+    runner = make_runner(tiny_ckpt, "on")
+    seqs = [make_seq(runner, i, i) for i in range(8)]
+    out = runner.execute(SchedulerOutput(prefill=seqs))
+    for _ in range(3):
+        for s in seqs:
+            s.tokens.append(out.tokens[s.seq_id])
+        counter = SyncCounter(host_buffers=(runner._readback.host, runner._staging.host))
+        with counter:
+            out = runner.execute(SchedulerOutput(decode=seqs))
+        assert counter.total == 1, counter.report()
+    assert runner.step_graph.eager_steps == 3
+
+
+def test_step_graphs_config():
+    assert step_graphs_apply("auto", "cuda", "static", "counter", True)
+    assert not step_graphs_apply("auto", "cuda", "static", "counter", False)  # graphs off
+    assert not step_graphs_apply("auto", "cpu", "static", "counter", True)
+    assert not step_graphs_apply("auto", "cuda", "static", "generator", True)
+    assert not step_graphs_apply("off", "cuda", "static", "counter", True)
+    assert step_graphs_apply("on", "cpu", "static", "counter", False)
+    with pytest.raises(ValueError, match="needs decode static and sampling_noise counter"):
+        step_graphs_apply("on", "cpu", "rows", "counter", False)
+    with pytest.raises(ValueError, match="step_graphs must be one of"):
+        RunnerConfig(step_graphs="yes")
+
+
+def test_engine_with_step_graphs_on_gives_the_same_audio(tiny_ckpt):
+    """The whole engine, static decode with counter noise, step function on against off."""
+    params = SamplingParams(seed=5, max_new_tokens=12, refine_text=False)
+    results = {}
+    for mode in ("off", "on"):
+        config = EngineConfig.with_slots(
+            4, runner=RunnerConfig(decode="static", sampling_noise="counter", step_graphs=mode)
+        )
+        eng = Engine.from_pretrained(tiny_ckpt, config=config)
+        results[mode] = eng.synthesize(["你好，世界。", "Hello there."], params)
+        stats = eng.core.stats()
+        assert (stats.step_graph_eager_steps > 0) == (mode == "on")
+    for a, b in zip(results["on"], results["off"], strict=True):
+        assert np.array_equal(a.codes, b.codes)
+        assert np.array_equal(a.audio, b.audio)
+
+
+# ---------------------------------------------------------------- capture and check, CUDA stood in for
+
+
+class _Ctx:
+    def __init__(self, *a, **k):
+        self.a, self.k = a, k
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int], str]) -> list:
+    """Stand-ins for torch.cuda's stream and graph calls. A "captured" graph replays the step function
+    into its outputs ("good"), does nothing ("empty": a capture on the wrong device), or recomputes
+    and then corrupts a slot's state ("corrupt"); buckets not in ``behaviour`` are good."""
+    sg = runner.step_graph
+    capturing: list = []
+    graphs: list = []
+
+    class FakeGraph:
+        def __init__(self):
+            self.replays = 0
+            graphs.append(self)
+
+        def bind(self, bs, ctx, out):
+            self.bs, self.ctx, self.out = bs, ctx, out
+
+        def replay(self):
+            self.replays += 1
+            how = behaviour.get((self.bs, self.ctx), "good")
+            if how == "empty":
+                return
+            tokens, h = original(self.bs, self.ctx)
+            self.out[0].copy_(tokens), self.out[1].copy_(h)
+            if how == "corrupt":
+                runner.slot_state.last[0].add_(1)
+
+    class FakeGraphCtx(_Ctx):
+        def __enter__(self):
+            capturing.append(self.a[0])
+            return self
+
+        def __exit__(self, *exc):
+            capturing.pop()
+            return False
+
+    original = sg.step_fn
+
+    def step_fn(bs, ctx):
+        out = original(bs, ctx)
+        if capturing:
+            capturing[-1].bind(bs, ctx, out)
+        return out
+
+    class FakeStream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(sg, "step_fn", step_fn)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", _Ctx)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeGraphCtx)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    sg.use_graphs = True
+    return graphs
+
+
+@pytest.mark.parametrize("behaviour", ["good", "empty", "corrupt"])
+def test_captured_step_graphs_are_checked_and_a_bad_one_never_changes_the_result(
+    tiny_ckpt, monkeypatch, caplog, behaviour
+):
+    plain = make_runner(tiny_ckpt, "off")
+    want = drive(plain, script(plain))
+    whole = make_runner(tiny_ckpt, "on")
+    bad_bucket = (16, 256)  # the bucket of slots up to 15 (the script reaches slot 13 first)
+    graphs = fake_cuda(monkeypatch, whole, {bad_bucket: behaviour})
+    with caplog.at_level("WARNING", logger="chattts_serve.engine.step_graph"):
+        got = drive(whole, script(whole))
+    for (tok_g, hid_g), (tok_w, hid_w) in zip(got, want, strict=True):
+        assert tok_g == tok_w
+        for sid in hid_w:
+            assert torch.equal(hid_g[sid], hid_w[sid])
+    sg = whole.step_graph
+    buckets = set(sg.graphs) | sg.refused
+    assert sg.captures == len(buckets) == len(graphs)  # each bucket captured once, at its first step
+    assert bad_bucket in buckets
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if behaviour == "good":
+        assert not sg.refused and not warnings
+        assert sg.graph_replays == 12 and sg.eager_steps == 0
+    else:
+        assert sg.refused == {bad_bucket} and bad_bucket not in sg.graphs
+        assert len(warnings) == 1 and "batch 16 ctx 256" in warnings[0]
+        assert sg.eager_steps >= 1 and sg.graph_replays + sg.eager_steps == 12
+
+
+def test_a_bad_step_graph_raises_when_strict(tiny_ckpt, monkeypatch):
+    whole = make_runner(tiny_ckpt, "on", strict_cuda_graphs=True)
+    fake_cuda(monkeypatch, whole, {(16, 256): "empty"})
+    with pytest.raises(RuntimeError, match="differs from the eager step"):
+        drive(whole, script(whole))
