@@ -1,5 +1,6 @@
-"""``bench host-overhead`` through the real CLI at tiny sizes: one JSON line per run, both runners timed
-side by side, and the current runner's launches per step flat in the batch (its point)."""
+"""``bench host-overhead`` through the real CLI at tiny sizes: one JSON line per run, the eager step, the
+whole-step graph's host side and an older runner timed side by side, launches per step flat in the
+batch (its point), and far fewer with the step graph."""
 
 from __future__ import annotations
 
@@ -26,10 +27,48 @@ def test_host_overhead_cli(tiny_ckpt, capsys):
         before,
     )
     assert r["launch_us"] > 0 and r["timer_cost_us"] > 0
+    assert r["mix"] == "code" and r["allocator"] in ("caching (glibc mallopt)", "system")
     assert set(r["sizes"]) == {"8", "16"}
     for row in r["sizes"].values():
-        assert set(row) == {"after", "before"}
+        assert set(row) == {"eager", "step-graph", "before"}
         for m in row.values():
             assert m["step_ms"] > 0 and m["host_us_per_seq"] >= m["python_us_per_seq"] >= 0
-    after = [r["sizes"][n]["after"]["ops_per_step"] for n in ("8", "16")]
-    assert after[0] == after[1] > 0
+    for name in ("eager", "step-graph"):
+        ops = [r["sizes"][n][name]["ops_per_step"] for n in ("8", "16")]
+        assert ops[0] == ops[1] > 0
+    assert r["sizes"]["16"]["step-graph"]["ops_per_step"] * 5 < r["sizes"]["16"]["eager"]["ops_per_step"]
+    assert set(r["fit"]) == {"eager", "step-graph", "before"}
+    assert all(set(f) == {"fixed_ms", "marginal_us_per_seq"} for f in r["fit"].values())
+
+
+def test_fit_recovers_a_line():
+    from chattts_serve.bench.host_overhead import fit
+
+    assert fit([64, 256, 512], [2000 + 3 * n for n in (64, 256, 512)]) == {
+        "fixed_ms": 2.0,
+        "marginal_us_per_seq": 3.0,
+    }
+    assert fit([64], [100.0]) == {}
+
+
+def test_mixed_sequences_fall_back_to_the_eager_step(tiny_ckpt, capsys):
+    r = run_cli(
+        capsys,
+        "bench",
+        "host-overhead",
+        "--model",
+        str(tiny_ckpt),
+        "--sizes",
+        "16",
+        "--steps",
+        "1",
+        "--mix",
+        "mixed",
+        "--allocator",
+        "system",
+        "--paths",
+        "eager,step-graph",
+    )
+    assert r["allocator"] == "system"
+    row = r["sizes"]["16"]
+    assert row["step-graph"]["ops_per_step"] == row["eager"]["ops_per_step"]  # a text row: the eager step

@@ -20,6 +20,20 @@ device path (``sync_free``) with counter noise, the CUDA defaults. An upper boun
 of large intermediate tensors happen between ops (a CUDA caching allocator makes them free), and the
 timer's cost per op is calibrated on a trivial op. ``ops_per_step`` is exact.
 
+Two paths of the same runner: ``eager`` (the trunk stubbed, everything after it run op by op: what a
+CUDA step costs with only the trunk captured, ``--step-graphs off``) and ``step-graph`` (the whole
+code step, ``engine.step_graph``, stubbed as one replay that returns fixed tokens and hidden states:
+what remains on the host when the step is one graph, the CUDA default). The sequences are code only
+(the steady audio phase, where the step graph applies; ``--mix mixed`` makes one in 8 a text
+sequence, and then the step-graph path falls back to the eager one on every step).
+
+Allocator (``--allocator``): ``caching`` (default) tells glibc's malloc to keep freed blocks (no
+``munmap`` of each large temporary, no trim of the heap top), as CUDA's caching allocator does on a
+GPU; ``system`` leaves glibc's defaults, where freeing the sampler's megabyte temporaries costs page
+unmapping and faults that land between ops and would count as host time. Per-size results also give
+the fit ``host = fixed + marginal x N`` over the sizes (``fit``): flat per sequence means the marginal
+cost holds at every size; the fixed part is the step's launches and Python, paid once per step.
+
 ``--before FILE``: also time an older ``runner.py`` (``git show main:src/chattts_serve/engine/runner.py
 > /tmp/runner_main.py``) loaded side by side inside this package, with the same stub (its sampler calls
 take the device path too), the two runners' steps interleaved (``measure``). On a shared CPU the figures
@@ -54,6 +68,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="decode steps timed per size (median)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--before", default=None, help="an older runner.py to time side by side")
+    p.add_argument("--paths", default="eager,step-graph", help="comma-separated: eager, step-graph")
+    p.add_argument("--mix", choices=("code", "mixed"), default="code", help="code only, or one in 8 text")
+    p.add_argument(
+        "--allocator",
+        choices=("caching", "system"),
+        default="caching",
+        help="caching: glibc keeps freed blocks, as CUDA's allocator does; system: glibc's defaults",
+    )
 
 
 class _StubTrunk:
@@ -104,7 +126,46 @@ def per_op_costs(n: int = 4000) -> tuple[float, float]:
     return statistics.median(plain), statistics.median(timed)
 
 
-def _sequences(runner, n: int, seed: int) -> list:
+def caching_malloc() -> bool:
+    """glibc's malloc keeps what is freed: large blocks come from the heap (mmap threshold at its
+    32 MiB maximum, which also stops it adapting) and the heap top is never trimmed. False where the
+    C library is not glibc (nothing changed)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1
+    return ok and libc.mallopt(m_trim_threshold, (1 << 31) - 1) == 1
+
+
+def fit(sizes: list[int], host_us: list[float]) -> dict[str, float]:
+    """Least squares ``host = fixed + marginal x N``: fixed in ms per step, marginal in us per sequence."""
+    if len(sizes) < 2:
+        return {}
+    mean_n, mean_h = statistics.fmean(sizes), statistics.fmean(host_us)
+    var = sum((n - mean_n) ** 2 for n in sizes)
+    marginal = sum((n - mean_n) * (h - mean_h) for n, h in zip(sizes, host_us, strict=True)) / var
+    return {"fixed_ms": round((mean_h - marginal * mean_n) / 1e3, 3), "marginal_us_per_seq": round(marginal, 2)}
+
+
+class _StubStep:
+    """Stands in for ``StepGraph.step_fn`` (one graph replay): fixed tokens and hidden states per bucket."""
+
+    def __init__(self, slots: int, num_vq: int, hidden) -> None:
+        import torch
+
+        self.tokens = torch.zeros(slots * num_vq, dtype=torch.int64)
+        self.hidden, self.num_vq = hidden, num_vq
+
+    def __call__(self, bs: int, ctx: int):
+        return self.tokens[: bs * self.num_vq], self.hidden[:bs]
+
+
+def _sequences(runner, n: int, seed: int, mix: str = "mixed") -> list:
     from ..engine.request import Sequence
     from ..engine.runner import SeqInputs, StepSampling
     from ..model.config import AUDIO_EOS
@@ -112,7 +173,7 @@ def _sequences(runner, n: int, seed: int) -> list:
     rng = random.Random(seed)
     seqs = []
     for i in range(n):
-        kind = "text" if i % 8 == 7 else "code"
+        kind = "text" if mix == "mixed" and i % 8 == 7 else "code"
         sampling = StepSampling(
             (rng.uniform(0.2, 1.0),), rng.uniform(0.5, 1.0), rng.choice([0, 20]), 1.05, rng.choice([None, i])
         )
@@ -139,7 +200,9 @@ def _load_runner_class(path: str | None):
     return module.ModelRunner
 
 
-def measure(model: Any, layout: Any, eos_id: int, runner_classes: dict, n: int, steps: int, costs) -> dict:
+def measure(
+    model: Any, layout: Any, eos_id: int, runner_classes: dict, n: int, steps: int, costs, mix: str = "mixed"
+) -> dict:
     """Each runner at ``n`` sequences: medians over ``steps`` decode steps (see the module docstring).
     The runners' steps interleave, first one then the other and the order swapped every step, so
     the state of the process (the heap after the other runner's frees, caches, the machine's load)
@@ -150,13 +213,16 @@ def measure(model: Any, layout: Any, eos_id: int, runner_classes: dict, n: int, 
     from ..engine.outputs import SchedulerOutput
 
     launch, timer_cost = costs
-    config = RunnerConfig(decode="static", sampling_noise="counter", cuda_graphs=False)
     state = {}
-    for name, cls in runner_classes.items():
+    for name, (cls, step_graphs) in runner_classes.items():
+        config = RunnerConfig(decode="static", sampling_noise="counter", cuda_graphs=False, step_graphs=step_graphs)
         runner = cls(model, layout, n, 256, eos_id, config)
         runner.sync_free = True
-        runner.static = _StubTrunk(torch.randn(n, model.gpt.norm.weight.shape[0]))
-        seqs = _sequences(runner, n, seed=n)
+        hidden = torch.randn(n, model.gpt.norm.weight.shape[0])
+        if getattr(runner, "step_graph", None) is not None:  # (it keeps the real decoder's buckets)
+            runner.step_graph.step_fn = _StubStep(n, runner.num_vq, hidden)
+        runner.static = _StubTrunk(hidden)  # steps the step graph does not take
+        seqs = _sequences(runner, n, seed=n, mix=mix)
         state[name] = (runner, seqs, runner.execute(SchedulerOutput(prefill=seqs)), [])
     names = list(state)
     for i in range(steps + 1):  # the first: warm-up (and the step that builds the index tensors)
@@ -195,14 +261,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..model.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
+    caching = caching_malloc() if args.allocator == "caching" else False
     path = args.model or write_random(Path(tempfile.mkdtemp()) / "tiny", "tiny", seed=0)
     sizes = [int(s) for s in str(args.sizes).split(",")]
-    runners = {"after": _load_runner_class(None)}
+    paths = [p.strip() for p in str(args.paths).split(",") if p.strip()]
+    unknown = set(paths) - {"eager", "step-graph"}
+    if unknown:
+        raise SystemExit(f"--paths: unknown {', '.join(sorted(unknown))} (eager, step-graph)")
+    current = _load_runner_class(None)
+    runners = {name: (current, "on" if name == "step-graph" else "off") for name in paths}
     if args.before:
-        runners["before"] = _load_runner_class(args.before)
+        runners["before"] = (_load_runner_class(args.before), "off")
     costs = per_op_costs()
     out: dict[str, Any] = {
-        "method": "host = python time + ops x launch, stub trunk, medians (see the module docstring)",
+        "method": "host = python time + ops x launch, stub trunk / stub step graph, medians (module docstring)",
+        "allocator": "caching (glibc mallopt)" if caching else "system",
+        "mix": args.mix,
         "launch_us": round(costs[0] * 1e6, 2),
         "timer_cost_us": round(costs[1] * 1e6, 2),
         "sizes": {},
@@ -212,7 +286,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = checkpoint.load(path, device="cpu", dtype=torch.float32)
         eos_id = Tokenizer(model.root / checkpoint.TOKENIZER_DIR).eos_id
         layout = prepare_model(model, parse_precision("fp32"), n)
-        out["sizes"][n] = measure(model, layout, eos_id, runners, n, args.steps, costs)
+        out["sizes"][n] = measure(model, layout, eos_id, runners, n, args.steps, costs, args.mix)
+    out["fit"] = {name: fit(sizes, [out["sizes"][n][name]["host_us_per_seq"] * n for n in sizes]) for name in runners}
     return out
 
 
