@@ -4,8 +4,9 @@
     python scripts/gpu_check.py --model DIR --out results.jsonl  # or uses yours
 
 1. CUDA graphs: every captured graph passes its start-up self-check (replay vs an eager step), and
-   the graph decode step gives the same codes as the same step run eagerly; replays vs eager steps
-   are counted; a second card, when there is one, gets the same check.
+   the graph decode step gives the same codes as the same step run eagerly, with the trunk's graphs
+   alone and with whole-step graphs (``engine.step_graph``: embed to sampled tokens, the CUDA
+   default); replays vs eager steps are counted; a second card, when there is one, gets the same check.
 2. Host syncs: ``torch.cuda.set_sync_debug_mode`` counts the synchronising calls over a batch's
    decode steps (the goal: one per step, the tokens' copy).
 3. Precision: bf16 / fp16 / int8 and the bf16 KV cache against fp32 on the GPU (``chattts-serve
@@ -68,39 +69,64 @@ def _commit() -> str:
 
 
 def check_graphs(model: str, device: str, steps: int) -> dict:
-    """Graph replay vs eager, same static step, same buckets: the codes must be identical."""
+    """Graph replay vs eager, same static step, same buckets: the codes must be identical. Three
+    engines: no graphs; the trunk's graphs alone (``step_graphs`` off); and the defaults, where a code
+    decode step is one whole-step graph (``engine.step_graph``, CUDA with counter noise)."""
     texts = ["今天天气真不错，我们一起去公园散步吧。", "The quick brown fox jumps over the lazy dog."] * 2
     params = SamplingParams(seed=11, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
+    # Counter noise (the CUDA default) in all three; on a CPU the step graph's function runs eagerly.
+    step = "auto" if device != "cpu" else "on"
+    variants = {
+        "eager": RunnerConfig(decode="static", cuda_graphs=False, sampling_noise="counter", step_graphs="off"),
+        "trunk": RunnerConfig(decode="static", cuda_graphs=True, sampling_noise="counter", step_graphs="off"),
+        "step": RunnerConfig(decode="static", cuda_graphs=True, sampling_noise="counter", step_graphs=step),
+    }
     runs = {}
-    for graphs in (False, True):
-        eng = Engine.from_pretrained(
-            model, device, EngineConfig.with_slots(4, runner=RunnerConfig(decode="static", cuda_graphs=graphs))
-        )
+    for name, runner in variants.items():
+        eng = Engine.from_pretrained(model, device, EngineConfig.with_slots(4, runner=runner))
         n_graphs = len(eng.core.runner.static.graphs)
         t0 = time.perf_counter()
         res = eng.synthesize(texts, params)
-        runs[graphs] = (res, time.perf_counter() - t0, n_graphs, eng.core.stats())
+        whole = eng.core.runner.step_graph
+        capture_s = whole.capture_s if whole is not None else 0.0
+        runs[name] = (res, time.perf_counter() - t0, n_graphs, eng.core.stats(), capture_s)
         del eng
-    same = all(np.array_equal(a.codes, b.codes) for a, b in zip(runs[False][0], runs[True][0], strict=True))
-    wav = max(float(np.abs(a.audio - b.audio).max()) for a, b in zip(runs[False][0], runs[True][0], strict=True))
-    stats = runs[True][3]
+
+    def same_as_eager(name: str) -> tuple[bool, float]:
+        pairs = list(zip(runs["eager"][0], runs[name][0], strict=True))
+        same = all(np.array_equal(a.codes, b.codes) for a, b in pairs)
+        return same, max(float(np.abs(a.audio - b.audio).max()) for a, b in pairs)
+
+    same, wav = same_as_eager("trunk")
+    step_same, step_wav = same_as_eager("step")
+    stats, step_stats = runs["trunk"][3], runs["step"][3]
     on_gpu = device != "cpu"
-    second = _second_device(model, device, texts, params, runs[True][0]) if on_gpu else {}
+    second = _second_device(model, device, texts, params, runs["trunk"][0]) if on_gpu else {}
     return {
         "check": "cuda_graph_vs_eager",
         "codes_identical": same,
         "max_abs_wav_diff": wav,
-        "graphs_captured": runs[True][2],
+        "graphs_captured": runs["trunk"][2],
         "graphs_refused": stats.graphs_refused,  # failed the self-check: replay != eager step
         "graph_replays": stats.graph_replays,
         "eager_fallbacks": stats.eager_steps,
-        "eager_wall_s": round(runs[False][1], 3),
-        "graph_wall_s": round(runs[True][1], 3),
+        "eager_wall_s": round(runs["eager"][1], 3),
+        "graph_wall_s": round(runs["trunk"][1], 3),
+        "step_graph_codes_identical": step_same,
+        "step_graph_max_abs_wav_diff": step_wav,
+        "step_graphs_captured": step_stats.step_graphs_captured,
+        "step_graphs_refused": step_stats.step_graphs_refused,
+        "step_graph_replays": step_stats.step_graph_replays,
+        "step_graph_eager_steps": step_stats.step_graph_eager_steps,
+        "step_graph_capture_s": round(runs["step"][4], 3),
+        "step_graph_wall_s": round(runs["step"][1], 3),
         **second,
         "passed": same
+        and step_same
         and stats.graphs_refused == 0
+        and step_stats.step_graphs_refused == 0
         and second.get("second_device_passed", True)
-        and (not on_gpu or (runs[True][2] > 0 and stats.graph_replays > 0)),
+        and (not on_gpu or (runs["trunk"][2] > 0 and stats.graph_replays > 0 and step_stats.step_graph_replays > 0)),
     }
 
 
@@ -119,8 +145,13 @@ def _second_device(model: str, device: str, texts: list[str], params: SamplingPa
         "second_device_graphs": len(eng.core.runner.static.graphs),
         "second_device_graphs_refused": stats.graphs_refused,
         "second_device_graph_replays": stats.graph_replays,
+        "second_device_step_graph_replays": stats.step_graph_replays,
+        "second_device_step_graphs_refused": stats.step_graphs_refused,
         "second_device_codes_identical": same,
-        "second_device_passed": same and stats.graphs_refused == 0 and stats.graph_replays > 0,
+        "second_device_passed": same
+        and stats.graphs_refused == 0
+        and stats.step_graphs_refused == 0
+        and stats.graph_replays + stats.step_graph_replays > 0,
     }
 
 
@@ -147,6 +178,8 @@ class Goal:
 GOALS = (
     Goal("graph_replay_equals_eager", "==", True, speed=False),
     Goal("graphs_refused", "==", 0, speed=False),
+    Goal("step_graph_equals_eager", "==", True, speed=False),
+    Goal("step_graphs_refused", "==", 0, speed=False),
     Goal("host_syncs_per_decode_step", "<=", 1.25),
     Goal("bf16_tf_top1_agreement", ">=", 0.9, speed=False),
     Goal("offline_256x10s_bf16_wall_s", "<=", 3.0),
@@ -174,7 +207,11 @@ def check_syncs(model: str, device: str, steps: int) -> dict:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     after = eng.core.stats()
-    decode_steps = (after.graph_replays + after.eager_steps) - (before.graph_replays + before.eager_steps)
+
+    def steps(st) -> int:  # trunk-graph, eager and whole-step-graph decode steps
+        return st.graph_replays + st.eager_steps + st.step_graph_replays + st.step_graph_eager_steps
+
+    decode_steps = steps(after) - steps(before)
     syncs = sum("synchroniz" in str(w.message).lower() for w in caught)
     where: dict[str, int] = {}
     for w in caught:
@@ -314,6 +351,8 @@ def main() -> int:
     values["graph_replay_equals_eager"] = value(g, "codes_identical")
     if g is not None:
         values["graphs_refused"] = g["graphs_refused"] + g.get("second_device_graphs_refused", 0)
+        values["step_graph_equals_eager"] = g["step_graph_codes_identical"]
+        values["step_graphs_refused"] = g["step_graphs_refused"] + g.get("second_device_step_graphs_refused", 0)
 
     s = attempt("host_syncs", lambda: check_syncs(model, dev, 16 if quick else 100))
     values["host_syncs_per_decode_step"] = (s or {}).get("syncs_per_decode_step")

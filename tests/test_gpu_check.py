@@ -39,6 +39,9 @@ def test_gpu_check_quick_on_cpu(tiny_ckpt, tmp_path):
     assert [r["check"] for r in lines[:4]] == ["environment", "cuda_graph_vs_eager", "host_syncs", "precision_vs_fp32"]
     assert by["cuda_graph_vs_eager"][0]["codes_identical"]
     assert by["cuda_graph_vs_eager"][0]["graph_replays"] == 0  # no graphs on a CPU
+    graphs = by["cuda_graph_vs_eager"][0]
+    assert graphs["step_graph_codes_identical"] and graphs["step_graph_replays"] == 0
+    assert graphs["step_graph_eager_steps"] > 0  # the whole-step function ran (eagerly)
     assert by["host_syncs"][0]["syncs"] is None  # CUDA's sync debug mode: GPU only
     plain, mixed = by["offline"]
     assert plain["audio_s_per_s"] > 0 and mixed["mixed_lengths"] and mixed["audio_s"] < plain["audio_s"]
@@ -52,6 +55,7 @@ def test_gpu_check_quick_on_cpu(tiny_ckpt, tmp_path):
     goals = {g["goal"]: g for g in summary["goals"]}
     # On a CPU only the correctness goals are judged; the speed goals are measured at toy sizes.
     assert goals["graph_replay_equals_eager"]["verdict"] == "pass"
+    assert goals["step_graph_equals_eager"]["verdict"] == goals["step_graphs_refused"]["verdict"] == "pass"
     assert goals["offline_256x10s_bf16_wall_s"]["verdict"] == "not judged (quick)"
     assert goals["host_syncs_per_decode_step"]["verdict"] == "not measured"
 
