@@ -51,7 +51,7 @@ def test_fit_recovers_a_line():
     assert fit([64], [100.0]) == {}
 
 
-def test_mixed_sequences_fall_back_to_the_eager_step(tiny_ckpt, capsys):
+def test_mixed_sequences_stay_in_the_step_graph(tiny_ckpt, capsys):
     r = run_cli(
         capsys,
         "bench",
@@ -69,6 +69,6 @@ def test_mixed_sequences_fall_back_to_the_eager_step(tiny_ckpt, capsys):
         "--paths",
         "eager,step-graph",
     )
-    assert r["allocator"] == "system"
+    assert r["allocator"] == "system" and r["mix"] == "mixed"
     row = r["sizes"]["16"]
-    assert row["step-graph"]["ops_per_step"] == row["eager"]["ops_per_step"]  # a text row: the eager step
+    assert row["step-graph"]["ops_per_step"] * 10 < row["eager"]["ops_per_step"]  # text rows in the graph too

@@ -20,7 +20,7 @@ from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
 from chattts_serve.engine.scheduler import SchedulerConfig
 from chattts_serve.engine.step_graph import step_graphs_apply
 from chattts_serve.model.config import AUDIO_EOS
-from chattts_serve.sampling_params import SamplingParams
+from chattts_serve.sampling_params import RefineParams, SamplingParams
 
 from .sync_counter import SyncCounter
 
@@ -52,35 +52,44 @@ def make_seq(runner: ModelRunner, i: int, slot: int, kind: str = "code") -> Sequ
     return seq
 
 
-def script(runner: ModelRunner) -> list[tuple[str, list[Sequence]]]:
-    """A run whose running set changes: admissions, departures, holes in the slots, a text sequence
-    for a while (those steps take the ordinary path), a sequence skipped for one step."""
+def script(runner: ModelRunner) -> list[tuple]:
+    """A run whose running set changes as the scheduler changes it: admissions in the same step as
+    decode rows, departures, holes in the slots, a text sequence decoding beside code ones for a
+    while, a sequence skipped for one step. Each entry: ("step", admitted, decoding) or ("release", seqs)."""
     code = [make_seq(runner, i, slot) for i, slot in enumerate([0, 1, 2, 3, 5, 8, 9, 13])]
     late = [make_seq(runner, 20, 4), make_seq(runner, 21, 19)]
     text = make_seq(runner, 30, 6, kind="text")
-    steps: list[tuple[str, list[Sequence]]] = [("prefill", code)]
-    steps += [("decode", code)] * 3
-    steps += [("release", [code[2], code[5]])]
+    text2 = make_seq(runner, 31, 11, kind="text")
     alive = [s for s in code if s not in (code[2], code[5])]
-    steps += [("decode", alive)] * 2
-    steps += [("prefill", late), ("decode", alive + late), ("decode", alive + late)]
-    steps += [("prefill", [text]), ("decode", alive + late + [text]), ("release", [text])]
-    steps += [("decode", alive + late)] * 2
-    steps += [("decode", [s for s in alive + late if s.slot != 5])]  # slot 5 skips a step
-    steps += [("decode", alive + late)] * 2
+    steps: list[tuple] = [("step", code, [])]  # admissions alone: nothing for the graph
+    steps += [("step", [], code)] * 3
+    steps += [("release", [code[2], code[5]])]
+    steps += [("step", [], alive)] * 2
+    steps += [("step", late, alive), ("step", [], alive + late)]  # admitted beside decode rows
+    steps += [("step", [text], alive + late), ("step", [], alive + late + [text])]  # a text row decodes
+    steps += [("step", [text2], alive + late + [text])]  # a text admission beside a text decode row
+    steps += [("step", [], alive + late + [text, text2]), ("release", [text])]
+    steps += [("step", [], alive + late + [text2]), ("release", [text2])]
+    steps += [("step", [], alive + late)] * 2
+    steps += [("step", [], [s for s in alive + late if s.slot != 5])]  # slot 5 skips a step
+    steps += [("step", [], alive + late)] * 2
     return steps
+
+
+DECODE_STEPS = 17  # entries of ``script`` with decode rows
 
 
 def drive(runner: ModelRunner, steps) -> list:
     """Run the script; each step's (tokens, hidden rows) by request id (seq ids differ between runs)."""
     torch.manual_seed(0)  # unseeded sequences draw their seeds from the global RNG
     outs = []
-    for what, seqs in steps:
-        if what == "release":
-            runner.release(seqs)
+    for entry in steps:
+        if entry[0] == "release":
+            runner.release(entry[1])
             continue
-        sched = SchedulerOutput(prefill=seqs) if what == "prefill" else SchedulerOutput(decode=seqs)
-        out = runner.execute(sched)
+        _, admitted, decoding = entry
+        out = runner.execute(SchedulerOutput(prefill=admitted, decode=decoding))
+        seqs = admitted + decoding
         tokens = {s.request_id: out.tokens[s.seq_id] for s in seqs}
         hidden = {s.request_id: out.hidden_of(s.seq_id).clone() for s in seqs if s.kind == "code"}
         outs.append((tokens, hidden))
@@ -101,8 +110,8 @@ def test_step_graph_function_gives_the_ordinary_steps_tokens_and_hidden_states(t
         assert hid_g.keys() == hid_w.keys()
         for sid in hid_w:
             assert torch.equal(hid_g[sid], hid_w[sid])
-    # Code-only decode steps took the step function; the text and admission steps did not.
-    assert whole.step_graph.eager_steps == 12 and whole.step_graph.graph_replays == 0
+    # Every step with decode rows took the step function (text rows and admissions beside them too).
+    assert whole.step_graph.eager_steps == DECODE_STEPS and whole.step_graph.graph_replays == 0
 
 
 @torch.inference_mode()
@@ -151,9 +160,11 @@ def test_step_graphs_config():
         RunnerConfig(step_graphs="yes")
 
 
-def test_engine_with_step_graphs_on_gives_the_same_audio(tiny_ckpt):
-    """The whole engine, static decode with counter noise, step function on against off."""
-    params = SamplingParams(seed=5, max_new_tokens=12, refine_text=False)
+@pytest.mark.parametrize("refine", [False, True])
+def test_engine_with_step_graphs_on_gives_the_same_audio(tiny_ckpt, refine):
+    """The whole engine, static decode with counter noise, step function on against off (with the
+    refine pass: text rows decode in the same steps as code rows)."""
+    params = SamplingParams(seed=5, max_new_tokens=12, refine_text=refine, refine=RefineParams(max_new_tokens=6))
     results = {}
     for mode in ("off", "on"):
         config = EngineConfig.with_slots(
@@ -195,16 +206,16 @@ def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int],
             self.replays = 0
             graphs.append(self)
 
-        def bind(self, bs, ctx, out):
-            self.bs, self.ctx, self.out = bs, ctx, out
+        def bind(self, key, out):
+            self.key, self.out = key, out
 
         def replay(self):
             self.replays += 1
-            how = behaviour.get((self.bs, self.ctx), "good")
+            how = behaviour.get(self.key, "good")
             if how == "empty":
                 return
-            tokens, h = original(self.bs, self.ctx)
-            self.out[0].copy_(tokens), self.out[1].copy_(h)
+            for mine, fresh in zip(self.out, original(*self.key), strict=True):
+                mine.copy_(fresh)
             if how == "corrupt":
                 runner.slot_state.last[0].add_(1)
 
@@ -219,10 +230,10 @@ def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int],
 
     original = sg.step_fn
 
-    def step_fn(bs, ctx):
-        out = original(bs, ctx)
+    def step_fn(bs, ctx, text=False):
+        out = original(bs, ctx, text)
         if capturing:
-            capturing[-1].bind(bs, ctx, out)
+            capturing[-1].bind((bs, ctx, text), out)
         return out
 
     class FakeStream:
@@ -243,14 +254,21 @@ def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int],
     return graphs
 
 
-@pytest.mark.parametrize("behaviour", ["good", "empty", "corrupt"])
+@pytest.mark.parametrize(
+    "behaviour, bad_bucket",
+    [
+        ("good", (16, 256, False)),
+        ("empty", (16, 256, False)),  # slots up to 15, code rows only (the script reaches slot 13 first)
+        ("corrupt", (16, 256, False)),
+        ("corrupt", (24, 256, True)),  # all 24 slots, with text rows
+    ],
+)
 def test_captured_step_graphs_are_checked_and_a_bad_one_never_changes_the_result(
-    tiny_ckpt, monkeypatch, caplog, behaviour
+    tiny_ckpt, monkeypatch, caplog, behaviour, bad_bucket
 ):
     plain = make_runner(tiny_ckpt, "off")
     want = drive(plain, script(plain))
     whole = make_runner(tiny_ckpt, "on")
-    bad_bucket = (16, 256)  # the bucket of slots up to 15 (the script reaches slot 13 first)
     graphs = fake_cuda(monkeypatch, whole, {bad_bucket: behaviour})
     with caplog.at_level("WARNING", logger="chattts_serve.engine.step_graph"):
         got = drive(whole, script(whole))
@@ -261,19 +279,20 @@ def test_captured_step_graphs_are_checked_and_a_bad_one_never_changes_the_result
     sg = whole.step_graph
     buckets = set(sg.graphs) | sg.refused
     assert sg.captures == len(buckets) == len(graphs)  # each bucket captured once, at its first step
-    assert bad_bucket in buckets
+    assert buckets == {(16, 256, False), (24, 256, False), (24, 256, True)}
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     if behaviour == "good":
         assert not sg.refused and not warnings
-        assert sg.graph_replays == 12 and sg.eager_steps == 0
+        assert sg.graph_replays == DECODE_STEPS and sg.eager_steps == 0
     else:
         assert sg.refused == {bad_bucket} and bad_bucket not in sg.graphs
-        assert len(warnings) == 1 and "batch 16 ctx 256" in warnings[0]
-        assert sg.eager_steps >= 1 and sg.graph_replays + sg.eager_steps == 12
+        bs, ctx, text = bad_bucket
+        assert len(warnings) == 1 and f"batch {bs} ctx {ctx}{' with text rows' if text else ''} on" in warnings[0]
+        assert sg.eager_steps >= 1 and sg.graph_replays + sg.eager_steps == DECODE_STEPS
 
 
 def test_a_bad_step_graph_raises_when_strict(tiny_ckpt, monkeypatch):
     whole = make_runner(tiny_ckpt, "on", strict_cuda_graphs=True)
-    fake_cuda(monkeypatch, whole, {(16, 256): "empty"})
+    fake_cuda(monkeypatch, whole, {(16, 256, False): "empty"})
     with pytest.raises(RuntimeError, match="differs from the eager step"):
         drive(whole, script(whole))

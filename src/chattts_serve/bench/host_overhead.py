@@ -24,8 +24,8 @@ Two paths of the same runner: ``eager`` (the trunk stubbed, everything after it 
 CUDA step costs with only the trunk captured, ``--step-graphs off``) and ``step-graph`` (the whole
 code step, ``engine.step_graph``, stubbed as one replay that returns fixed tokens and hidden states:
 what remains on the host when the step is one graph, the CUDA default). The sequences are code only
-(the steady audio phase, where the step graph applies; ``--mix mixed`` makes one in 8 a text
-sequence, and then the step-graph path falls back to the eager one on every step).
+(the steady audio phase); ``--mix mixed`` makes one in 8 a text sequence (the refine pass: a second
+kind's heads and sampling, in the eager step ~130 more launches, in the graph one gather more).
 
 Allocator (``--allocator``): ``caching`` (default) tells glibc's malloc to keep freed blocks (no
 ``munmap`` of each large temporary, no trim of the heap top), as CUDA's caching allocator does on a
@@ -161,8 +161,9 @@ class _StubStep:
         self.tokens = torch.zeros(slots * num_vq, dtype=torch.int64)
         self.hidden, self.num_vq = hidden, num_vq
 
-    def __call__(self, bs: int, ctx: int):
-        return self.tokens[: bs * self.num_vq], self.hidden[:bs]
+    def __call__(self, bs: int, ctx: int, text: bool = False):
+        code = self.tokens[: bs * self.num_vq]
+        return (code, self.hidden[:bs], self.tokens[:bs]) if text else (code, self.hidden[:bs])
 
 
 def _sequences(runner, n: int, seed: int, mix: str = "mixed") -> list:

@@ -58,7 +58,7 @@ class RunnerConfig:
     whole batch in one call, batch-invariant but not the reference's stream; the CUDA default), or
     "auto" (by device)."""
     step_graphs: str = "auto"
-    """Code decode steps (no admission, no text sequence) as one graph: embed, trunk, heads and sampling
+    """A step's decode rows (code and text) as one graph: embed, trunk, heads and sampling
     (``engine.step_graph``). "auto": where CUDA graphs are captured with counter noise (the CUDA
     defaults); "on": also eagerly without CUDA (the same function; tests); "off": the trunk alone."""
 
@@ -176,7 +176,7 @@ _HELP = {
     "kv_cache_dtype": "KV cache dtype: auto (the trunk's) or bf16 (half the bytes; attention in bf16; torch modes)",
     "sampling_noise": "sampling noise: generator (one torch.Generator per sequence, reference-identical; CPU "
     "default), counter (hash of seed and step, one batched draw, batch-invariant; CUDA default) or auto",
-    "step_graphs": "code decode steps as one CUDA graph: embed, trunk, heads and sampling (auto: with CUDA "
+    "step_graphs": "a step's decode rows as one CUDA graph: embed, trunk, heads and sampling (auto: with CUDA "
     "graphs and counter noise; on: also eagerly on a CPU)",
     "max_audio_seconds": "audio one request may generate in all (its sentences x max_new_tokens are capped to fit)",
     "audio_dtype": "Decoder + Vocos dtype: fp32 (reference-exact), tf32 (CUDA) or bf16 (faster on CPUs with "

@@ -53,10 +53,10 @@ class EngineStats:
     graphs_refused: int = 0
     """CUDA graphs that failed their start-up self-check (not used)."""
     step_graph_replays: int = 0
-    """Code decode steps run by replaying a whole-step graph (``engine.step_graph``); these count in
+    """Decode steps run by replaying a whole-step graph (``engine.step_graph``); these count in
     neither ``graph_replays`` nor ``eager_steps``."""
     step_graph_eager_steps: int = 0
-    """Code decode steps that ran the whole-step function eagerly (no CUDA, or a refused bucket)."""
+    """Decode steps that ran the whole-step function eagerly (no CUDA, or a refused bucket)."""
     step_graphs_captured: int = 0
     """Whole-step graphs captured (each bucket once, at its first step) and kept."""
     step_graphs_refused: int = 0

@@ -152,7 +152,7 @@ class ModelRunner:
             cfg = self.config
             self.static = StaticDecoder(model.gpt, self.cache, cfg.cuda_graphs, cfg.compile, cfg.strict_cuda_graphs)
         self.step_graph: StepGraph | None = None
-        """Code decode steps as one graph (CUDA defaults; ``engine.step_graph``)."""
+        """Decode rows as one graph (the CUDA defaults; ``engine.step_graph``)."""
         if step_graphs_apply(
             self.config.step_graphs, self.device.type, self.decode_mode, self.noise_source, self.config.cuda_graphs
         ):
@@ -195,12 +195,8 @@ class ModelRunner:
                     code_hidden.append(pre["code"].last)
                 admissions = [self._admission(seq) for seq in sched.prefill]
         plan = self._step_plan(sched, admissions)
-        if sched.decode and self.step_graph is not None and self.step_graph.applies(plan):
-            # A code-only decode step: embed, trunk, heads and sampling in one graph (engine.step_graph).
-            with self._stage("decode"):
-                step_tokens, h = self.step_graph.run(plan, max(s.cache_len for s in sched.decode))
-            flat = self._readback.read(step_tokens)  # the step's one device-to-host copy and its one wait
-            return self._output(plan, flat, [h])
+        if sched.decode and self.step_graph is not None:
+            return self._execute_graph(sched, plan, logits, code_hidden)
         if sched.decode:
             with self._stage("decode"):
                 h_dec = self._decode_trunk(sched.decode, plan)  # [rows, hidden], padded
@@ -214,6 +210,35 @@ class ModelRunner:
             flat = self._readback.read(torch.cat(sampled) if len(sampled) > 1 else sampled[0])
             # ^ the step's one device-to-host copy and its one wait
         return self._output(plan, flat, code_hidden)
+
+    def _execute_graph(
+        self,
+        sched: SchedulerOutput,
+        plan: StepPlan,
+        prefill_logits: dict[str, list[torch.Tensor]],
+        code_hidden: list[torch.Tensor],
+    ) -> RunnerOutput:
+        """The step with its decode rows in one graph (``engine.step_graph``): the admissions' first
+        tokens are sampled eagerly first (they are not in the graph's rows), then the graph runs every
+        decode row; the tokens come back in one copy, in the order ``_output`` reads."""
+        assert self.step_graph is not None
+        first: dict[str, torch.Tensor] = {}
+        if sched.prefill:
+            with self._stage("sampling"):
+                for k in plan.kinds:
+                    if k.n_prefill:
+                        assert k.slots is not None
+                        slots, hosts = k.slots[: k.n_prefill], k.host_slots[: k.n_prefill]
+                        first[k.kind] = self.sample_slots(
+                            k.kind, slots, k.n_prefill, k.rows, k.k_max, prefill_logits[k.kind][0], hosts
+                        )
+        with self._stage("decode"):
+            decoded, h = self.step_graph.run(plan, max(s.cache_len for s in sched.decode))
+        parts = []
+        for k in plan.kinds:  # each kind: its admissions, then its decode rows (plan order)
+            parts += [t[k.kind] for t in (first, decoded) if k.kind in t]
+        flat = self._readback.read(torch.cat(parts) if len(parts) > 1 else parts[0])  # the step's one wait
+        return self._output(plan, flat, code_hidden + ([h] if h is not None else []))
 
     def _output(self, plan: StepPlan, flat: np.ndarray, code_hidden: list[torch.Tensor]) -> RunnerOutput:
         """The step's tokens per sequence from the host copy ``flat`` (kinds in plan order), and the code

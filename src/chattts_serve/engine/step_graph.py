@@ -1,25 +1,27 @@
-"""The whole code decode step as one CUDA graph: embed -> trunk -> code heads -> sampling -> slot state.
+"""The decode step as one CUDA graph: embed -> trunk -> heads -> sampling -> slot state.
 
 Why: with only the trunk captured (``cuda_graph.StaticDecoder``), a step still issues ~140 sampling
-launches one by one from Python, about 2.5 ms of host time per step: more than an H200 needs for the
-whole step at small batches, where one stream's first chunk waits on several such steps. Captured, a
-steady code decode step is one replay plus three small launches (the step's tokens and hidden rows
-gathered by slot, the copy back) and the Python that reads the tokens.
+launches per kind one by one from Python, about 2.5 ms of host time per step: more than an H200 needs
+for the whole step at small batches, where one stream's first chunk waits on several such steps.
+Captured, a decode step is one replay plus a few small launches (each kind's tokens and the code rows'
+hidden states gathered by slot, the copy back) and the Python that reads the tokens.
 
-What it takes: decode steps of code sequences only, with no admission (the step that runs while audio
-is generated), in the static decode mode with counter noise: the CUDA defaults. Every other step (an
-admission, a text sequence), and every step on a CPU unless ``step_graphs`` is "on", runs as before.
-On a CPU "on" runs the same function eagerly: the tests compare it with the ordinary step there.
+What it takes: every step with decode rows, in the static decode mode with counter noise (the CUDA
+defaults). Text rows (the refine pass) ride in the same graph (a second variant per bucket: text
+head and text sampling over the bucket's rows). A step's admissions are prefilled and sampled eagerly
+first, as before, and left alone by the graph. Steps with no decode row, and every step on a CPU
+unless ``step_graphs`` is "on", run as before; on a CPU "on" runs the same function eagerly (the
+tests compare it with the ordinary step there).
 
 The function reads only device buffers whose addresses never change. Rows are slots ``0..bs-1`` (as
-in the static trunk step); ``active`` marks the rows that decode this step (rewritten when the running
-set changes: two launches); positions come from the slot state; a row that is not active sends its
-keys to the scratch position and writes its sampling state back unchanged
-(``SlotState.record_active``). Top-k reads its k-th value from a ``topk`` as wide as the vocabulary:
-the same value as the eager step's narrower one, with no host value in a shape.
+in the static trunk step); ``code_active`` / ``text_active`` mark the rows that decode each kind this
+step (rewritten when the running set changes: four launches); positions come from the slot state; a
+row that is not active sends its keys to the scratch position and writes its sampling state back
+unchanged (``SlotState.record_active``). Top-k reads its k-th value from a ``topk`` as wide as the
+vocabulary: the same value as the eager step's narrower one, with no host value in a shape.
 
-One graph per (batch, context) bucket, captured the first time a step needs it (most of the 180
-buckets of 512 slots never occur under a given load; capturing them all would double the trunk
+One graph per (batch, context, text rows or not) bucket, captured the first time a step needs it (most
+of the buckets of 512 slots never occur under a given load; capturing them all would double the trunk
 graphs' start-up), then checked at once on that live step: the mutable slot state is saved, the eager
 function runs, the state is put back, the graph replays, and the tokens and state must equal the
 eager step's (the hidden state within ``cuda_graph._TOLERANCE``) before the replay's result is used.
@@ -50,7 +52,7 @@ _MUTABLE = ("last", "generated", "history")
 
 
 def step_graphs_apply(mode: str, device_type: str, decode_mode: str, noise_source: str, cuda_graphs: bool) -> bool:
-    """Whether the runner routes code decode steps through ``StepGraph``: "auto" where the trunk is
+    """Whether the runner routes decode steps through ``StepGraph``: "auto" where the trunk is
     captured anyway (CUDA, static decode, graphs on) and the noise needs no host (counter); "on"
     wherever the step is static with counter noise (eagerly where there is no CUDA); "off" never."""
     possible = decode_mode == "static" and noise_source == "counter"
@@ -66,20 +68,22 @@ class StepGraph:
 
     def __init__(self, runner: ModelRunner, use_graphs: bool, strict: bool = False) -> None:
         static = runner.static
-        assert static is not None, "the whole-step graph needs the static decode step"
+        assert static is not None, "the step graph needs the static decode step"
         self.runner, self.static = runner, static
         self.device = static.device
         slots = runner.cache.num_slots
-        self.active = torch.zeros(slots, dtype=torch.bool, device=self.device)
+        self.code_active = torch.zeros(slots, dtype=torch.bool, device=self.device)
+        self.text_active = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self.rows = torch.arange(slots, device=self.device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.strict = strict
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.refused: set[tuple[int, int]] = set()
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        """(batch bucket, context bucket, any text row) -> the graph and its outputs."""
+        self.refused: set[tuple[int, int, bool]] = set()
         self._pool = None
         self._active_for: StepPlan | None = None
         self.graph_replays = 0
-        """Steps run by replaying a whole-step graph."""
+        """Steps run by replaying a step graph."""
         self.eager_steps = 0
         """Steps run by the same function eagerly (no CUDA, a refused bucket)."""
         self.captures = 0
@@ -88,53 +92,71 @@ class StepGraph:
 
     # ------------------------------------------------------------------ the function
 
-    def step_fn(self, bs: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One code decode step of slots ``0..bs-1`` (attention over ``ctx`` positions): tokens
-        ``[bs * num_vq]`` and final hidden states ``[bs, hidden]`` fp32. Only device buffers in."""
+    def step_fn(self, bs: int, ctx: int, text: bool = False) -> tuple[torch.Tensor, ...]:
+        """One decode step of slots ``0..bs-1`` (attention over ``ctx`` positions): code tokens
+        ``[bs * num_vq]``, final hidden states ``[bs, hidden]`` fp32 and, ``text``, text tokens ``[bs]``.
+        Only device buffers in: ``code_active`` / ``text_active`` say which rows decode which kind."""
         r, st, static = self.runner, self.runner.slot_state, self.static
-        active, rows = self.active[:bs], self.rows[:bs]
+        code_on, rows = self.code_active[:bs], self.rows[:bs]
         pos = st.prompt_len[:bs] + st.generated[:bs] - 1
-        static.pos[:bs].copy_(torch.where(active, pos, static.scratch))
         # A row that is not active may hold anything (a text id, a freed slot's last token): embed 0.
-        codes = torch.where(active[:, None], st.last[:bs], 0)
-        static.emb[:bs].copy_(r.model.embed.embed_codes(codes))
+        last = st.last[:bs]
+        emb = r.model.embed.embed_codes(torch.where(code_on[:, None], last, 0))
+        on = code_on
+        if text:
+            text_on = self.text_active[:bs]
+            text_emb = r.model.embed.embed_text(torch.where(text_on, last[:, 0], 0))
+            emb = torch.where(text_on[:, None], text_emb, emb)
+            on = code_on | text_on
+        static.pos[:bs].copy_(torch.where(on, pos, static.scratch))
+        static.emb[:bs].copy_(emb)
         h = static.fn(static.emb[:bs], r.cache, static.pos[:bs], ctx).float()
-        logits = r._heads("code", h, rows, bs)
-        tokens = r.sample_slots("code", rows, bs, r.num_vq, r._vocab["code"], logits, active=active)
-        return tokens, h
+        code_logits = r._heads("code", h, rows, bs)
+        code = r.sample_slots("code", rows, bs, r.num_vq, r._vocab["code"], code_logits, active=code_on)
+        if not text:
+            return code, h
+        # After the code rows' record: each kind writes only its rows, the other's come back as they are.
+        text_logits = r._heads("text", h, rows, bs)
+        return code, h, r.sample_slots("text", rows, bs, 1, r._vocab["text"], text_logits, active=text_on)
 
     # ------------------------------------------------------------------ one step
 
-    def applies(self, plan: StepPlan) -> bool:
-        """A decode step of code sequences only, with no admission."""
-        return not plan.had_prefill and len(plan.kinds) == 1 and plan.kinds[0].kind == "code"
-
     @torch.inference_mode()
-    def run(self, plan: StepPlan, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step for ``plan`` (``applies``), its longest sequence at cache length ``max_len``: the
-        decode rows' tokens ``[n * num_vq]`` (decode order) and hidden states ``[n, hidden]``."""
+    def run(self, plan: StepPlan, max_len: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """The decode rows of ``plan`` (any kinds; its admissions were sampled already and are left
+        alone), the longest at cache length ``max_len``: each kind's decode tokens in its decode order
+        (code ``[n * num_vq]``, text ``[n]``), and the code decode rows' hidden states ``[n, hidden]``."""
         if max_len >= self.static.scratch:
             raise ValueError(f"position {max_len} exceeds cache {self.static.scratch}")
-        assert plan.dec_slots is not None
+        decoding = {k.kind: k for k in plan.kinds if k.n_decode}
         if self._active_for is not plan:  # the running set changed: mark its rows
-            self.active.zero_()
-            self.active.index_fill_(0, plan.dec_slots, True)
+            for kind, mask in (("code", self.code_active), ("text", self.text_active)):
+                mask.zero_()
+                if kind in decoding:
+                    mask.index_fill_(0, decoding[kind].dec_slots, True)
             self._active_for = plan
         bs = _bucket(self.static.batch_sizes, plan.max_slot + 1)
         ctx = _bucket(self.static.ctx_sizes, max_len + 1)
-        key = (bs, ctx)
+        key = (bs, ctx, "text" in decoding)
         with self.static._on_device():
             if key in self.graphs:
-                graph, (tokens, h) = self.graphs[key]
+                graph, out = self.graphs[key]
                 graph.replay()
                 self.graph_replays += 1
             elif self.use_graphs and key not in self.refused:
-                tokens, h = self._capture_and_check(bs, ctx)
+                out = self._capture_and_check(key)
             else:
-                tokens, h = self.step_fn(bs, ctx)
+                out = self.step_fn(*key)
                 self.eager_steps += 1
-        q = self.runner.num_vq
-        return tokens.view(bs, q).index_select(0, plan.dec_slots).view(-1), h.index_select(0, plan.dec_slots)
+        tokens: dict[str, torch.Tensor] = {}
+        hidden = None
+        if "code" in decoding:
+            slots = decoding["code"].dec_slots
+            tokens["code"] = out[0].view(bs, self.runner.num_vq).index_select(0, slots).view(-1)
+            hidden = out[1].index_select(0, slots)
+        if "text" in decoding:
+            tokens["text"] = out[2].index_select(0, decoding["text"].dec_slots)
+        return tokens, hidden
 
     # ------------------------------------------------------------------ capture
 
@@ -147,8 +169,8 @@ class StepGraph:
         for name, value in saved.items():
             getattr(st, name).copy_(value)
 
-    def _capture_and_check(self, bs: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Capture bucket (bs, ctx) on this live step, check it against the eager function, and return
+    def _capture_and_check(self, key: tuple[int, int, bool]) -> tuple[torch.Tensor, ...]:
+        """Capture bucket ``key`` on this live step, check it against the eager function, and return
         this step's result (the replay's, or the eager one's if the graph is refused). The step's state
         advances exactly once."""
         t0 = time.perf_counter()
@@ -158,45 +180,44 @@ class StepGraph:
         side.wait_stream(main)
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up (lazy init, cuBLAS handles, compile), state put back each time
-                self.step_fn(bs, ctx)
+                self.step_fn(*key)
                 self._restore(before)
         main.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool, stream=side):
-            out_tokens, out_h = self.step_fn(bs, ctx)
+            out = self.step_fn(*key)
         main.wait_stream(side)
         self._restore(before)  # a capture runs nothing on CUDA; a stand-in graph (tests) may have
 
-        want_tokens, want_h = (t.clone() for t in self.step_fn(bs, ctx))
+        want = tuple(t.clone() for t in self.step_fn(*key))
         after = self._save()
         self._restore(before)
-        out_tokens.fill_(-1)
-        out_h.fill_(float("nan"))
+        for t in out:
+            t.fill_(float("nan") if t.is_floating_point() else -1)
         graph.replay()
         rtol, atol = _TOLERANCE.get(self.static.emb.dtype, (1e-5, 1e-5))
         state_ok = all(torch.equal(getattr(self.runner.slot_state, n), after[n]) for n in _MUTABLE)
-        ok = (
-            state_ok
-            and torch.equal(out_tokens, want_tokens)
-            and bool(torch.allclose(out_h, want_h, rtol=rtol, atol=atol))
-        )
+        tokens_ok = all(torch.equal(o, w) for o, w in zip(out, want, strict=True) if not o.is_floating_point())
+        hidden_ok = bool(torch.allclose(out[1], want[1], rtol=rtol, atol=atol))
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
-        if ok:
-            self.graphs[(bs, ctx)] = (graph, (out_tokens, out_h))
+        if state_ok and tokens_ok and hidden_ok:
+            self.graphs[key] = (graph, out)
             self.graph_replays += 1
-            logger.debug("captured the decode step graph for batch %d ctx %d", bs, ctx)
-            return out_tokens, out_h
-        self.refused.add((bs, ctx))
+            logger.debug("captured the decode step graph for batch %d ctx %d text %s", *key)
+            return out
+        self.refused.add(key)
         # The failed replay may have written wrong keys at this step's positions: the eager step again
         # (from the saved state) writes the right ones and leaves the state one step on.
         self._restore(before)
-        want_tokens, want_h = self.step_fn(bs, ctx)
-        msg = f"the decode step graph for batch {bs} ctx {ctx} on {self.device} differs from the eager step"
+        want = self.step_fn(*key)
+        bs, ctx, text = key
+        rows = " with text rows" if text else ""
+        msg = f"the decode step graph for batch {bs} ctx {ctx}{rows} on {self.device} differs from the eager step"
         if self.strict:
             raise RuntimeError(msg)
         logger.warning("%s; that bucket runs eagerly", msg)
         self.eager_steps += 1
-        return want_tokens, want_h
+        return want

@@ -84,12 +84,12 @@ class _DecodeStepCollector:
             ("chattts_cuda_graphs_refused", "CUDA graphs that failed their start-up self-check", "graphs_refused"),
             (
                 "chattts_step_graph_replays",
-                "Code decode steps run by replaying a whole-step graph",
+                "Decode steps run by replaying a whole-step graph",
                 "step_graph_replays",
             ),
             (
                 "chattts_step_graph_eager_steps",
-                "Code decode steps that ran the whole-step function eagerly",
+                "Decode steps that ran the whole-step function eagerly",
                 "step_graph_eager_steps",
             ),
             ("chattts_step_graphs_refused", "Whole-step graphs that failed their check", "step_graphs_refused"),
