@@ -296,3 +296,20 @@ def test_a_bad_step_graph_raises_when_strict(tiny_ckpt, monkeypatch):
     fake_cuda(monkeypatch, whole, {(16, 256, False): "empty"})
     with pytest.raises(RuntimeError, match="differs from the eager step"):
         drive(whole, script(whole))
+
+
+@pytest.mark.parametrize("step_graphs, trunk_graphs", [("on", False), ("off", True)])
+def test_the_trunks_own_graphs_are_not_captured_under_step_graphs(tiny_ckpt, monkeypatch, step_graphs, trunk_graphs):
+    """Every decode step replays a step graph, so the trunk's per-bucket graphs would never replay."""
+    import chattts_serve.engine.runner as runner_module
+
+    seen = []
+    real = runner_module.StaticDecoder
+
+    def spy(gpt, cache, use_graphs, *a, **k):
+        seen.append(use_graphs)
+        return real(gpt, cache, use_graphs, *a, **k)
+
+    monkeypatch.setattr(runner_module, "StaticDecoder", spy)
+    make_runner(tiny_ckpt, step_graphs, cuda_graphs=True)
+    assert seen == [trunk_graphs]

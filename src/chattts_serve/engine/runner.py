@@ -147,16 +147,20 @@ class ModelRunner:
         device path."""
         self.stage_timer: StageTimer | None = None
         """Set to time the prefill / decode / sampling stages of every step (profiling)."""
+        cfg = self.config
+        step_graphs = step_graphs_apply(
+            cfg.step_graphs, self.device.type, self.decode_mode, self.noise_source, cfg.cuda_graphs
+        )
         self.static: StaticDecoder | None = None
         if self.decode_mode == "static":
-            cfg = self.config
-            self.static = StaticDecoder(model.gpt, self.cache, cfg.cuda_graphs, cfg.compile, cfg.strict_cuda_graphs)
+            # With step graphs every decode step replays one of them: the trunk's own graphs (one per
+            # bucket, captured at start-up) would never replay, so they are not captured.
+            trunk_graphs = cfg.cuda_graphs and not step_graphs
+            self.static = StaticDecoder(model.gpt, self.cache, trunk_graphs, cfg.compile, cfg.strict_cuda_graphs)
         self.step_graph: StepGraph | None = None
         """Decode rows as one graph (the CUDA defaults; ``engine.step_graph``)."""
-        if step_graphs_apply(
-            self.config.step_graphs, self.device.type, self.decode_mode, self.noise_source, self.config.cuda_graphs
-        ):
-            self.step_graph = StepGraph(self, self.config.cuda_graphs, self.config.strict_cuda_graphs)
+        if step_graphs:
+            self.step_graph = StepGraph(self, cfg.cuda_graphs, cfg.strict_cuda_graphs)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
