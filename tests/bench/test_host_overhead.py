@@ -72,3 +72,25 @@ def test_mixed_sequences_stay_in_the_step_graph(tiny_ckpt, capsys):
     assert r["allocator"] == "system" and r["mix"] == "mixed"
     row = r["sizes"]["16"]
     assert row["step-graph"]["ops_per_step"] * 10 < row["eager"]["ops_per_step"]  # text rows in the graph too
+
+
+def test_core_scope_times_the_whole_engine_step(tiny_ckpt, capsys):
+    r = run_cli(
+        capsys,
+        "bench",
+        "host-overhead",
+        "--model",
+        str(tiny_ckpt),
+        "--sizes",
+        "4,8",
+        "--steps",
+        "3",
+        "--scope",
+        "core",
+    )
+    assert r["scope"] == "core" and set(r["sizes"]) == {"4", "8"}
+    for row in r["sizes"].values():
+        assert set(row) == {"eager", "step-graph"}
+        for m in row.values():
+            assert m["host_us_per_seq"] >= m["python_us_per_seq"] >= 0 and m["audio_ms"] >= 0
+        assert row["step-graph"]["ops_per_step"] < row["eager"]["ops_per_step"]

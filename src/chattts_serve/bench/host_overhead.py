@@ -34,6 +34,15 @@ unmapping and faults that land between ops and would count as host time. Per-siz
 the fit ``host = fixed + marginal x N`` over the sizes (``fit``): flat per sequence means the marginal
 cost holds at every size; the fixed part is the step's launches and Python, paid once per step.
 
+``--scope core`` times the whole ``EngineCore.step`` instead of the runner's: N streamed requests
+(default stream policy, no refine pass, one sentence each) are admitted, then steady steps are timed
+with the same method: scheduling, the runner, the hidden-state store, the audio streams' windows, the
+outputs. The audio decode (Decoder + Vocos over the windows due: device work on a GPU, on its own
+stream) is timed apart, outside the op timer, and reported as ``audio_ms`` per step: on a CPU it is
+compute, whose frees of large temporaries would otherwise land in the host figure. The paths are the
+same two (trunk stubbed; step graph stubbed). Medians and means are both reported: windows of streams
+admitted together fall due on the same steps.
+
 ``--before FILE``: also time an older ``runner.py`` (``git show main:src/chattts_serve/engine/runner.py
 > /tmp/runner_main.py``) loaded side by side inside this package, with the same stub (its sampler calls
 take the device path too), the two runners' steps interleaved (``measure``). On a shared CPU the figures
@@ -54,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 SIZES = (64, 256, 512)
 _clock = time.thread_time
@@ -69,6 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--before", default=None, help="an older runner.py to time side by side")
     p.add_argument("--paths", default="eager,step-graph", help="comma-separated: eager, step-graph")
+    p.add_argument("--scope", choices=("runner", "core"), default="runner", help="runner.execute or EngineCore.step")
     p.add_argument("--mix", choices=("code", "mixed"), default="code", help="code only, or one in 8 text")
     p.add_argument(
         "--allocator",
@@ -252,6 +262,83 @@ def measure(
     return result
 
 
+def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
+    """``EngineCore.step`` at ``n`` streams (see ``--scope core`` in the module docstring)."""
+    import torch
+
+    from ..audio.policy import StreamPolicy
+    from ..engine.config import EngineConfig, RunnerConfig
+    from ..engine.engine import Engine
+    from ..engine.scheduler import SchedulerConfig
+    from ..sampling_params import SamplingParams
+
+    launch, timer_cost = costs
+    tokens = 64 + 2 * steps  # every stream decodes through admission and the timed steps
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=n, max_model_len=tokens + 64),
+        runner=RunnerConfig(
+            decode="static",
+            sampling_noise="counter",
+            cuda_graphs=False,
+            step_graphs="on" if path_name == "step-graph" else "off",
+        ),
+    )
+    core = Engine.from_pretrained(path, "cpu", config).core
+    runner = core.runner
+    runner.sync_free = True
+    hidden = torch.randn(n, runner.model.gpt.norm.weight.shape[0])
+    if runner.step_graph is not None:
+        runner.step_graph.step_fn = _StubStep(n, runner.num_vq, hidden)
+    runner.static = _StubTrunk(hidden)
+    for i in range(n):
+        params = SamplingParams(
+            seed=i if i % 2 else None,
+            temperature=0.3 + 0.5 * (i % 7) / 7,
+            min_new_tokens=tokens,
+            max_new_tokens=tokens,
+            refine_text=False,
+            split_text=False,
+            first_sentence_voice=False,
+        )
+        core.add_request(f"r{i}", core.prepare("今天天气真不错，我们一起去公园散步吧。", params), StreamPolicy())
+    while core.scheduler.num_running < n or core.scheduler.num_waiting:  # admissions (prefill runs for real)
+        core.step()
+    audio = [0.0]
+
+    def untimed(fn):  # the audio decode: outside the op timer, its time kept apart
+        def call(*a, **k):
+            t0 = _clock()
+            try:
+                with _disable_current_modes():
+                    return fn(*a, **k)
+            finally:
+                audio[0] += _clock() - t0
+
+        return call
+
+    core.audio.submit, core.audio.collect = untimed(core.audio.submit), untimed(core.audio.collect)
+    rows = []
+    for _ in range(steps):
+        timer = _TimedOps()
+        audio[0] = 0.0
+        t0 = _clock()
+        with timer:
+            core.step()
+        wall = _clock() - t0 - audio[0]
+        python = max(wall - timer.inside - timer.ops * timer_cost, 0.0)
+        rows.append((wall, python, timer.ops, python + timer.ops * launch, audio[0]))
+    assert core.scheduler.num_running == n, "a stream finished inside the timed steps"
+    wall, python, ops, host, audio_s = (statistics.median(col) for col in zip(*rows, strict=True))
+    return {
+        "step_ms": round(wall * 1e3, 3),
+        "ops_per_step": int(ops),
+        "python_us_per_seq": round(python * 1e6 / n, 2),
+        "host_us_per_seq": round(host * 1e6 / n, 2),
+        "host_us_per_seq_mean": round(statistics.fmean(r[3] for r in rows) * 1e6 / n, 2),
+        "audio_ms": round(statistics.fmean(r[4] for r in rows) * 1e3, 3),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -282,6 +369,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "timer_cost_us": round(costs[1] * 1e6, 2),
         "sizes": {},
     }
+    out["scope"] = args.scope
+    if args.scope == "core":
+        if args.before:
+            raise SystemExit("--before times runners: --scope runner")
+        for n in sizes:
+            out["sizes"][n] = {name: measure_core(path, name, n, args.steps, costs) for name in paths}
+        out["fit"] = {name: fit(sizes, [out["sizes"][n][name]["host_us_per_seq"] * n for n in sizes]) for name in paths}
+        return out
     for n in sizes:
         # The model prepared for n slots (fp32), as the engine prepares it; shared by both runners.
         model = checkpoint.load(path, device="cpu", dtype=torch.float32)
