@@ -304,3 +304,30 @@ def test_sdpa_backend_names_the_math_kernel_when_only_it_is_allowed():
     q, k = torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 16, 8)
     with sdpa_kernel([SDPBackend.MATH]):
         assert sdpa_backend(q, k, k, None) == "MATH"
+
+
+@torch.inference_mode()
+def test_a_compiled_step_without_graphs_compiles_at_start_up(gpt, monkeypatch):
+    """Step graphs capture the step lazily, so the trunk's compile would land in the first request;
+    the decoder runs it at construction instead, touching only the scratch position."""
+    import torch._dynamo
+
+    import chattts_serve.engine.cuda_graph as cg
+
+    compiles: list[int] = []
+
+    def counting(gm, example_inputs):
+        compiles.append(len(example_inputs))
+        return gm.forward
+
+    real = cg.compile_step
+    monkeypatch.setattr(cg, "compile_step", lambda fn: real(fn, backend=counting))
+    torch._dynamo.reset()
+    cache = gpt.new_cache(8, 65)
+    cache.k.normal_(generator=torch.Generator().manual_seed(0)), cache.v.normal_()
+    before = cache.k.clone()
+    StaticDecoder(gpt, cache, use_graphs=False, compile=True)
+    assert compiles, "nothing compiled at start-up"
+    changed = (cache.k != before).any(dim=(0, 2, 4))  # [slot, position]
+    assert changed[:, :64].sum() == 0  # only the scratch position (64) was written
+    torch._dynamo.reset()

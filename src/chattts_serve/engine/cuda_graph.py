@@ -132,6 +132,20 @@ class StaticDecoder:
         self.use_graphs = use_graphs and self.device.type == "cuda"
         if self.use_graphs:
             self.capture_all()
+        elif compile:
+            self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Without graphs of its own (CPU, graphs off, or the step graphs capturing the step later),
+        a compiled step still compiles now, at start-up, not in the first request: batch 1 and the
+        largest batch (the symbolic-size graph), every row at the scratch position."""
+        t0 = time.perf_counter()
+        with self._on_device():
+            self.pos.fill_(self.scratch)
+            for bs in sorted({1, self.batch_sizes[-1]}):
+                self._eager(bs, self.ctx_sizes[0])
+        logger.info("compiled the static decode step in %.1f s", time.perf_counter() - t0)
 
     def _log_attention_backend(self, gpt: GPT, cache: KVCache) -> str:
         """Which SDPA kernel the step's attention runs (logged once: flash, efficient, cuDNN or math)."""
