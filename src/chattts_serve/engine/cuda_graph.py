@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
@@ -62,6 +63,29 @@ def compile_step(fn: Callable, backend: str | Callable = "inductor") -> Callable
     context buckets share one compiled graph, plus one for batch 1 (sizes 0 and 1 are always
     specialised). The graphs are captured per bucket as before, each replaying the shared kernels."""
     return torch.compile(fn, dynamic=True, backend=backend)
+
+
+def capture_graph(
+    fn: Callable[[], Any], device: torch.device, pool: Any, between: Callable[[], None] | None = None
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm ``fn`` up twice on a side stream of ``device`` (lazy init, cuBLAS handles, compile;
+    ``between`` runs after each warm-up), then capture it on that stream into ``pool``: the graph and
+    what the captured call returned (its static outputs). Call it under ``torch.cuda.device(device)``:
+    torch captures and replays on the current device."""
+    main = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+            if between is not None:
+                between()
+    main.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=side):
+        out = fn()
+    main.wait_stream(side)
+    return graph, out
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str:
@@ -193,17 +217,7 @@ class StaticDecoder:
     def _capture(self, bs: int, ctx: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up, then capture one bucket on a side stream of the engine's device (under ``_on_device``)."""
         args = (self.emb[:bs], self.cache, self.pos[:bs], ctx)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy init, autotuning, compile
-                self.fn(*args)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=side):
-            out = self.fn(*args)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        return graph, out
+        return capture_graph(lambda: self.fn(*args), self.device, pool)
 
     @torch.inference_mode()
     def check_graphs(self) -> None:

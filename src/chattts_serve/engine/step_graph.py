@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cuda_graph import _TOLERANCE, _bucket
+from .cuda_graph import _TOLERANCE, _bucket, capture_graph
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -86,7 +86,6 @@ class StepGraph:
         """Steps run by replaying a step graph."""
         self.eager_steps = 0
         """Steps run by the same function eagerly (no CUDA, a refused bucket)."""
-        self.captures = 0
         self.capture_s = 0.0
         """Time spent capturing and checking graphs, in all (each bucket once, at its first step)."""
 
@@ -175,20 +174,10 @@ class StepGraph:
         advances exactly once."""
         t0 = time.perf_counter()
         before = self._save()
-        main = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up (lazy init, cuBLAS handles, compile), state put back each time
-                self.step_fn(*key)
-                self._restore(before)
-        main.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side):
-            out = self.step_fn(*key)
-        main.wait_stream(side)
+        # The warm-ups run the step for real: the state is put back after each.
+        graph, out = capture_graph(lambda: self.step_fn(*key), self.device, self._pool, lambda: self._restore(before))
         self._restore(before)  # a capture runs nothing on CUDA; a stand-in graph (tests) may have
 
         want = tuple(t.clone() for t in self.step_fn(*key))
@@ -201,7 +190,6 @@ class StepGraph:
         state_ok = all(torch.equal(getattr(self.runner.slot_state, n), after[n]) for n in _MUTABLE)
         tokens_ok = all(torch.equal(o, w) for o, w in zip(out, want, strict=True) if not o.is_floating_point())
         hidden_ok = bool(torch.allclose(out[1], want[1], rtol=rtol, atol=atol))
-        self.captures += 1
         self.capture_s += time.perf_counter() - t0
         if state_ok and tokens_ok and hidden_ok:
             self.graphs[key] = (graph, out)
