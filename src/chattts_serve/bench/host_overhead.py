@@ -176,6 +176,42 @@ class _StubStep:
         return (code, self.hidden[:bs], self.tokens[:bs]) if text else (code, self.hidden[:bs])
 
 
+def _stub_device_work(runner, n: int, hidden_size: int) -> None:
+    """The runner's device path with the device's work stubbed: the step graph (when the runner has
+    one; it keeps the real decoder's buckets) as one replay, the trunk for the steps it does not take."""
+    import torch
+
+    runner.sync_free = True
+    hidden = torch.randn(n, hidden_size)
+    if getattr(runner, "step_graph", None) is not None:
+        runner.step_graph.step_fn = _StubStep(n, runner.num_vq, hidden)
+    runner.static = _StubTrunk(hidden)
+
+
+def _timed(step, costs, apart=lambda: 0.0) -> tuple[tuple[float, float, int, float], Any]:
+    """Run ``step()`` once under the op timer: (wall, python, ops, host) in seconds (module
+    docstring), less the seconds ``apart()`` says were spent on work timed apart; and what it returned."""
+    launch, timer_cost = costs
+    timer = _TimedOps()
+    t0 = _clock()
+    with timer:
+        result = step()
+    wall = _clock() - t0 - apart()
+    python = max(wall - timer.inside - timer.ops * timer_cost, 0.0)
+    return (wall, python, timer.ops, python + timer.ops * launch), result
+
+
+def _summary(rows: list[tuple], n: int) -> dict[str, Any]:
+    """Medians of ``_timed`` rows at ``n`` sequences."""
+    wall, python, ops, host = (statistics.median(col) for col in list(zip(*rows, strict=True))[:4])
+    return {
+        "step_ms": round(wall * 1e3, 3),
+        "ops_per_step": int(ops),
+        "python_us_per_seq": round(python * 1e6 / n, 2),
+        "host_us_per_seq": round(host * 1e6 / n, 2),
+    }
+
+
 def _sequences(runner, n: int, seed: int, mix: str = "mixed") -> list:
     from ..engine.request import Sequence
     from ..engine.runner import SeqInputs, StepSampling
@@ -218,21 +254,14 @@ def measure(
     The runners' steps interleave, first one then the other and the order swapped every step, so
     the state of the process (the heap after the other runner's frees, caches, the machine's load)
     weighs on both alike."""
-    import torch
-
     from ..engine.config import RunnerConfig
     from ..engine.outputs import SchedulerOutput
 
-    launch, timer_cost = costs
     state = {}
     for name, (cls, step_graphs) in runner_classes.items():
         config = RunnerConfig(decode="static", sampling_noise="counter", cuda_graphs=False, step_graphs=step_graphs)
         runner = cls(model, layout, n, 256, eos_id, config)
-        runner.sync_free = True
-        hidden = torch.randn(n, model.gpt.norm.weight.shape[0])
-        if getattr(runner, "step_graph", None) is not None:  # (it keeps the real decoder's buckets)
-            runner.step_graph.step_fn = _StubStep(n, runner.num_vq, hidden)
-        runner.static = _StubTrunk(hidden)  # steps the step graph does not take
+        _stub_device_work(runner, n, model.gpt.norm.weight.shape[0])
         seqs = _sequences(runner, n, seed=n, mix=mix)
         state[name] = (runner, seqs, runner.execute(SchedulerOutput(prefill=seqs)), [])
     names = list(state)
@@ -241,38 +270,21 @@ def measure(
             runner, seqs, out, rows = state[name]
             for s in seqs:
                 s.tokens.append(out.tokens[s.seq_id])
-            timer = _TimedOps()
-            t0 = _clock()
-            with timer:
-                out = runner.execute(SchedulerOutput(decode=seqs))
-            wall = _clock() - t0
+            row, out = _timed(lambda r=runner, q=seqs: r.execute(SchedulerOutput(decode=q)), costs)
             state[name] = (runner, seqs, out, rows)
-            python = max(wall - timer.inside - timer.ops * timer_cost, 0.0)
             if i:
-                rows.append((wall, python, timer.ops, python + timer.ops * launch))
-    result = {}
-    for name in names:
-        wall, python, ops, host = (statistics.median(col) for col in zip(*state[name][3], strict=True))
-        result[name] = {
-            "step_ms": round(wall * 1e3, 3),
-            "ops_per_step": int(ops),
-            "python_us_per_seq": round(python * 1e6 / n, 2),
-            "host_us_per_seq": round(host * 1e6 / n, 2),
-        }
-    return result
+                rows.append(row)
+    return {name: _summary(state[name][3], n) for name in names}
 
 
 def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
     """``EngineCore.step`` at ``n`` streams (see ``--scope core`` in the module docstring)."""
-    import torch
-
     from ..audio.policy import StreamPolicy
     from ..engine.config import EngineConfig, RunnerConfig
     from ..engine.engine import Engine
     from ..engine.scheduler import SchedulerConfig
     from ..sampling_params import SamplingParams
 
-    launch, timer_cost = costs
     tokens = 64 + 2 * steps  # every stream decodes through admission and the timed steps
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_seqs=n, max_model_len=tokens + 64),
@@ -284,12 +296,7 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
         ),
     )
     core = Engine.from_pretrained(path, "cpu", config).core
-    runner = core.runner
-    runner.sync_free = True
-    hidden = torch.randn(n, runner.model.gpt.norm.weight.shape[0])
-    if runner.step_graph is not None:
-        runner.step_graph.step_fn = _StubStep(n, runner.num_vq, hidden)
-    runner.static = _StubTrunk(hidden)
+    _stub_device_work(core.runner, n, core.runner.model.gpt.norm.weight.shape[0])
     for i in range(n):
         params = SamplingParams(
             seed=i if i % 2 else None,
@@ -319,21 +326,12 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
     core.audio.submit, core.audio.collect = untimed(core.audio.submit), untimed(core.audio.collect)
     rows = []
     for _ in range(steps):
-        timer = _TimedOps()
         audio[0] = 0.0
-        t0 = _clock()
-        with timer:
-            core.step()
-        wall = _clock() - t0 - audio[0]
-        python = max(wall - timer.inside - timer.ops * timer_cost, 0.0)
-        rows.append((wall, python, timer.ops, python + timer.ops * launch, audio[0]))
+        row, _ = _timed(core.step, costs, apart=lambda: audio[0])
+        rows.append((*row, audio[0]))
     assert core.scheduler.num_running == n, "a stream finished inside the timed steps"
-    wall, python, ops, host, audio_s = (statistics.median(col) for col in zip(*rows, strict=True))
     return {
-        "step_ms": round(wall * 1e3, 3),
-        "ops_per_step": int(ops),
-        "python_us_per_seq": round(python * 1e6 / n, 2),
-        "host_us_per_seq": round(host * 1e6 / n, 2),
+        **_summary(rows, n),
         "host_us_per_seq_mean": round(statistics.fmean(r[3] for r in rows) * 1e6 / n, 2),
         "audio_ms": round(statistics.fmean(r[4] for r in rows) * 1e3, 3),
     }
@@ -367,17 +365,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mix": args.mix,
         "launch_us": round(costs[0] * 1e6, 2),
         "timer_cost_us": round(costs[1] * 1e6, 2),
+        "scope": args.scope,
         "sizes": {},
     }
-    out["scope"] = args.scope
-    if args.scope == "core":
-        if args.before:
-            raise SystemExit("--before times runners: --scope runner")
-        for n in sizes:
-            out["sizes"][n] = {name: measure_core(path, name, n, args.steps, costs) for name in paths}
-        out["fit"] = {name: fit(sizes, [out["sizes"][n][name]["host_us_per_seq"] * n for n in sizes]) for name in paths}
-        return out
+    if args.scope == "core" and args.before:
+        raise SystemExit("--before times runners: --scope runner")
     for n in sizes:
+        if args.scope == "core":
+            out["sizes"][n] = {name: measure_core(path, name, n, args.steps, costs) for name in paths}
+            continue
         # The model prepared for n slots (fp32), as the engine prepares it; shared by both runners.
         model = checkpoint.load(path, device="cpu", dtype=torch.float32)
         eos_id = Tokenizer(model.root / checkpoint.TOKENIZER_DIR).eos_id
