@@ -11,21 +11,16 @@ import chattts_serve.engine.runner as runner_module
 from .test_tools import run_cli
 
 
+def overhead(capsys, tiny_ckpt, sizes: str, steps: str, *flags: str) -> dict:
+    """``chattts-serve bench host-overhead`` on the tiny checkpoint: its JSON line."""
+    return run_cli(
+        capsys, "bench", "host-overhead", "--model", str(tiny_ckpt), "--sizes", sizes, "--steps", steps, *flags
+    )
+
+
 def test_host_overhead_cli(tiny_ckpt, capsys):
     before = str(Path(runner_module.__file__))  # any runner.py with the same constructor loads side by side
-    r = run_cli(
-        capsys,
-        "bench",
-        "host-overhead",
-        "--model",
-        str(tiny_ckpt),
-        "--sizes",
-        "8,16",
-        "--steps",
-        "2",
-        "--before",
-        before,
-    )
+    r = overhead(capsys, tiny_ckpt, "8,16", "2", "--before", before)
     assert r["launch_us"] > 0 and r["timer_cost_us"] > 0
     assert r["mix"] == "code" and r["allocator"] in ("caching (glibc mallopt)", "system")
     assert set(r["sizes"]) == {"8", "16"}
@@ -52,42 +47,14 @@ def test_fit_recovers_a_line():
 
 
 def test_mixed_sequences_stay_in_the_step_graph(tiny_ckpt, capsys):
-    r = run_cli(
-        capsys,
-        "bench",
-        "host-overhead",
-        "--model",
-        str(tiny_ckpt),
-        "--sizes",
-        "16",
-        "--steps",
-        "1",
-        "--mix",
-        "mixed",
-        "--allocator",
-        "system",
-        "--paths",
-        "eager,step-graph",
-    )
+    r = overhead(capsys, tiny_ckpt, "16", "1", "--mix", "mixed", "--allocator", "system", "--paths", "eager,step-graph")
     assert r["allocator"] == "system" and r["mix"] == "mixed"
     row = r["sizes"]["16"]
     assert row["step-graph"]["ops_per_step"] * 10 < row["eager"]["ops_per_step"]  # text rows in the graph too
 
 
 def test_core_scope_times_the_whole_engine_step(tiny_ckpt, capsys):
-    r = run_cli(
-        capsys,
-        "bench",
-        "host-overhead",
-        "--model",
-        str(tiny_ckpt),
-        "--sizes",
-        "4,8",
-        "--steps",
-        "3",
-        "--scope",
-        "core",
-    )
+    r = overhead(capsys, tiny_ckpt, "4,8", "3", "--scope", "core")
     assert r["scope"] == "core" and set(r["sizes"]) == {"4", "8"}
     for row in r["sizes"].values():
         assert set(row) == {"eager", "step-graph"}
