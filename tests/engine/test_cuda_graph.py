@@ -129,6 +129,19 @@ def test_self_check_refuses_a_graph_that_does_not_compute(replay):
     assert not ok and diff > 0
 
 
+class StubCtx:
+    """A context manager that does nothing, keeping its arguments (stands in for torch.cuda's)."""
+
+    def __init__(self, *a, **k):
+        self.a, self.k = a, k
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 class _FakeGraph:
     """Stands in for a CUDAGraph: ``replay`` recomputes the step into the static output (a good graph)
     or does nothing (an empty graph, as a capture on the wrong device leaves)."""
@@ -187,16 +200,7 @@ def test_capture_and_replay_run_on_the_engines_device(gpt, monkeypatch):
     records on a side stream made for it (torch.cuda's APIs recorded, nothing runs on a GPU)."""
     events: list[tuple] = []
     cuda1 = torch.device("cuda", 1)
-
-    class Ctx:
-        def __init__(self, *a, **k):
-            self.a, self.k = a, k
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
+    Ctx = StubCtx
 
     class FakeDevice(Ctx):
         def __enter__(self):

@@ -16,13 +16,14 @@ from chattts_serve.engine.config import EngineConfig, RunnerConfig
 from chattts_serve.engine.engine import Engine
 from chattts_serve.engine.outputs import SchedulerOutput
 from chattts_serve.engine.request import Sequence
-from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
+from chattts_serve.engine.runner import ModelRunner
 from chattts_serve.engine.scheduler import SchedulerConfig
 from chattts_serve.engine.step_graph import step_graphs_apply
-from chattts_serve.model.config import AUDIO_EOS
 from chattts_serve.sampling_params import RefineParams, SamplingParams
 
 from .sync_counter import SyncCounter
+from .test_cuda_graph import StubCtx
+from .test_step_syncs import make_seq as make_seq_from
 
 SLOTS = 24
 
@@ -38,18 +39,9 @@ def make_runner(tiny_ckpt, step_graphs: str, noise: str = "counter", **kw) -> Mo
 
 
 def make_seq(runner: ModelRunner, i: int, slot: int, kind: str = "code") -> Sequence:
-    """Sequence i in ``slot``, with its own temperatures, top_p, top_k (0 = off included), penalty,
-    min_new_tokens (EOS blocked for a while) and seed (or none)."""
-    rng = random.Random(i)
-    temps = tuple(rng.uniform(0.2, 1.0) for _ in range(4)) if kind == "code" and i % 3 else (rng.uniform(0.2, 1),)
-    sampling = StepSampling(
-        temps, rng.uniform(0.5, 1.0), rng.choice([0, 5, 20]), rng.choice([1.0, 1.05, 1.3]), rng.choice([None, i])
-    )
-    ids = [rng.randrange(runner._vocab["text"]) for _ in range(rng.randint(3, 9))]
-    eos = AUDIO_EOS if kind == "code" else runner.text_eos_id
-    seq = Sequence(f"r{i}", kind, len(ids), rng.choice([0, 3, 50]), 100, eos, sampling.seed is not None, False)
-    seq.payload, seq.slot = SeqInputs(ids, sampling), slot
-    return seq
+    """Sequence i in ``slot``, with its own sampling (``test_step_syncs.make_seq``), code ones with
+    a temperature per codebook two times in three."""
+    return make_seq_from(runner, i, slot, kind, random.Random(i), four_temps=kind == "code" and bool(i % 3))
 
 
 def script(runner: ModelRunner) -> list[tuple]:
@@ -182,17 +174,6 @@ def test_engine_with_step_graphs_on_gives_the_same_audio(tiny_ckpt, refine):
 # ---------------------------------------------------------------- capture and check, CUDA stood in for
 
 
-class _Ctx:
-    def __init__(self, *a, **k):
-        self.a, self.k = a, k
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int], str]) -> list:
     """Stand-ins for torch.cuda's stream and graph calls. A "captured" graph replays the step function
     into its outputs ("good"), does nothing ("empty": a capture on the wrong device), or recomputes
@@ -219,7 +200,7 @@ def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int],
             if how == "corrupt":
                 runner.slot_state.last[0].add_(1)
 
-    class FakeGraphCtx(_Ctx):
+    class FakeGraphCtx(StubCtx):
         def __enter__(self):
             capturing.append(self.a[0])
             return self
@@ -245,7 +226,7 @@ def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int],
 
     monkeypatch.setattr(sg, "step_fn", step_fn)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "stream", _Ctx)
+    monkeypatch.setattr(torch.cuda, "stream", StubCtx)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", FakeGraphCtx)

@@ -43,6 +43,21 @@ def runner(request, tiny_ckpt) -> ModelRunner:
     return runner_for(tiny_ckpt, request.param)
 
 
+def make_seq(runner: ModelRunner, i: int, slot: int, kind: str, rng: random.Random, four_temps: bool) -> Sequence:
+    """Sequence i in ``slot``, its sampling drawn from ``rng``: a temperature per codebook
+    (``four_temps``) or one, top_p, top_k (0 = off included), penalty, seed (or none), prompt and
+    min_new_tokens (EOS blocked for a while, or not)."""
+    temps = tuple(rng.uniform(0.2, 1) for _ in range(4)) if four_temps else (rng.uniform(0.2, 1.0),)
+    sampling = StepSampling(
+        temps, rng.uniform(0.5, 1.0), rng.choice([0, 5, 20]), rng.choice([1.0, 1.05, 1.3]), rng.choice([None, i])
+    )
+    ids = [rng.randrange(runner._vocab["text"]) for _ in range(rng.randint(3, 9))]
+    eos = AUDIO_EOS if kind == "code" else runner.text_eos_id
+    seq = Sequence(f"r{i}", kind, len(ids), rng.choice([0, 2, 50]), 100, eos, sampling.seed is not None, False)
+    seq.payload, seq.slot = SeqInputs(ids, sampling), slot
+    return seq
+
+
 def make_seqs(runner: ModelRunner, n: int, seed: int) -> list[Sequence]:
     """n sequences in slots 0..n-1: text and code mixed (both kinds from 2 on), seeded and not, each
     with its own temperature, top_p, top_k (0 = off included), penalty and min_new_tokens."""
@@ -50,15 +65,7 @@ def make_seqs(runner: ModelRunner, n: int, seed: int) -> list[Sequence]:
     seqs = []
     for i in range(n):
         kind = "text" if i % 2 else "code"
-        temps = (rng.uniform(0.2, 1.0),) if kind == "text" or i % 4 else tuple(rng.uniform(0.2, 1) for _ in range(4))
-        sampling = StepSampling(
-            temps, rng.uniform(0.5, 1.0), rng.choice([0, 5, 20]), rng.choice([1.0, 1.05, 1.3]), rng.choice([None, i])
-        )
-        ids = [rng.randrange(runner._vocab["text"]) for _ in range(rng.randint(3, 9))]
-        eos = AUDIO_EOS if kind == "code" else runner.text_eos_id
-        seq = Sequence(f"r{i}", kind, len(ids), rng.choice([0, 2, 50]), 100, eos, sampling.seed is not None, False)
-        seq.payload, seq.slot = SeqInputs(ids, sampling), i
-        seqs.append(seq)
+        seqs.append(make_seq(runner, i, i, kind, rng, four_temps=kind == "code" and not i % 4))
     return seqs
 
 
