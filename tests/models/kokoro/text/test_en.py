@@ -1,0 +1,90 @@
+"""English: misaki's espeak-ng G2P (spaCy's model is not installed here), words recovered."""
+
+from __future__ import annotations
+
+import pytest
+
+from chattts_serve.models.kokoro.text import G2P, G2PUnavailable, Token
+from chattts_serve.models.kokoro.text import en as en_mod
+from chattts_serve.models.kokoro.text.en import split_marks, tokens_from_misaki
+
+from .golden import golden
+
+ESPEAK = golden()["espeak"]
+needs_espeak = pytest.mark.skipif(not en_mod.espeak_available(), reason="needs the [kokoro-espeak] extra")
+
+
+@needs_espeak
+@pytest.mark.parametrize(("lang", "code"), [("a", "en-us"), ("b", "en-gb")])
+def test_espeak_phonemes_are_misakis(lang, code):
+    g2p = G2P(lang, english="espeak")
+    assert g2p.backend == "espeak-ng"
+    for case in ESPEAK[code]:
+        assert g2p.phonemize(case["text"]) == case["phonemes"]
+
+
+@needs_espeak
+def test_espeak_words_carry_their_own_phonemes():
+    tokens = G2P("a", english="espeak").tokens('Dr. Smith paid $42! (Really?)')
+    assert [(t.text, t.phonemes, t.space) for t in tokens] == [
+        ("Dr", "dˈɑːktɚ", ""), (".", ".", " "), ("Smith", "smˈɪθ", " "), ("paid", "pˈAd", " "),
+        ("$42", "dˈɑːlɚ fˈɔːɹɾi tˈuː", ""), ("!", "!", " "),
+        ("(", "(", ""), ("Really", "ɹˈiəli", ""), ("?", "?", ""), (")", ")", ""),
+    ]
+
+
+def test_auto_picks_espeak_without_spacys_model(monkeypatch):
+    monkeypatch.setattr(en_mod, "spacy_available", lambda: False)
+    monkeypatch.setattr(en_mod, "espeak_available", lambda: True)
+    monkeypatch.setattr(en_mod, "EspeakEnG2P", lambda british: ("espeak", british))
+    g2p = G2P("b")
+    assert (g2p.backend, g2p._impl) == ("espeak-ng", ("espeak", True))
+
+
+def test_auto_picks_spacy_when_its_model_is_installed(monkeypatch):
+    monkeypatch.setattr(en_mod, "spacy_available", lambda: True)
+    monkeypatch.setattr(en_mod, "SpacyEnG2P", lambda british: ("spacy", british))
+    g2p = G2P("en-us")
+    assert (g2p.lang, g2p.backend, g2p._impl) == ("a", "misaki-en", ("spacy", False))
+
+
+def test_no_english_g2p_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(en_mod, "spacy_available", lambda: False)
+    monkeypatch.setattr(en_mod, "espeak_available", lambda: False)
+    with pytest.raises(G2PUnavailable, match=r"en_core_web_sm.*kokoro-espeak.*GPL"):
+        G2P("a")
+    with pytest.raises(G2PUnavailable, match="spacy download en_core_web_sm"):
+        G2P("a", english="spacy")
+
+
+def test_no_chinese_g2p_says_what_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "misaki.zh", None)  # as if misaki were not installed
+    monkeypatch.delitem(sys.modules, "chattts_serve.models.kokoro.text.zh", raising=False)
+    with pytest.raises(G2PUnavailable, match=r"chattts-serve\[kokoro\]"):
+        G2P("z")
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="lang: 'j'"):
+        G2P("j")
+    with pytest.raises(ValueError, match="english: 'x'"):
+        G2P("a", english="x")
+
+
+def test_misaki_tokens_read_as_en_tokenize_reads_them():
+    from misaki.token import MToken
+
+    mtokens = [MToken("Hello", "UH", "", "həlˈO"), MToken(",", ",", " ", ","), MToken("Zq", "NN", "", None)]
+    assert tokens_from_misaki(mtokens) == [
+        Token("Hello", "həlˈO", "", ""), Token(",", ",", " ", " "), Token("Zq", "", "", "")
+    ]
+
+
+def test_split_marks_only_where_both_sides_carry_them():
+    assert split_marks('"Yes."', '"jˈɛs."', " ") == [
+        Token('"', '"'), Token("Yes", "jˈɛs"), Token(".", "."), Token('"', '"', " ", " ")
+    ]
+    assert split_marks("$42", "dˈɑːlɚ", "") == [Token("$42", "dˈɑːlɚ")]
+    assert split_marks("...", "...", "") == [Token(".", "."), Token(".", "."), Token(".", ".")]
