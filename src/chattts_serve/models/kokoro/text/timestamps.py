@@ -52,7 +52,9 @@ def word_timestamps(
     n_ids = before[-1] + 1
     dur = [int(d) for d in durations]
     if len(dur) != n_ids:
-        raise ValueError(f"durations: {len(dur)} values for {n_ids} input ids (2 boundaries + {n_ids - 2} phonemes)")
+        hint = "" if vocab is not None else "; pass the vocab the ids were made with (symbols it lacks have no id)"
+        raise ValueError(f"durations: {len(dur)} values for {n_ids} input ids (2 boundaries + {n_ids - 2} phonemes)"
+                         + hint)
     prefix = [0]
     for d in dur:
         prefix.append(prefix[-1] + d)

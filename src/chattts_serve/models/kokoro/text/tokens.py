@@ -30,7 +30,8 @@ class Chunk:
 
     ``spans[k]`` is ``tokens[k]``'s ``[start, end)`` in ``phonemes``; a token whose phonemes were
     stripped off the chunk's edges has an empty span. ``text_index`` is the line (``\\n``-separated
-    part) of the input the chunk came from, as ``KPipeline.Result.text_index``.
+    part) of the input the chunk came from, as ``KPipeline.Result.text_index``. The voice pack's row
+    for the chunk is ``len(phonemes) - 1`` (the package counts symbols the vocab lacks there too).
     """
 
     text: str
