@@ -55,6 +55,8 @@ def test_no_english_g2p_says_what_to_install(monkeypatch):
         G2P("a")
     with pytest.raises(G2PUnavailable, match="spacy download en_core_web_sm"):
         G2P("a", english="spacy")
+    with pytest.raises(G2PUnavailable, match="English G2P: espeak-ng is not installed"):
+        G2P("a", english="espeak")
 
 
 def test_no_chinese_g2p_says_what_to_install(monkeypatch):

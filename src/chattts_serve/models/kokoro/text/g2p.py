@@ -36,16 +36,21 @@ class G2P:
         self.lang = code
         if code == "z":
             self.backend = "misaki-zh"
-            self._impl = _build(ZH_INSTALL, "misaki.zh", _zh)
+            self._impl = _build("misaki.zh", ZH_INSTALL, _zh)
             return
         british = code == "b"
-        use_spacy = english == "spacy" or (english == "auto" and en.spacy_available())
-        if use_spacy:
+        if english == "spacy" or (english == "auto" and en.spacy_available()):
+            if not en.spacy_available():
+                raise G2PUnavailable(f"English G2P: spaCy's {en.SPACY_MODEL} is not installed. Install: {EN_INSTALL}")
             self.backend = "misaki-en"
-            self._impl = _build(EN_INSTALL, "misaki.en (spaCy en_core_web_sm)", lambda: en.SpacyEnG2P(british))
+            self._impl = _build("misaki.en", EN_INSTALL, lambda: en.SpacyEnG2P(british))
         else:
+            if not en.espeak_available():
+                missing = ("espeak-ng is not installed" if english == "espeak"
+                           else f"neither spaCy's {en.SPACY_MODEL} nor espeak-ng is installed")
+                raise G2PUnavailable(f"English G2P: {missing}. Install: {EN_INSTALL}")
             self.backend = "espeak-ng"
-            self._impl = _build(EN_INSTALL, "misaki.espeak (espeak-ng)", lambda: en.EspeakEnG2P(british))
+            self._impl = _build("misaki.espeak", EN_INSTALL, lambda: en.EspeakEnG2P(british))
 
     def tokens(self, text: str) -> list[Token]:
         """The words (and punctuation marks) of ``text`` with their phonemes."""
@@ -62,12 +67,7 @@ def _zh():
     return ZhG2P()
 
 
-def _build(install: str, what: str, make):
-    if what.startswith("misaki.en") and not en.spacy_available():
-        raise G2PUnavailable(f"English G2P: spaCy's en_core_web_sm is not installed. Install: {install}")
-    if what.startswith("misaki.espeak") and not en.espeak_available():
-        raise G2PUnavailable(f"English G2P: neither spaCy's en_core_web_sm nor espeak-ng is installed. "
-                             f"Install: {install}")
+def _build(what: str, install: str, make):
     try:
         return make()
     except ImportError as e:
