@@ -90,3 +90,58 @@ def test_split_marks_only_where_both_sides_carry_them():
     ]
     assert split_marks("$42", "dˈɑːlɚ", "") == [Token("$42", "dˈɑːlɚ")]
     assert split_marks("...", "...", "") == [Token(".", "."), Token(".", "."), Token(".", ".")]
+
+
+class _FakeEspeak:
+    """misaki's EspeakG2P's surface: a whole-text call, and the backend's per-item call."""
+
+    def __init__(self, whole: dict[str, str], alone: dict[str, str]):
+        self.whole, self.alone = whole, alone
+        self.backend = self
+
+    def __call__(self, text):
+        return (self.whole.get(text) or self.alone[text]), None
+
+    def phonemize(self, texts):
+        return [self.alone[t] for t in texts]
+
+
+def _espeak(fake) -> en_mod.EspeakEnG2P:
+    g2p = en_mod.EspeakEnG2P.__new__(en_mod.EspeakEnG2P)
+    g2p._g2p = fake
+    return g2p
+
+
+def test_espeak_words_are_grouped_by_their_own_counts():
+    fake = _FakeEspeak({"paid $42 now.": "pˈAd dˈɑːlɚ fˈɔːɹɾi tˈuː nˈW."},
+                       {"paid": "pˈAd", "$42": "dˈɑːlɚz fˈɔːɹti tuː", "now.": "nˈW."})
+    tokens = _espeak(fake).tokens("paid $42 now.")
+    # the line's own phonemes (context-dependent), grouped 1 + 3 + 1 as the words alone read
+    assert [(t.text, t.phonemes) for t in tokens] == [
+        ("paid", "pˈAd"), ("$42", "dˈɑːlɚ fˈɔːɹɾi tˈuː"), ("now", "nˈW"), (".", ".")
+    ]
+
+
+def test_espeak_words_fall_back_to_their_own_phonemes_when_counts_disagree():
+    fake = _FakeEspeak({"a b": "ɐbˈiː"}, {"a": "ɐ", "b": "bˈiː"})  # read across the two words
+    assert [(t.text, t.phonemes, t.space) for t in _espeak(fake).tokens("a b")] == [("a", "ɐ", " "), ("b", "bˈiː", "")]
+
+
+def test_the_front_end_imports_without_misaki():
+    """The server imports it whatever is installed: misaki and its dependencies load only in ``G2P()``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for name in ('misaki', 'jieba', 'pypinyin', 'cn2an', 'phonemizer', 'espeakng_loader'):\n"
+        "    sys.modules[name] = None  # any import of them now fails\n"
+        "from chattts_serve.models.kokoro.text import G2P, G2PUnavailable, phonemes_to_ids\n"
+        "assert phonemes_to_ids('ab', {'a': 43, 'b': 44}) == [0, 43, 44, 0]\n"
+        "try:\n"
+        "    G2P('z')\n"
+        "except G2PUnavailable as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert "chattts-serve[kokoro]" in done.stdout
