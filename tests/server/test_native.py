@@ -264,6 +264,14 @@ def test_an_expanding_lexicon_is_refused_at_the_input_bound_and_the_server_stays
         err = check_openai_error(r, 400)
         assert err["code"] == "input_too_long" and "the limit is 4096" in err["message"], err
     assert max(lags) < 1.0, lags  # generous: the loop is free while the requests are refused
+    # The same on the OpenAI route and in a dialogue's turn (named).
+    with httpx.Client(base_url=server, timeout=HTTP_TIMEOUT) as c:
+        speech = {"model": "tts-1", "voice": "alloy", "input": "a" * 4000, "lexicon": {"a": "啊" * 256}}
+        err = check_openai_error(c.post("/v1/audio/speech", json=speech), 400)
+        assert err["code"] == "input_too_long", err
+        turns = [{"voice": "alloy", "text": "你好。"}, {"voice": "nova", **bombs[0]}]
+        err = check_openai_error(c.post("/v1/dialogue", json={"turns": turns}), 400)
+        assert err["code"] == "input_too_long" and err["message"].startswith("turn 1: "), err
 
 
 def test_ssml_with_an_xml_declaration_is_read_as_ssml(http):

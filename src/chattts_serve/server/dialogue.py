@@ -34,6 +34,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
+from ..text.bound import TextTooLong
 from .audio_response import AudioResponse
 from .errors import APIError, ClientGone, TimedStreamingResponse, check_length
 from .limits import synthesis
@@ -160,7 +161,9 @@ async def _opened(stream: AsyncIterator[RequestOutput], turn: Turn, index: int) 
     try:
         return await anext(stream)
     except ValueError as exc:
-        raise APIError(400, f"{turn.name or f'turn {index}'}: {exc}", param=turn.param or f"turns.{index}") from None
+        code = "input_too_long" if isinstance(exc, TextTooLong) else None  # max_input_chars, after an expansion
+        message = f"{turn.name or f'turn {index}'}: {exc}"
+        raise APIError(400, message, param=turn.param or f"turns.{index}", code=code) from None
 
 
 async def _first_turn_started(firsts: list[asyncio.Future]) -> None:
