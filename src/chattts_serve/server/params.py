@@ -163,11 +163,14 @@ def build_params(
     prompt: str | None = None,
     defaults: ChatTTSOptions | None = None,
     lexicon: str | None = None,
+    max_text_chars: int | None = None,
 ) -> SamplingParams:
     """A request's options on top of the server's ``defaults`` (``request_defaults``), on top of
     SamplingParams' own; ``prompt``: the prompt the request implies (an OpenAI ``speed`` other than 1),
     which wins over the defaults' but not over a prompt the request sets itself. ``lexicon``: the server's
-    lexicon file (``ServerConfig.lexicon``), under the defaults' lexicon, under the request's."""
+    lexicon file (``ServerConfig.lexicon``), under the defaults' lexicon, under the request's.
+    ``max_text_chars``: the server's ``max_input_chars``, which the engine holds the text to after every
+    expansion too (``SamplingParams.max_text_chars``)."""
 
     def given(name: str):
         value = getattr(opts, name)
@@ -184,6 +187,7 @@ def build_params(
             speaker=voice.speaker,
             speaker_sample=voice.sample,
             speaker_sample_text=voice.sample_text,
+            max_text_chars=max_text_chars,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
@@ -208,5 +212,7 @@ def tts_params(state, body: TTSRequest, tenant: str | None) -> tuple[SamplingPar
     voice = resolve_voice(state.voices, state.engine, body.speaker or body.voice, cfg.voices.default, "voice", tenant)
     speed = plan_speed(body.speed, body.speed_mode)
     defaults = request_defaults(cfg.default_options)
-    params = build_params(body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon)
+    params = build_params(
+        body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon, max_text_chars=cfg.max_input_chars
+    )
     return params, build_policy(state.engine.stream_policy, body.chunking), speed.stretch

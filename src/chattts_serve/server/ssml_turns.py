@@ -11,10 +11,12 @@ A text without ``<voice>`` is one turn, the text itself, on the route's path as 
 included); so is a document with one run, in that run's voice. A document of several turns is not looked up
 in the result cache, as dialogues are not. Splitting happens here, before anything is submitted, so a fault
 in the document (malformed, an unknown tag, an unknown voice) is a 400 naming its place in the request's text.
+The document is read in a worker thread, as the engine reads text: parsing is never the event loop's work.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from fastapi import Request
@@ -32,7 +34,7 @@ TURN_PAUSE_MS: int = DialogueRequest.model_fields["pause_ms"].default
 """Silence between two voices' turns."""
 
 
-def text_turns(text: str, params_for: Callable[[str | None], SamplingParams], param: str) -> list[Turn]:
+async def text_turns(text: str, params_for: Callable[[str | None], SamplingParams], param: str) -> list[Turn]:
     """``text`` as the turns to speak. ``params_for(None)``: the request's ``SamplingParams``;
     ``params_for(name)``: the same request in voice ``name`` (a 400 for an unknown voice). ``param``: the
     request's text field, which a refusal points at."""
@@ -40,7 +42,7 @@ def text_turns(text: str, params_for: Callable[[str | None], SamplingParams], pa
     if not is_ssml(text) or "voice" not in text:  # no <voice>: the engine reads the SSML, off the event loop
         return [Turn(text, params)]
     try:
-        runs = voice_runs(text)
+        runs = await asyncio.to_thread(voice_runs, text)
     except ValueError as exc:
         raise APIError(400, str(exc), param=param) from None
     if len(runs) > MAX_TURNS:

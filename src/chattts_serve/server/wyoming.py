@@ -384,7 +384,11 @@ class Connection(AsyncEventHandler):
                 opts = opts.model_copy(update={"lang": lang})
             chosen = resolve_voice(self.st.voices, self.st.engine, name, self.cfg.voices.default, "voice")
             return build_params(
-                opts, chosen, defaults=request_defaults(self.cfg.default_options), lexicon=self.cfg.lexicon
+                opts,
+                chosen,
+                defaults=request_defaults(self.cfg.default_options),
+                lexicon=self.cfg.lexicon,
+                max_text_chars=self.cfg.max_input_chars,
             )
         except ValidationError as exc:
             first = exc.errors()[0]
