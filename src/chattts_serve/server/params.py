@@ -38,10 +38,11 @@ class ResolvedVoice:
 
 
 def tenant_of(scope) -> str | None:
-    """The tenant whose saved voices a request sees: the one its API key belongs to (``server.auth``); None
-    without tenants (the voices of no tenant)."""
+    """Whose saved voices and cached results a request sees (``auth.Principal.owner``): its API key's tenant,
+    or with plain ``--api-keys`` its key's own (all keys' one with ``--api-keys-shared``); None on a server
+    without keys (the voices of no tenant)."""
     who = principal(scope)
-    return who.tenant if who is not None else None
+    return who.owner if who is not None else None
 
 
 def resolve_voice(
