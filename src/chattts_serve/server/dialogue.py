@@ -62,7 +62,7 @@ class Turn:
 async def dialogue(body: DialogueRequest, request: Request):
     """The turns in order, each in its voice, ``pause_ms`` of silence between two; streamed by default."""
     st = request.app.state
-    turns = _turns(st, body, tenant_of(request.scope))
+    turns = await asyncio.to_thread(_turns, st, body, tenant_of(request.scope))  # voices: store reads, blends
     policy = build_policy(st.engine.stream_policy, body.chunking)
     pause = body.pause_ms * SAMPLE_RATE // 1000
     rid = request.state.request_id

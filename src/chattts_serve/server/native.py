@@ -91,7 +91,7 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
 async def _turns(st, body: TTSRequest, request: Request) -> tuple[list[Turn], StreamPolicy, float]:
     """The request's turns (``server.ssml_turns``: one, unless its SSML changes voice), chunking and stretch."""
     tenant = tenant_of(request.scope)
-    params, policy, factor = tts_params(st, body, tenant)
+    params, policy, factor = await asyncio.to_thread(tts_params, st, body, tenant)  # voices: store reads, blends
 
     def params_for(voice: str | None) -> SamplingParams:
         if voice is None:

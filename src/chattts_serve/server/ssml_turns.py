@@ -38,7 +38,9 @@ async def text_turns(text: str, params_for: Callable[[str | None], SamplingParam
     """``text`` as the turns to speak. ``params_for(None)``: the request's ``SamplingParams``;
     ``params_for(name)``: the same request in voice ``name`` (a 400 for an unknown voice). ``param``: the
     request's text field, which a refusal points at."""
-    params = params_for(None)  # the request's own voice and options are checked whatever its text holds
+    # the request's own voice and options are checked whatever its text holds; resolving a voice reads the
+    # store and may mix a blend: a worker thread's work, as each <voice> run's below
+    params = await asyncio.to_thread(params_for, None)
     if not is_ssml(text) or "voice" not in text:  # no <voice>: the engine reads the SSML, off the event loop
         return [Turn(text, params)]
     try:
@@ -57,7 +59,7 @@ async def text_turns(text: str, params_for: Callable[[str | None], SamplingParam
             continue
         name = f"SSML turn {i} (<voice> at {run.where})"
         try:
-            turns.append(Turn(run.ssml, params_for(run.voice), name, param))
+            turns.append(Turn(run.ssml, await asyncio.to_thread(params_for, run.voice), name, param))
         except APIError as exc:
             raise APIError(
                 exc.status_code, f"<voice> at {run.where}: {exc.detail}", exc.type, param, exc.code, exc.headers
