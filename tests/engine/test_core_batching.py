@@ -416,17 +416,17 @@ def test_failure_in_one_step_spares_requests_added_after(engine, monkeypatch):
 
 
 def test_a_request_ended_by_its_pipeline_leaves_the_scheduler(engine):
-    """Sentence 1's refined text makes its audio pass too long for the slot: the request ends with an
-    error, and its other sentences' passes leave the scheduler with it (they do not run on for nobody)."""
+    """The refined first sentence's voice sample makes the later audio passes too long for the slot, even
+    cut in parts: the request ends with an error, and its other sentences' passes leave the scheduler with
+    it (they do not run on for nobody)."""
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=48))
     core = EngineCore(engine.model, engine.tokenizer, config, engine.layout)
     run = Run(core)
     params = base(
         refine_text=True,
         refine=RefineParams(min_new_tokens=30, max_new_tokens=30),
-        min_new_tokens=20,
-        max_new_tokens=20,
-        first_sentence_voice=False,
+        min_new_tokens=40,
+        max_new_tokens=40,
     )
     run.add("long", "今天天气很好。我们去公园吧。明天见。", params)
     for _ in range(500):
@@ -434,7 +434,7 @@ def test_a_request_ended_by_its_pipeline_leaves_the_scheduler(engine):
         if run.finished("long"):
             break
     final = run.final("long")
-    assert final.finish_reason == "error" and "too long" in final.error
+    assert final.finish_reason == "error" and "does not fit" in final.error
     run.step()  # the step that releases what was running
     assert not core.scheduler.has_unfinished()
     assert_idle(core)

@@ -136,6 +136,7 @@ class RequestPipeline:
         )
         if prepared.voice_step:
             req.voice = _Segment(-1, prepared.segments[0])
+        self._check_room(req)
         if req.params.refine_text:  # every segment's refine pass; code passes follow as texts are ready
             first = [(seg, self._new_sequence(req, seg)) for seg in req.segments]
         else:
@@ -221,18 +222,33 @@ class RequestPipeline:
     def _code_prompt(self, req: _Request, text: str) -> str:
         return code_prompt(text, req.params.prompt, req.speaker is not None, req.sample_text)
 
+    def _check_room(self, req: _Request) -> None:
+        """Refuse up front (ValueError: a 400) a request no split can speak: its ``min_new_tokens`` and its
+        shortest prompt (the template, its own voice sample, one token of text) do not fit one slot."""
+        sample = 0 if req.sample_codes is None else len(req.sample_codes)
+        shortest = len(self.tokenizer.encode(self._code_prompt(req, ""))) + sample + 1
+        least = req.params.min_new_tokens
+        if shortest + max(1, least) > self.max_model_len:
+            raise ValueError(
+                f"the request cannot fit the engine's max_model_len of {self.max_model_len} positions: "
+                f"min_new_tokens {least} and its shortest prompt ({shortest} positions"
+                f"{f', {sample} of them its voice sample' if sample else ''}) need {shortest + max(1, least)}"
+            )
+
     def _fit(self, req: _Request, seg: _Segment) -> list[_Segment]:
         """The segment's code passes, each fitted to a slot (``prompt_fit``): the segment itself, or its
         parts. The voice step speaks its first part only (the sample is that part's audio and text).
         Raises ValueError when no split fits."""
         sample = 0 if req.sample_codes is None else len(req.sample_codes)
         p = req.params
+        # The voice step leaves two positions free: the later passes repeat its prompt and add its audio as
+        # their sample, and still need one token of their own text and one of audio.
         parts = fit(
             seg.spoken_text,
             lambda t: len(self.tokenizer.encode(self._code_prompt(req, t))) + sample,
             p.min_new_tokens,
             req.prepared.max_new_tokens,
-            self.max_model_len,
+            self.max_model_len - 2 * (seg is req.voice),
         )
         if parts is None:
             what = "the first sentence's voice step" if seg is req.voice else f"segment {seg.index}"

@@ -10,7 +10,7 @@ text the client sent, so a sentence that fits as written may not fit as spoken. 
    fewest that fit;
 3. one pass with ``max_new_tokens`` shortened to what the slot holds, when ``min_new_tokens`` still
    fits (it is a cap; the sentence has no marks to cut at);
-4. parts cut anywhere (at spaces, else between characters), the fewest that fit.
+4. parts cut anywhere (at spaces, else between characters), the fewest that fit (at most ``MAX_PARTS``).
 
 Parts share the pass's ``min_new_tokens`` and ``max_new_tokens`` (split as evenly as integers allow), so a
 split sentence asks for the same audio in all as the pass it replaces: the request's audio budget holds.
@@ -26,6 +26,9 @@ from dataclasses import dataclass
 _MARK_END = re.compile(r"(?<=[。！？!?；;，,、：:…])|(?<=\.\s)|(?<=\])")
 """Cut points after a sentence or clause mark, or after a control token (``[uv_break]``, ``[lbreak]``)."""
 _SPACE_END = re.compile(r"(?<=\s)(?=\S)")
+MAX_PARTS = 16
+"""Most parts one pass is cut into: beyond it the parts would be a few tokens of audio each (and the
+search would cost more than the pass is worth); such a pass does not fit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +78,7 @@ def _fewest_parts(
     """The fewest parts (k >= 2) of whole ``pieces`` (``fine``: pieces cut between characters as needed) that fit with
     ``max_new`` split k ways. Feasibility only grows with k (each part's cap shrinks), so the search halves."""
     counts = [max(1, prompt_len(p) - fixed) for p in pieces]
-    lo, hi, best = 2, min(max_new, sum(counts) if fine else len(pieces)), None
+    lo, hi, best = 2, min(MAX_PARTS, max_new, sum(counts) if fine else len(pieces)), None
     while lo <= hi:
         k = (lo + hi) // 2
         parts = _pack(pieces, counts, prompt_len, fixed, max_model_len - -(-max_new // k), k, fine)
