@@ -241,14 +241,14 @@ class RequestPipeline:
         Raises ValueError when no split fits."""
         sample = 0 if req.sample_codes is None else len(req.sample_codes)
         p = req.params
-        # The voice step leaves two positions free: the later passes repeat its prompt and add its audio as
-        # their sample, and still need one token of their own text and one of audio.
+        # The voice step fits half a slot: every later pass holds its prompt and its audio (the sample) again,
+        # and needs as much room for its own text and audio.
         parts = fit(
             seg.spoken_text,
             lambda t: len(self.tokenizer.encode(self._code_prompt(req, t))) + sample,
             p.min_new_tokens,
             req.prepared.max_new_tokens,
-            self.max_model_len - 2 * (seg is req.voice),
+            self.max_model_len // 2 if seg is req.voice else self.max_model_len,
         )
         if parts is None:
             what = "the first sentence's voice step" if seg is req.voice else f"segment {seg.index}"
