@@ -20,9 +20,10 @@ REFINED = {"text": "第一句。第二句。Third one.", "seed": 5, "min_new_tok
 def http(tiny_ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("long-prompts")
     flags = ("--max-model-len", "200", "--max-num-seqs", "4")
-    with running_server(tiny_ckpt, tmp, *flags, in_process=True) as base, httpx.Client(
-        base_url=base, timeout=HTTP_TIMEOUT
-    ) as c:
+    with (
+        running_server(tiny_ckpt, tmp, *flags, in_process=True) as base,
+        httpx.Client(base_url=base, timeout=HTTP_TIMEOUT) as c,
+    ):
         yield c
 
 
