@@ -98,3 +98,14 @@ def test_fixed_slots_get_the_length_memory_holds(tiny_ckpt, monkeypatch):
     assert runner.fitted_model_len(model, 8, 4096, eng.device, dtype, fraction=0.5) == 4096
     monkeypatch.setattr(runner, "free_bytes", lambda device: 0)  # never below the old default
     assert runner.fitted_model_len(model, 16, 4096, eng.device, dtype, fraction=0.5) == 2304
+
+
+@pytest.mark.slow
+def test_the_issue_example_fits_the_default_slot(tiny_ckpt, caplog):
+    """Issue 29's example at full length: a 2000-code voice sample and 2000 more per sentence need ~4020
+    positions, which the old 2304-position slot could not hold and the checkpoint's 4096 do."""
+    caplog.set_level(logging.WARNING)
+    eng = Engine.from_pretrained(tiny_ckpt, device="cpu", config=EngineConfig.with_slots(2))
+    [r] = eng.synthesize(VOICE_TEXT, voice_lengthened(2000))
+    assert [s.codes.shape for s in r.segments] == [(2000, 4), (2000, 4)]
+    no_errors(caplog)

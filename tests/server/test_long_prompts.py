@@ -29,22 +29,19 @@ def http(tiny_ckpt, tmp_path_factory):
 
 @pytest.mark.parametrize("route", ["/v1/tts", "/v1/tts/captioned"])
 @pytest.mark.parametrize(
-    "body",
+    ("body", "sentences"),
     [
-        {**VOICE, "refine_max_new_tokens": 40},
-        {**REFINED, "refine_min_new_tokens": 120, "refine_max_new_tokens": 120},
+        ({**VOICE, "refine_max_new_tokens": 40}, 2),
+        ({**REFINED, "refine_min_new_tokens": 120, "refine_max_new_tokens": 120}, 3),
     ],
     ids=["voice-sample", "refined"],
 )
-def test_prompts_longer_than_a_slot_are_spoken(http, caplog, route, body):
+def test_prompts_longer_than_a_slot_are_spoken(http, caplog, route, body, sentences):
     caplog.set_level(logging.WARNING)
     r = http.post(route, json={**body, "format": "pcm"})
     assert r.status_code == 200, r.text
-    if route.endswith("captioned"):
-        segments = r.json()["segments"]
-        assert len(segments) == len(body["text"].replace(". ", "。").rstrip(".").split("。")) - (
-            body["text"].endswith("。")
-        )
+    if route.endswith("captioned"):  # a sentence spoken in parts is still one segment
+        assert len(r.json()["segments"]) == sentences
     else:
         assert len(r.content) > 0
     assert not [x for x in caplog.records if x.levelno >= logging.ERROR], caplog.text
