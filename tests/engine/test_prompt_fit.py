@@ -34,6 +34,13 @@ def test_a_long_pass_is_cut_after_its_marks_into_the_fewest_parts():
     assert [p.text for p in parts] == ["今天天气不错[uv_break]", "我们去公园[lbreak]", "明天见。后天也见。"]
 
 
+def test_a_cap_that_keeps_half_is_shortened_rather_than_the_sentence_cut():
+    """A long voice sample with room for most of max_new_tokens: one pass, as the reference speaks it
+    (speech ends long before the cap), not a sentence cut at its comma."""
+    text = "今天天气不错，我们去公园。"
+    assert fit(text, plen, 0, 100, plen(text) + 60) == [Part(text, 0, 60)]
+
+
 def test_without_marks_the_cap_is_shortened_while_min_new_tokens_fits():
     text = "今天天气不错我们去公园"
     assert fit(text, plen, 5, 100, 60) == [Part(text, 5, 60 - plen(text))]

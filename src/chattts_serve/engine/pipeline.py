@@ -35,6 +35,9 @@ from .runner import SeqInputs, StepSampling
 
 logger = logging.getLogger(__name__)
 _TAG = re.compile(r"\[[^\[\]]*\]")
+VOICE_TEXT_ROOM = 64
+"""Text positions the voice step leaves every later pass (beyond their min_new_tokens): a longer text of
+theirs is cut in parts (``prompt_fit``)."""
 
 
 @dataclass(eq=False)
@@ -235,20 +238,25 @@ class RequestPipeline:
                 f"{f', {sample} of them its voice sample' if sample else ''}) need {shortest + max(1, least)}"
             )
 
+    def _later_room(self, req: _Request) -> int:
+        """Positions the voice step leaves for each later pass's own text and audio: its min_new_tokens and
+        ``VOICE_TEXT_ROOM`` of text, at most half the slot."""
+        return min(self.max_model_len // 2, max(1, req.params.min_new_tokens) + VOICE_TEXT_ROOM)
+
     def _fit(self, req: _Request, seg: _Segment) -> list[_Segment]:
         """The segment's code passes, each fitted to a slot (``prompt_fit``): the segment itself, or its
         parts. The voice step speaks its first part only (the sample is that part's audio and text).
         Raises ValueError when no split fits."""
         sample = 0 if req.sample_codes is None else len(req.sample_codes)
         p = req.params
-        # The voice step fits half a slot: every later pass holds its prompt and its audio (the sample) again,
-        # and needs as much room for its own text and audio.
+        # Every later pass holds the voice step's prompt and audio (the sample) again: the voice step leaves
+        # them room for their min_new_tokens and some text of their own.
         parts = fit(
             seg.spoken_text,
             lambda t: len(self.tokenizer.encode(self._code_prompt(req, t))) + sample,
             p.min_new_tokens,
             req.prepared.max_new_tokens,
-            self.max_model_len // 2 if seg is req.voice else self.max_model_len,
+            self.max_model_len - self._later_room(req) if seg is req.voice else self.max_model_len,
         )
         if parts is None:
             what = "the first sentence's voice step" if seg is req.voice else f"segment {seg.index}"

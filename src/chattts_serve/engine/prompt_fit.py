@@ -6,11 +6,12 @@ text the client sent, so a sentence that fits as written may not fit as spoken. 
 *parts*, spoken one after the other into the sentence's audio, in this order of preference:
 
 1. one pass, as the reference speaks it (every sentence that fits: nothing changes);
-2. parts cut after sentence and break marks (``。``, ``,``, ``[uv_break]``, ``[lbreak]``, ...), the
-   fewest that fit;
-3. one pass with ``max_new_tokens`` shortened to what the slot holds, when ``min_new_tokens`` still
-   fits (it is a cap; the sentence has no marks to cut at);
-4. parts cut anywhere (at spaces, else between characters), the fewest that fit (at most ``MAX_PARTS``).
+2. one pass with ``max_new_tokens`` (a cap: speech mostly ends long before it) shortened to what the
+   slot holds, when that keeps ``min_new_tokens`` and at least half the cap (a long voice sample);
+3. parts cut after sentence and break marks (``。``, ``,``, ``[uv_break]``, ``[lbreak]``, ...), the
+   fewest that fit (a long refined text);
+4. as 2, keeping only ``min_new_tokens`` (the sentence has no marks to cut at);
+5. parts cut anywhere (at spaces, else between characters), the fewest that fit (at most ``MAX_PARTS``).
 
 Parts share the pass's ``min_new_tokens`` and ``max_new_tokens`` (split as evenly as integers allow), so a
 split sentence asks for the same audio in all as the pass it replaces: the request's audio budget holds.
@@ -47,11 +48,14 @@ def fit(
     whole = prompt_len(text)
     if whole + max_new <= max_model_len:
         return [Part(text, min_new, max_new)]
+    room = max_model_len - whole
+    if room >= max(1, min_new, max_new // 2):
+        return [Part(text, min_new, room)]
     fixed = prompt_len("")
     marked = _split(text, _MARK_END)
     parts = _fewest_parts(marked, prompt_len, fixed, min_new, max_new, max_model_len, fine=False)
-    if parts is None and whole + max(1, min_new) <= max_model_len:
-        return [Part(text, min_new, max_model_len - whole)]
+    if parts is None and room >= max(1, min_new):
+        return [Part(text, min_new, room)]
     words = [w for piece in marked for w in _split(piece, _SPACE_END)]
     return parts or _fewest_parts(words, prompt_len, fixed, min_new, max_new, max_model_len, fine=True)
 
