@@ -30,7 +30,7 @@ TENANTS = {
     ]
 }
 REPLICA = "x-chattts-replica"
-LONG = 2000  # audio tokens (within a slot's 2304 positions): a stream of tens of seconds here, cut short
+LONG = 2000  # audio tokens (within a slot's 4096 positions): a stream of tens of seconds here, cut short
 
 
 def auth(tenant: str = "main") -> dict[str, str]:

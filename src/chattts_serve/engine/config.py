@@ -164,7 +164,8 @@ _HELP = {
     "needs the [onnx] extra), ort-auto (ort-int4 while few rows decode, ort-int8 from --ort-auto-crossover on); "
     "see the README's quality table",
     "max_num_seqs": "KV-cache slots: sequences decoding at once",
-    "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence)",
+    "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence; at most the checkpoint's "
+    "max_position_embeddings; fixed slots are shortened at load where memory does not hold them)",
     "max_waiting": "sequences that may wait for a slot; beyond it submissions are refused",
     "max_prefill_tokens": "prompt tokens prefilled per step, in one batched call (caps how long running streams wait)",
     "decode": "decode step: rows (batch-invariant; CPU default) or static (fixed shapes, CUDA graphs; CUDA default)",

@@ -70,6 +70,11 @@ class EngineCore:
         self.config = config
         sc = config.scheduler
         gpt = model.config.gpt
+        if sc.max_model_len > gpt.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {sc.max_model_len} exceeds the checkpoint's {gpt.max_position_embeddings} positions "
+                "(max_position_embeddings)"
+            )
         self.scheduler = Scheduler(sc)
         self.runner = ModelRunner(
             model, layout, sc.max_num_seqs, sc.max_model_len, tokenizer.eos_id, config.runner, sc.max_prefill_tokens

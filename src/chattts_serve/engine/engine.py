@@ -36,7 +36,7 @@ from .config import EngineConfig
 from .core import EngineCore
 from .onednn import bound_kernel_caches
 from .outputs import Result, build_result
-from .runner import auto_num_slots
+from .runner import auto_num_slots, fitted_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +84,23 @@ class Engine:
         check_supported(spec, device)
         # Every mode starts from the fp32 weights (int8 scales are taken from them, not from bf16).
         model = checkpoint.load(path_or_repo, device=device, dtype=torch.float32)
+        kv_dtype = KVCache.dtype_for(config.runner.kv_cache_dtype, spec.trunk_dtype)
+        sc = config.scheduler
         if config.auto_slots:  # as many KV slots as half the free memory holds
-            kv_dtype = KVCache.dtype_for(config.runner.kv_cache_dtype, spec.trunk_dtype)
-            n = auto_num_slots(model, config.scheduler.max_model_len, device, kv_dtype)
+            n = auto_num_slots(model, sc.max_model_len, device, kv_dtype)
             logger.info("KV cache: %d slots sized from free memory", n)
-            config = replace(config, scheduler=replace(config.scheduler, max_num_seqs=n), auto_slots=False)
+            config = replace(config, scheduler=replace(sc, max_num_seqs=n), auto_slots=False)
+        else:  # fixed slots: as long as memory allows (a slot's prompt grows with the voice sample)
+            n = fitted_model_len(model, sc.max_num_seqs, sc.max_model_len, device, kv_dtype)
+            if n < sc.max_model_len:
+                logger.warning(
+                    "KV cache: max_model_len lowered from %d to %d so %d slots fit in free memory "
+                    "(set --max-model-len or fewer --max-num-seqs)",
+                    sc.max_model_len,
+                    n,
+                    sc.max_num_seqs,
+                )
+                config = replace(config, scheduler=replace(sc, max_model_len=n))
         tokenizer = Tokenizer(model.root / checkpoint.TOKENIZER_DIR)
         stats = _speaker_stats(model)
         layout = prepare_model(

@@ -5,7 +5,8 @@ A request (one text) is split into sentences (segments). Each segment gets an op
 sample, the first segment's text is first spoken alone by a *voice* sequence; its audio, encoded by the
 DVAE, becomes the voice sample of every segment (the reference's way of keeping one voice across
 sentences). Each code sequence feeds an ``AudioStream`` whose windows the core decodes; a request's
-audio leaves in segment order.
+audio leaves in segment order. A code pass whose prompt (made longer by the refine pass or the voice
+sample) does not fit a KV slot is spoken in parts (``prompt_fit``), one after the other, as one sentence.
 
 The pipeline holds state and makes sequences; it runs no model. ``EngineCore`` queues the sequences it
 returns, runs the model, and hands results back.
@@ -28,11 +29,15 @@ from ..model.tokenizer import Tokenizer, code_prompt, refine_prompt
 from .hidden_store import HiddenStore
 from .input_processor import PreparedRequest
 from .outputs import RequestOutput, SegmentResult, SegmentSpan, StepOutput
+from .prompt_fit import Part, fit
 from .request import FinishReason, Sequence, SequenceStatus
 from .runner import SeqInputs, StepSampling
 
 logger = logging.getLogger(__name__)
 _TAG = re.compile(r"\[[^\[\]]*\]")
+VOICE_TEXT_ROOM = 64
+"""Text positions the voice step leaves every later pass (beyond their min_new_tokens): a longer text of
+theirs is cut in parts (``prompt_fit``)."""
 
 
 @dataclass(eq=False)
@@ -47,10 +52,19 @@ class _Segment:
     pcm: list[np.ndarray] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     code_queued: bool = False
+    fitted: Part | None = None
+    """The code pass's text and lengths once fitted to a slot (``prompt_fit``)."""
+    parts: list[_Segment] = field(default_factory=list)
+    """A segment spoken in several code passes: one per part, in order (empty: the segment's own pass)."""
 
     @property
     def spoken_text(self) -> str:
         return self.refined_text if self.refined_text is not None else self.text
+
+    @property
+    def units(self) -> list[_Segment]:
+        """What carries the segment's audio: its parts, or itself."""
+        return self.parts or [self]
 
 
 @dataclass(eq=False)
@@ -83,7 +97,8 @@ class _Request:
         return self.prepared.params
 
     def live_segments(self) -> list[_Segment]:
-        return [*self.segments, *([self.voice] if self.voice is not None else [])]
+        """Every code pass's segment (or part) and the voice step's."""
+        return [*(u for s in self.segments for u in s.units), *([self.voice] if self.voice is not None else [])]
 
 
 class RequestPipeline:
@@ -124,16 +139,18 @@ class RequestPipeline:
         )
         if prepared.voice_step:
             req.voice = _Segment(-1, prepared.segments[0])
+        self._check_room(req)
         if req.params.refine_text:  # every segment's refine pass; code passes follow as texts are ready
-            first = req.segments
+            first = [(seg, self._new_sequence(req, seg)) for seg in req.segments]
         else:
-            first = [req.voice] if req.voice is not None else req.segments
-        seqs = [self._new_sequence(req, seg) for seg in first]
+            todo = [req.voice] if req.voice is not None else req.segments
+            first = [(unit, self._new_sequence(req, unit)) for seg in todo for unit in self._fit(req, seg)]
+            for seg in todo:
+                seg.code_queued = True
         self.requests[request_id] = req
-        for seq, seg in zip(seqs, first, strict=True):
+        for seg, seq in first:
             self._by_seq[seq.seq_id] = (req, seg)
-            seg.code_queued = seq.kind == "code"
-        return seqs
+        return [seq for _, seq in first]
 
     def drop(self, request_id: str) -> None:
         """Forget a request entirely (its sequences were refused or have left the scheduler)."""
@@ -165,7 +182,7 @@ class RequestPipeline:
 
     def _new_sequence(self, req: _Request, seg: _Segment) -> Sequence:
         p = req.params
-        if p.refine_text and seg.refined_text is None and seg is not req.voice:
+        if seg.fitted is None:  # its refine pass (a code pass is fitted to a slot first: ``_fit``)
             r = p.refine
             ids = self.tokenizer.encode(refine_prompt(seg.text, r.prompt))
             sampling = StepSampling((float(r.temperature),), r.top_p, r.top_k, r.repetition_penalty, p.refine_seed)
@@ -173,15 +190,14 @@ class RequestPipeline:
             inputs = SeqInputs(ids, sampling)
             min_new, max_new = r.min_new_tokens, r.max_new_tokens
         else:
-            has_speaker = req.speaker is not None
-            prompt = req.prepared.prompt(seg.index)  # its own [speed_N] in SSML at several rates
-            ids = self.tokenizer.encode(code_prompt(seg.spoken_text, prompt, has_speaker, req.sample_text))
+            part = seg.fitted
+            ids = self.tokenizer.encode(self._code_prompt(req, part.text, seg.index))
             sample = req.sample_codes
             prompt_len = len(ids) + (0 if sample is None else len(sample))
             sampling = StepSampling(p.temperatures, p.top_p, p.top_k, p.repetition_penalty, p.seed)
             kind, eos = "code", AUDIO_EOS
             inputs = SeqInputs(ids, sampling, req.speaker, self.tokenizer.spk_emb_id, sample)
-            min_new, max_new = p.min_new_tokens, req.prepared.max_new_tokens
+            min_new, max_new = part.min_new_tokens, part.max_new_tokens
         if prompt_len + max_new > self.max_model_len:
             # max_new_tokens is a cap: shorten it to what the slot holds (at least one step).
             max_new = self.max_model_len - prompt_len
@@ -206,9 +222,63 @@ class RequestPipeline:
             payload=inputs,
         )
 
+    def _code_prompt(self, req: _Request, text: str, index: int = 0) -> str:
+        # Segment ``index``'s own [speed_N] (SSML at several rates); the voice step (-1) speaks segment 0's.
+        return code_prompt(text, req.prepared.prompt(index), req.speaker is not None, req.sample_text)
+
+    def _check_room(self, req: _Request) -> None:
+        """Refuse up front (ValueError: a 400) a request no split can speak: its ``min_new_tokens`` and its
+        shortest prompt (the template, its own voice sample, one token of text) do not fit one slot."""
+        sample = 0 if req.sample_codes is None else len(req.sample_codes)
+        shortest = len(self.tokenizer.encode(self._code_prompt(req, ""))) + sample + 1
+        least = req.params.min_new_tokens
+        if shortest + max(1, least) > self.max_model_len:
+            raise ValueError(
+                f"the request cannot fit the engine's max_model_len of {self.max_model_len} positions: "
+                f"min_new_tokens {least} and its shortest prompt ({shortest} positions"
+                f"{f', {sample} of them its voice sample' if sample else ''}) need {shortest + max(1, least)}"
+            )
+
+    def _later_room(self, req: _Request) -> int:
+        """Positions the voice step leaves for each later pass's own text and audio: its min_new_tokens and
+        ``VOICE_TEXT_ROOM`` of text, at most half the slot."""
+        return min(self.max_model_len // 2, max(1, req.params.min_new_tokens) + VOICE_TEXT_ROOM)
+
+    def _fit(self, req: _Request, seg: _Segment) -> list[_Segment]:
+        """The segment's code passes, each fitted to a slot (``prompt_fit``): the segment itself, or its
+        parts. The voice step speaks its first part only (the sample is that part's audio and text).
+        Raises ValueError when no split fits."""
+        sample = 0 if req.sample_codes is None else len(req.sample_codes)
+        p = req.params
+        # Every later pass holds the voice step's prompt and audio (the sample) again: the voice step leaves
+        # them room for their min_new_tokens and some text of their own.
+        parts = fit(
+            seg.spoken_text,
+            lambda t: len(self.tokenizer.encode(self._code_prompt(req, t, seg.index))) + sample,
+            p.min_new_tokens,
+            req.prepared.max_new_tokens,
+            self.max_model_len - self._later_room(req) if seg is req.voice else self.max_model_len,
+        )
+        if parts is None:
+            what = "the first sentence's voice step" if seg is req.voice else f"segment {seg.index}"
+            template = len(self.tokenizer.encode(self._code_prompt(req, "", seg.index)))
+            raise ValueError(
+                f"{what} does not fit a slot: its prompt has {template} "
+                f"positions before its text and {sample} of voice sample, min_new_tokens is {p.min_new_tokens} and "
+                f"the engine's max_model_len is {self.max_model_len}"
+            )
+        if seg is req.voice or len(parts) == 1:
+            seg.fitted = parts[0]
+            if seg is req.voice:
+                seg.text = parts[0].text
+            return [seg]
+        seg.parts = [_Segment(seg.index, part.text, fitted=part) for part in parts]
+        return seg.parts
+
     def _code_passes(self, req: _Request) -> list[Sequence]:
         """Every code pass whose text is ready: the voice step first (when the request has one), then,
-        once its sample exists, each segment's own. Ends the request when one cannot be made."""
+        once its sample exists, each segment's own (or its parts'). Ends the request when one cannot be
+        made."""
         todo = [req.voice] if req.voice is not None else req.segments
         out = []
         for seg in todo:
@@ -216,13 +286,14 @@ class RequestPipeline:
             if seg.code_queued or not text_ready:
                 continue
             try:
-                seq = self._new_sequence(req, seg)
+                seqs = [(unit, self._new_sequence(req, unit)) for unit in self._fit(req, seg)]
             except ValueError as exc:
                 self._fail(req.request_id, str(exc))
                 return []
             seg.code_queued = True
-            self._by_seq[seq.seq_id] = (req, seg)
-            out.append(seq)
+            for unit, seq in seqs:
+                self._by_seq[seq.seq_id] = (req, unit)
+                out.append(seq)
         return out
 
     # ------------------------------------------------------------------ one step's results
@@ -356,16 +427,20 @@ class RequestPipeline:
         new, ended = [], len(req.spans)
         while req.emit_index < len(req.segments):
             seg = req.segments[req.emit_index]
-            new += seg.pcm
-            req.samples_out += sum(len(p) for p in seg.pcm)
-            seg.pcm = []
-            if seg.stream is not None and seg.stream.done:
-                self._close_stream(seg)
-                start = req.spans[-1].end if req.spans else 0
-                req.spans.append(SegmentSpan(seg.index, self._caption(seg.text), start, req.samples_out))
-                req.emit_index += 1
-            else:
+            done = True
+            for unit in seg.units:  # a split segment's parts in order: a part's audio waits for the one before
+                new += unit.pcm
+                req.samples_out += sum(len(p) for p in unit.pcm)
+                unit.pcm = []
+                if unit.stream is None or not unit.stream.done:
+                    done = False
+                    break
+                self._close_stream(unit)
+            if not done:
                 break
+            start = req.spans[-1].end if req.spans else 0
+            req.spans.append(SegmentSpan(seg.index, self._caption(seg.text), start, req.samples_out))
+            req.emit_index += 1
         done = req.emit_index == len(req.segments)
         if not (new or done or len(req.spans) > ended):
             return None
@@ -373,21 +448,20 @@ class RequestPipeline:
         out.spans = req.spans[ended:]
         out.num_steps = req.num_steps
         if done:
-            reasons = [s.finish_reason for s in req.segments]
+            reasons = [u.finish_reason for s in req.segments for u in s.units]
             out.finished, out.finish_reason = True, "length" if "length" in reasons else "stop"
             out.voice_sample = req.voice_sample
             out.num_input_tokens = sum(len(self.tokenizer.encode(s.spoken_text)) for s in req.segments)
-            out.segments = [
-                SegmentResult(
-                    s.spoken_text,
-                    np.asarray(s.stream.codes, dtype=np.int64).reshape(-1, self.num_vq),
-                    s.finish_reason,
-                    span,
-                )
-                for s, span in zip(req.segments, req.spans, strict=True)
-            ]
+            out.segments = [self._result(s, span) for s, span in zip(req.segments, req.spans, strict=True)]
             self.drop(req.request_id)
         return out
+
+    def _result(self, seg: _Segment, span: SegmentSpan) -> SegmentResult:
+        """A finished segment: its parts' codes one after the other; "length" if any part hit its cap."""
+        codes = [np.asarray(u.stream.codes, dtype=np.int64).reshape(-1, self.num_vq) for u in seg.units]
+        reasons = [u.finish_reason for u in seg.units]
+        reason = "length" if "length" in reasons else reasons[0]
+        return SegmentResult(seg.spoken_text, np.concatenate(codes), reason, span)
 
     def _caption(self, text: str) -> str:
         """A sentence's text without the control tokens it may hold (``[uv_break]`` from SSML, ``[laugh]``)."""

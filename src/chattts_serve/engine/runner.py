@@ -40,7 +40,7 @@ from .slot_state import Admission, HostStaging, SlotState, TokenReadback
 from .step_graph import StepGraph, step_graphs_apply
 from .step_plan import KindRows, StepPlan, bind, build_plan
 
-__all__ = ["ModelRunner", "SeqInputs", "StepSampling", "auto_num_slots"]
+__all__ = ["ModelRunner", "SeqInputs", "StepSampling", "auto_num_slots", "fitted_model_len"]
 
 
 class StageTimer(Protocol):
@@ -66,15 +66,40 @@ def auto_num_slots(
     """KV slots of ``dtype`` (``KVCache.dtype_for``) that fit in ``fraction`` (default
     ``AUTO_SLOTS_FRACTION`` of the device type) of the free device memory (host RAM on CPU), 1 to
     ``MAX_AUTO_SLOTS``."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        import os
-
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if fraction is None:
         fraction = AUTO_SLOTS_FRACTION.get(device.type, 0.5)
-    return slots_that_fit(free, fraction, slot_bytes(model.config.gpt, max_len, dtype))
+    return slots_that_fit(free_bytes(device), fraction, slot_bytes(model.config.gpt, max_len, dtype))
+
+
+MIN_FITTED_MODEL_LEN = 2048 + 256
+"""``fitted_model_len`` lowers ``max_model_len`` no further: the old default, which fixed slots always got."""
+
+
+def fitted_model_len(
+    model: LoadedModel,
+    num_slots: int,
+    max_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    fraction: float | None = None,
+) -> int:
+    """``max_len``, or less where ``num_slots`` slots of it do not fit ``auto_num_slots``'s share of the
+    free memory (never below ``MIN_FITTED_MODEL_LEN``): fixed slots keep their count, and a slot is as long
+    as memory allows up to the checkpoint's positions."""
+    if fraction is None:
+        fraction = AUTO_SLOTS_FRACTION.get(device.type, 0.5)
+    per_position = slot_bytes(model.config.gpt, 1, dtype)
+    fit = int(free_bytes(device) * fraction // (num_slots * per_position))
+    return max(min(max_len, MIN_FITTED_MODEL_LEN), min(max_len, fit))
+
+
+def free_bytes(device: torch.device) -> int:
+    """Free device memory (host RAM available on a CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def slot_bytes(cfg: GPTConfig, max_len: int, kv_dtype: torch.dtype) -> int:

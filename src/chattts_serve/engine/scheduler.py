@@ -31,8 +31,11 @@ class QueueFullError(RuntimeError):
 class SchedulerConfig:
     max_num_seqs: int = 16
     """KV-cache slots = sequences decoding at once."""
-    max_model_len: int = 2048 + 256
-    """Positions per slot: prompt + max_new_tokens of any sequence must fit."""
+    max_model_len: int = 4096
+    """Positions per slot: prompt + max_new_tokens of any sequence must fit. The official checkpoint's
+    ``max_position_embeddings`` (the reference speaks prompts up to it: a voice sample and a refined text
+    make prompts long); at most the loaded checkpoint's, and lowered at load where fixed slots of it do not
+    fit in memory (``runner.fitted_model_len``)."""
     max_waiting: int = 256
     """Bound of the waiting queue; beyond it submissions are refused with QueueFullError."""
     max_prefill_tokens: int = 2048
