@@ -83,9 +83,10 @@ class VitsTokenizer:
                 specials = {k: _token_text(v) for k, v in raw.items()}
         pad = _token_text(settings.get("pad_token", specials.get("pad_token", "<pad>")))
         unk = _token_text(settings.get("unk_token", specials.get("unk_token", "<unk>")))
-        # transformers appends a special token missing from the vocabulary after it (as added_tokens.json does).
+        # transformers appends a special token missing from the vocabulary after it, in its order of special
+        # token attributes (unk before pad), as added_tokens.json records it.
         next_id = max([*vocab.values(), *added.values(), -1]) + 1
-        for token in (pad, unk):
+        for token in (unk, pad):
             if token not in vocab and token not in added:
                 added[token] = next_id
                 next_id += 1
