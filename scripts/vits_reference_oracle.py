@@ -27,7 +27,12 @@ def main() -> None:
     torch.set_num_threads(1)
     spec = json.loads(open(cases_path, encoding="utf-8").read())
     tokenizer = VitsTokenizer.from_pretrained(ckpt)
-    model = VitsModel.from_pretrained(ckpt).eval()
+    model, info = VitsModel.from_pretrained(ckpt, output_loading_info=True)
+    model.eval()
+    # from_pretrained only warns about these; an oracle that ran on half-random weights would prove nothing.
+    problems = {k: v for k, v in info.items() if v}
+    if problems:
+        raise SystemExit(f"transformers did not load every tensor of {ckpt}: {problems}")
     out: dict[str, np.ndarray] = {}
     for i, text in enumerate(spec.get("texts", [])):
         out[f"texts/{i}/ids"] = np.array(tokenizer(text)["input_ids"], dtype=np.int64).reshape(-1)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from chattts_serve.models.vits.random_checkpoint import MMS_ENG_VOCAB
-from chattts_serve.models.vits.tokenizer import TokenizerError, VitsTokenizer
+from chattts_serve.models.vits.tokenizer import TokenizerError, VitsTokenizer, _uroman
 
 
 def _tok(**kw) -> VitsTokenizer:
@@ -48,7 +48,14 @@ def test_romanian_comma_below_becomes_cedilla():
     assert VitsTokenizer(vocab=vocab, phonemize=False).encode("ța") == [0, 2, 0]
 
 
-def test_uroman_missing_is_a_clear_error(monkeypatch):
+@pytest.fixture
+def no_cached_uroman():
+    _uroman.cache_clear()
+    yield
+    _uroman.cache_clear()
+
+
+def test_uroman_missing_is_a_clear_error(monkeypatch, no_cached_uroman):
     monkeypatch.setitem(sys.modules, "uroman", None)  # import uroman -> ImportError
     t = _tok(is_uroman=True)
     assert t.encode("hello") == t.encode("hello")  # ASCII text needs no romaniser
@@ -56,7 +63,7 @@ def test_uroman_missing_is_a_clear_error(monkeypatch):
         t.encode("привет")
 
 
-def test_uroman_is_used_when_the_checkpoint_asks(monkeypatch):
+def test_uroman_is_used_when_the_checkpoint_asks(monkeypatch, no_cached_uroman):
     class Fake:
         class Uroman:
             def romanize_string(self, text):

@@ -21,6 +21,7 @@ The steps, in its order (checked against it in tests/models/vits/test_tokenizer.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-URoman_HINT = "pip install 'chattts-serve[vits-uroman]' (the uroman package)"
+UROMAN_HINT = "pip install 'chattts-serve[vits-uroman]' (the uroman package)"
 
 
 class TokenizerError(ValueError):
@@ -164,14 +165,20 @@ class VitsTokenizer:
 
 
 def romanize(text: str) -> str:
+    return _uroman().romanize_string(text)
+
+
+@functools.cache
+def _uroman():
+    """One romaniser per process: building it reads its tables (~6 s; transformers builds one per call)."""
     try:
         import uroman
     except ImportError:
         raise TokenizerError(
             "this checkpoint's tokenizer_config.json sets is_uroman: its text must be romanised with uroman, "
-            f"which is not installed: {URoman_HINT}"
+            f"which is not installed: {UROMAN_HINT}"
         ) from None
-    return uroman.Uroman().romanize_string(text)
+    return uroman.Uroman()
 
 
 def _phonemize(text: str) -> str:
