@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chattts_serve.models.vits.checkpoint import load
-from chattts_serve.models.vits.model import Utterance
+from chattts_serve.models.vits.model import Utterance, decode_groups
 from chattts_serve.models.vits.random_checkpoint import write_random
 
 # Measured on the tiny checkpoint (fp32, 1 thread): batched rows differ from themselves alone by <= 4e-8 (the
@@ -39,8 +39,19 @@ def _fresh(utt: Utterance, seed: int) -> Utterance:
                      torch.Generator().manual_seed(seed), utt.speaker_id)
 
 
+@pytest.fixture(params=["cpu-default", "one-padded-batch"])
+def decoding(request, vits_model):
+    """Each batch test twice: the CPU's default (row by row) and every row in one padded batch (the path
+    accelerators take, forced here: all masks exercised on maximally ragged rows)."""
+    saved = vits_model.batch_decoder, vits_model.max_padding
+    if request.param == "one-padded-batch":
+        vits_model.batch_decoder, vits_model.max_padding = True, float("inf")
+    yield request.param
+    vits_model.batch_decoder, vits_model.max_padding = saved
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 8])
-def test_every_row_equals_itself_alone(vits_model, vits_tokenizer, size):
+def test_every_row_equals_itself_alone(vits_model, vits_tokenizer, size, decoding):
     batch = _utterances(vits_tokenizer, size, seed=size)
     together = vits_model.synthesize([_fresh(u, 100 + i) for i, u in enumerate(batch)])
     for i, utt in enumerate(batch):
@@ -50,7 +61,7 @@ def test_every_row_equals_itself_alone(vits_model, vits_tokenizer, size):
         assert float((together[i].audio - alone.audio).abs().max()) <= BATCH_BOUND
 
 
-def test_a_row_does_not_depend_on_its_neighbours(vits_model, vits_tokenizer):
+def test_a_row_does_not_depend_on_its_neighbours(vits_model, vits_tokenizer, decoding):
     """The same utterance next to different neighbours: the same durations, the same audio within the bound."""
     target = _utterances(vits_tokenizer, 1)[0]
     short = Utterance(vits_tokenizer.encode("a"), generator=torch.Generator().manual_seed(1))
@@ -126,6 +137,7 @@ def multi_speaker(tmp_path_factory):
 
 
 def test_multi_speaker_batch_invariance_and_voices_differ(multi_speaker, vits_tokenizer):
+    multi_speaker.batch_decoder, multi_speaker.max_padding = True, float("inf")
     ids = [vits_tokenizer.encode(s) for s in SENTENCES[:3]]
     batch = [Utterance(i, speaker_id=s, generator=torch.Generator().manual_seed(s)) for s, i in enumerate(ids)]
     together = multi_speaker.synthesize(batch)
@@ -151,3 +163,21 @@ def test_deterministic_duration_predictor(tmp_path, vits_tokenizer):
     a = model.synthesize([Utterance(ids, noise_scale_duration=0.0, generator=torch.Generator().manual_seed(1))])[0]
     b = model.synthesize([Utterance(ids, noise_scale_duration=1.0, generator=torch.Generator().manual_seed(2))])[0]
     np.testing.assert_array_equal(a.durations.numpy(), b.durations.numpy())  # no noise in its durations
+
+
+@pytest.mark.parametrize(
+    ("lengths", "together", "max_padding", "groups"),
+    [
+        ([5, 9, 7], False, 0.25, [[0], [1], [2]]),
+        ([5, 9, 7], True, float("inf"), [[1, 2, 0]]),
+        ([100, 10, 95, 12, 98], True, 0.25, [[0, 4, 2], [3, 1]]),
+        ([100, 10], True, 0.25, [[0], [1]]),
+        ([], True, 0.25, []),
+    ],
+)
+def test_decode_groups(lengths, together, max_padding, groups):
+    assert decode_groups(lengths, together, max_padding) == groups
+
+
+def test_the_cpu_decodes_row_by_row_by_default(vits_model):
+    assert vits_model.batch_decoder is None and not vits_model._together()
