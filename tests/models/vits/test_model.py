@@ -181,3 +181,23 @@ def test_decode_groups(lengths, together, max_padding, groups):
 
 def test_the_cpu_decodes_row_by_row_by_default(vits_model):
     assert vits_model.batch_decoder is None and not vits_model._together()
+
+
+def test_no_transformers_at_run_time():
+    """Our package loads, tokenises and synthesises without importing transformers (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from chattts_serve.models.vits.random_checkpoint import write_random\n"
+        "from chattts_serve.models.vits.checkpoint import load\n"
+        "from chattts_serve.models.vits.tokenizer import VitsTokenizer\n"
+        "from chattts_serve.models.vits.model import Utterance\n"
+        "import tempfile\n"
+        "root = write_random(tempfile.mkdtemp() + '/c', 'tiny', seed=0)\n"
+        "load(root).synthesize([Utterance(VitsTokenizer.from_dir(root).encode('hi'))])\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -22,7 +22,7 @@ Noise is drawn on the CPU (then moved), so a seed gives the same noise on every 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,6 +179,22 @@ class VitsModel(nn.Module):
         audio = self.decoder(latent, lengths, speaker)
         hop = self.config.samples_per_frame
         return [audio[row, : n * hop].float().cpu() for row, n in enumerate(lengths.lengths)]
+
+    def stream(self, utt: Utterance, chunk_frames: int = 32) -> tuple[torch.Tensor, Iterator[torch.Tensor]]:
+        """One utterance's durations now, and its audio as an iterator of pieces of ``chunk_frames`` latent
+        frames (``chunk_frames * samples_per_frame`` samples, the last shorter), each decoded when asked for.
+        Joined, the pieces equal ``synthesize([utt])``'s audio within float rounding (the decoder sees each
+        piece's receptive field; see ``decoder.decode_range``)."""
+        lat = self.latent(utt)
+        latent = self.flow_latent(lat)
+        speaker = None if lat.speaker is None else lat.speaker[None]
+
+        def pieces() -> Iterator[torch.Tensor]:
+            with torch.inference_mode():
+                for piece in self.decoder.decode_chunks(latent, chunk_frames, speaker):
+                    yield piece.float().cpu()
+
+        return lat.durations, pieces()
 
     @torch.inference_mode()
     def flow_latent(self, lat: Latent) -> torch.Tensor:
