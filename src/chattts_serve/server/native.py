@@ -16,7 +16,6 @@ from fastapi.responses import Response
 
 from ..audio.encode import check_rate, encode_whole
 from ..audio.policy import StreamPolicy
-from ..audio.stretch import stretch
 from ..engine.outputs import SegmentSpan
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
@@ -40,7 +39,7 @@ async def tts(body: TTSRequest, request: Request):
     st = request.app.state
     turns, policy, factor = _turns(st, body, request)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.timeouts.queue_wait_s)
-    await start_turns(resp, st.engine, turns, policy, request.state.request_id, request)
+    await start_turns(resp, st.engine, turns, policy, request.state.request_id, request, factor)
     if body.stream:
         return TimedStreamingResponse(
             resp.encoded(body.format, body.sample_rate, stretch=factor),
@@ -48,10 +47,7 @@ async def tts(body: TTSRequest, request: Request):
             media_type=MEDIA_TYPES[body.format],
             headers=resp.headers,
         )
-    audio, _ = await _whole(resp, request)
-    # stretching and encoding are not the event loop's work
-    data = await asyncio.to_thread(lambda: encode_whole(stretch(audio, factor), body.format, body.sample_rate))
-    return Response(data, media_type=MEDIA_TYPES[body.format], headers=resp.headers)
+    return await resp.spooled(body.format, body.sample_rate, request, factor, MEDIA_TYPES[body.format])
 
 
 @router.post(
