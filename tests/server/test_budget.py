@@ -5,6 +5,7 @@ held in memory (``AudioResponse.spooled``). Against a live in-process server wit
 
 from __future__ import annotations
 
+import base64
 import struct
 import tempfile
 
@@ -90,6 +91,16 @@ def test_a_non_streamed_answer_is_spooled_not_held(http, monkeypatch):
     streamed = http.post("/v1/tts", json={**body, "stream": True})
     assert whole.content[44:] == streamed.content[44:]
     assert _seconds(whole, "wav") == pytest.approx(2 * (512 * 100 - 256) / SR, abs=0.01)
+    # /v1/tts/captioned: the JSON is written around the spooled audio, never the whole audio in memory
+    rolled.clear()
+    body = {k: v for k, v in body.items() if not k.startswith("speed")}
+    doc = http.post("/v1/tts/captioned", json=body)
+    assert doc.status_code == 200 and len(rolled) == 1, doc.text[:300]
+    captioned = doc.json()
+    audio = base64.b64decode(captioned["audio"])
+    assert audio[44:] == http.post("/v1/tts", json={**body, "stream": False}).content[44:]
+    assert captioned["duration_s"] == pytest.approx((512 * 100 - 256) / SR)
+    assert captioned["segments"][0]["end_s"] == pytest.approx(captioned["duration_s"], abs=0.05)
 
 
 # ------------------------------------------------------------------------------ item 3: turns share it

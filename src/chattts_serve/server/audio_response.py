@@ -42,8 +42,8 @@ _COMPLETE = ("stop", "length")
 SPOOL_BYTES = 4 << 20
 """A non-streamed answer's bytes kept in memory; past this they wait in a temporary file (``spooled``), so a
 few long answers at once cost disk, not the host's memory."""
-_READ_BYTES = 1 << 20
-"""A spooled answer leaves in blocks of this size."""
+_READ_BYTES = 3 << 18
+"""A spooled answer leaves in blocks of this size (a multiple of 3: base64 blocks join without padding)."""
 EMPTY_AUDIO_HEADER = "X-Audio-Empty"
 """``1`` on a response whose request finished without any audio: the body is then the format's shortest
 silence (``audio.encode``), a file its decoder opens, rather than something that merely looks short."""
@@ -265,17 +265,22 @@ class AudioResponse:
         finally:
             encoder.close()
 
-    async def spooled(
-        self, fmt: str, sample_rate: int | None, request: Request, stretch: float = 1.0, media_type: str = ""
-    ) -> TimedStreamingResponse:
+    async def spool(
+        self,
+        fmt: str,
+        sample_rate: int | None,
+        request: Request,
+        stretch: float = 1.0,
+        on_chunk: Callable[[RequestOutput], object] | None = None,
+    ) -> tuple[IO[bytes], int]:
         """The whole answer as one file (``"stream": false``), encoded as its audio arrives (as ``encoded``)
         into a ``SPOOL_BYTES`` spooled temporary file: the server never holds a long answer's samples, nor the
-        copies a whole-array stretch, resample and encode would make. Sent with its ``Content-Length`` once
-        complete (a failure before then is still a status code); a wav gets its exact sizes, as
-        ``audio.encode.encode_whole`` writes them. A client that leaves meanwhile ends the request."""
-        spool = tempfile.SpooledTemporaryFile(SPOOL_BYTES)  # noqa: SIM115 - closed by the body, or below
+        copies a whole-array stretch, resample and encode would make. Returns the file, at its start, and its
+        size; a wav gets its exact sizes, as ``audio.encode.encode_whole`` writes them. A client that leaves
+        meanwhile ends the request."""
+        spool = tempfile.SpooledTemporaryFile(SPOOL_BYTES)  # noqa: SIM115 - the caller's, or closed below
         try:
-            async with contextlib.aclosing(self.encoded(fmt, sample_rate, stretch=stretch)) as body:
+            async with contextlib.aclosing(self.encoded(fmt, sample_rate, on_chunk, stretch)) as body:
                 async for data in body:
                     spool.write(data)  # (into memory, or the page cache once rolled over: no wait worth a thread)
                     if await request.is_disconnected():  # nobody waits for the whole file: stop generating it
@@ -287,12 +292,25 @@ class AudioResponse:
                 spool.seek(40)
                 spool.write(struct.pack("<I", size - 44))
             spool.seek(0)
+            return spool, size
         except BaseException:
             spool.close()
             raise
+
+    async def spooled(
+        self, fmt: str, sample_rate: int | None, request: Request, stretch: float = 1.0, media_type: str = ""
+    ) -> TimedStreamingResponse:
+        """``spool``'s file as the response, with its ``Content-Length``, once complete (a failure before
+        then is still a status code)."""
+        spool, size = await self.spool(fmt, sample_rate, request, stretch)
         headers = {**self.headers, "Content-Length": str(size)}
         send_s = request.app.state.config.timeouts.send_s
-        return TimedStreamingResponse(_read(spool), send_s, media_type=media_type, headers=headers)
+        return TimedStreamingResponse(read_spool(spool), send_s, media_type=media_type, headers=headers)
+
+    @property
+    def samples(self) -> int:
+        """The model's samples delivered so far (before any stretch)."""
+        return self._audio_samples
 
     async def _close(self) -> None:
         if self._stream is not None:
@@ -318,10 +336,11 @@ class AudioResponse:
             self.metrics.rtf.observe(elapsed / audio_s)
 
 
-async def _read(spool: IO[bytes]) -> AsyncIterator[bytes]:
-    """A spooled answer's bytes, read in a worker thread (it may be on disk); the file is gone after."""
+async def read_spool(spool: IO[bytes], block: int = _READ_BYTES) -> AsyncIterator[bytes]:
+    """A spooled answer's bytes in blocks of ``block``, read in a worker thread (it may be on disk); the file
+    is gone after."""
     try:
-        while data := await asyncio.to_thread(spool.read, _READ_BYTES):
+        while data := await asyncio.to_thread(spool.read, block):
             yield data
     finally:
         spool.close()
