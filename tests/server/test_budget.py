@@ -6,6 +6,7 @@ held in memory (``AudioResponse.spooled``). Against a live in-process server wit
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import tempfile
 
@@ -15,7 +16,7 @@ import pytest
 from chattts_serve.model.config import TOKENS_PER_SECOND
 from chattts_serve.server import audio_response
 
-from .conftest import HTTP_TIMEOUT, SR, check_openai_error, decode_audio, running_server
+from .conftest import HTTP_TIMEOUT, SR, check_openai_error, decode_audio, running_server, ws_url
 
 LIMIT_S = 10.0
 SAY = "今天天气真不错。"
@@ -59,6 +60,25 @@ def test_openai_speech_stretch_is_in_the_budget(http):
     body = {"model": "tts-1", "input": SAY, "voice": "alloy", "response_format": "pcm", **PLAIN}
     r = http.post("/v1/audio/speech", json={**body, "speed": 0.25, "speed_mode": "both", **_tokens(110, 400)})
     assert _seconds(r) <= LIMIT_S
+
+
+def test_a_websocket_part_counts_its_stretch(http):
+    """Each WebSocket part is one request to the budget: its stretched audio at most ``max_audio_seconds``."""
+    from websockets.sync.client import connect
+
+    start = {"text": SAY, "format": "pcm", "speed": 0.25, "speed_mode": "stretch", **PLAIN, **_tokens(60, 400)}
+    pcm = b""
+    with connect(ws_url(str(http.base_url).rstrip("/")), open_timeout=10, close_timeout=5) as ws:
+        ws.send(json.dumps({"type": "start", **start}))
+        ws.send(json.dumps({"type": "end"}))
+        for _ in range(10_000):  # bounded: the session ends with "end" (or "error")
+            event = json.loads(ws.recv(timeout=HTTP_TIMEOUT))
+            if event["type"] == "chunk" and event["bytes"]:
+                pcm += ws.recv(timeout=HTTP_TIMEOUT)
+            elif event["type"] in ("end", "error"):
+                break
+    assert event["type"] == "end", event
+    assert 4 * 60 / TOKENS_PER_SECOND < len(pcm) / 2 / SR <= LIMIT_S
 
 
 def test_a_stretched_minimum_over_the_budget_is_refused_up_front(http):
