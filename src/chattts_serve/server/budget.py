@@ -55,8 +55,8 @@ def turn_budget(
 
 def _over(limit_s: float, pause_s: float, stretch: float, what: str) -> str:
     """Why a request cannot fit: what it asks for, against the limit."""
-    slowed = f", slowed {1 / stretch:g}x by speed {stretch:g}," if stretch < 1 else ""
+    slowed = f", slowed {1 / stretch:g}x by speed {stretch:g}" if stretch < 1 else ""
     return (
-        f"the request asks for {what} and {pause_s:g} s of pauses{slowed} more audio than its limit of "
+        f"the request asks for {what} and {pause_s:g} s of pauses{slowed}: more audio than its limit of "
         f"{limit_s:g} s (max_audio_seconds: turns, pauses and stretch share it)"
     )
