@@ -119,6 +119,11 @@ class SamplingParams:
     first streamed chunk waits for it). False: every sentence uses only the speaker embedding."""
     ensure_non_empty: bool = True
     """Unseeded requests whose first step is EOS are generated again (as the reference)."""
+    max_text_chars: int = 20_000
+    """The most characters the text may have, as given and after every expansion (the lexicon, SSML's
+    ``<sub>`` and ``<say-as>``, markdown cleanup, normalisation): the input processor counts as it expands
+    and refuses the request (``text.bound.TextTooLong``) as soon as the text passes it. The server sets its
+    ``max_input_chars`` here."""
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, list):
@@ -136,6 +141,8 @@ class SamplingParams:
             raise ValueError(f"text_cleanup must be one of {', '.join(TEXT_CLEANUPS)}, got {self.text_cleanup!r}")
         if self.lang is not None and self.lang not in LANGS:
             raise ValueError(f"lang must be 'zh', 'en' or None, got {self.lang!r}")
+        if isinstance(self.max_text_chars, bool) or not isinstance(self.max_text_chars, int) or self.max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be an int >= 1, got {self.max_text_chars!r}")
         if not isinstance(self.refine, RefineParams):
             raise ValueError(f"refine must be RefineParams, got {type(self.refine).__name__}")
 

@@ -108,6 +108,42 @@ def test_proxy_options_and_what_only_a_proxy_in_front_enforces():
     assert set(PROXY_ONLY_LIMITS) <= set(ServerConfig.flat_defaults())
 
 
+def _ray_serve_args(*flags: str):
+    from chattts_serve.cli import _build_parser
+
+    return _build_parser().parse_args(["ray", "serve", "--model", "/m", *flags])
+
+
+@pytest.mark.parametrize("flags", [["--max-connections", "10"], ["--header-timeout-s", "5"]])
+def test_ray_serve_refuses_the_limits_only_a_proxy_enforces(flags, monkeypatch, capsys):
+    """Serve's proxy takes any number of connections and waits for headers forever: a flag that says
+    otherwise is refused by name (issue 29, item 10), not silently ignored, and ``ray serve --help`` does
+    not offer it; a Serve config naming one is refused the same way."""
+    from chattts_serve.distributed.cli import serve_settings
+
+    for name in ("CHATTTS_SERVE_MAX_CONNECTIONS", "CHATTTS_SERVE_HEADER_TIMEOUT_S"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=f"ray serve cannot enforce {flags[0]}: .*proxy in front"):
+        serve_settings(_ray_serve_args(*flags))
+    option = flags[0][2:].replace("-", "_")
+    with pytest.raises(ValueError, match=f"cannot enforce {option}: .*docs/ray.md"):
+        ServeSettings.from_dict({"server": {option: int(flags[1])}})
+    with pytest.raises(SystemExit):
+        _ray_serve_args("--help")
+    assert flags[0] not in capsys.readouterr().out
+
+
+def test_ray_serve_ignores_them_from_the_environment_with_a_warning(monkeypatch, caplog):
+    """``serve`` and ``ray serve`` may share an environment (a container's): there it is a warning."""
+    from chattts_serve.distributed.cli import serve_settings
+
+    monkeypatch.setenv("CHATTTS_SERVE_MAX_CONNECTIONS", "10")
+    monkeypatch.delenv("CHATTTS_SERVE_HEADER_TIMEOUT_S", raising=False)
+    settings = serve_settings(_ray_serve_args())
+    assert "max_connections" not in settings.server and "header_timeout_s" not in settings.server
+    assert "ignored on Ray Serve: CHATTTS_SERVE_MAX_CONNECTIONS" in caplog.text
+
+
 def test_dedicated_tenants_get_their_own_application():
     s = ServeSettings.from_dict({"server": {"model": "/m"}, "tenants": TENANTS, "num_replicas": 2})
     shared, vip = plan_applications(s)

@@ -117,3 +117,78 @@ def test_ssml_synthesizes_as_its_plain_text(tiny_engine):
     [a] = tiny_engine.synthesize(ssml, params)
     [b] = tiny_engine.synthesize("今天[lbreak]天气很好。明天见。", params)
     assert a.text == b.text and len(a.text) == 2 and (a.codes == b.codes).all()
+
+
+# ------------------------------------------------------------------------ the text bound after expansion
+
+
+def test_the_text_bound_holds_after_every_expansion(inputs):
+    from chattts_serve.text.bound import TextTooLong
+
+    bomb = p(lexicon={"a": "啊" * 256}, max_text_chars=4096)
+    with pytest.raises(TextTooLong, match="after the lexicon's replacements; the limit is 4096"):
+        inputs.prepare("a" * 4000, bomb)  # 4 KB of text, a megabyte once replaced
+    with pytest.raises(TextTooLong, match="the limit is 20000"):  # the default bound (the offline API's)
+        inputs.prepare(("a" * 8 + "。") * 250, p(lexicon={"a": "啊" * 255}))
+    spelled = '<speak><say-as interpret-as="characters">' + "ab" * 60 + "</say-as></speak>"  # "A B A B ..."
+    with pytest.raises(TextTooLong, match="after SSML's <say-as>"):
+        inputs.prepare(spelled, p(max_text_chars=len(spelled)))
+    with pytest.raises(TextTooLong, match="after the lexicon's replacements"):
+        inputs.prepare("<speak>" + "a" * 100 + "</speak>", bomb)
+    emails = "写信给 x@y.cn 。" * 20  # each address "x at y.cn": longer than it was
+    with pytest.raises(TextTooLong, match="after markdown cleanup"):
+        inputs.prepare(emails, p(text_cleanup="markdown", max_text_chars=len(emails)))
+    with pytest.raises(ValueError, match=f"text has {len(emails)} characters; the limit is 100"):
+        inputs.prepare(emails, p(max_text_chars=100))
+    # Within the bound, as before.
+    assert inputs.prepare("a" * 16, bomb).segments
+    with pytest.raises(ValueError, match="max_text_chars must be an int >= 1"):
+        p(max_text_chars=0)
+
+
+# ---------------------------------------------------------------------------- SSML at several rates
+
+MIXED = '<speak>你好<break time="500ms"/>世界。<prosody rate="slow">慢一点。</prosody></speak>'
+
+
+def test_each_rate_run_has_its_own_speed_prompt(inputs):
+    tok = inputs.tokenizer
+    prep = inputs.prepare(MIXED, p(prompt="[oral_2][speed_7]"))
+    assert prep.segments == ["你好[lbreak]世界。", "慢一点。"]
+    assert prep.prompts == ["[oral_2][speed_7]", "[oral_2][speed_4]"] and prep.params.prompt == "[oral_2][speed_7]"
+    first, slow = (
+        code_prompt_ids(inputs, "你好[lbreak]世界。", p(prompt="[oral_2][speed_7]")),
+        code_prompt_ids(inputs, "慢一点。", p(prompt="[oral_2][speed_4]")),
+    )
+    assert tok.token_id("[speed_4]") in slow[0] and tok.token_id("[speed_4]") not in first[0]
+    # A rate inside a sentence cuts it; with split_text off, each run is one segment.
+    prep = inputs.prepare('<speak>今天<prosody rate="fast">天气</prosody>很好。明天见。</speak>', p(split_text=False))
+    assert prep.segments == ["今天", "天气", "很好。明天见。"]
+    assert prep.prompts == ["[speed_5]", "[speed_6]", "[speed_5]"]
+    # One rate: the request's prompt, no per-segment prompts.
+    assert inputs.prepare('<speak><prosody rate="slow">慢。一点。</prosody></speak>', p()).prompts is None
+
+
+def test_the_slow_runs_sequence_is_prompted_with_its_speed(tiny_engine):
+    """The code sequences the pipeline makes: each with its segment's [speed_N]."""
+    from chattts_serve.audio.policy import StreamPolicy
+
+    core, tok = tiny_engine.core, tiny_engine.tokenizer
+    prep = core.prepare(MIXED, p(first_sentence_voice=False))
+    seqs = core.pipeline.start("mixed-rates", prep, StreamPolicy.one_shot(), 0, 0.0)
+    try:
+        ids = [s.payload.ids for s in seqs]
+    finally:
+        core.pipeline.drop("mixed-rates")
+    assert [tok.token_id("[speed_5]") in i for i in ids] == [True, False]
+    assert [tok.token_id("[speed_4]") in i for i in ids] == [False, True]
+
+
+def test_a_document_at_several_rates_is_its_runs_spoken_as_requests(tiny_engine):
+    params = p(max_new_tokens=16, first_sentence_voice=False)
+    [mixed] = tiny_engine.synthesize(MIXED, params)
+    slow_params = p(max_new_tokens=16, first_sentence_voice=False, prompt="[speed_4]")
+    first, slow = tiny_engine.synthesize(["你好[lbreak]世界。", "慢一点。"], [params, slow_params])
+    assert [s.text for s in mixed.segments] == [first.text[0], slow.text[0]]
+    assert (mixed.segments[0].codes == first.segments[0].codes).all()
+    assert (mixed.segments[1].codes == slow.segments[0].codes).all()

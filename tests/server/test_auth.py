@@ -81,7 +81,8 @@ def test_voice_crud_needs_key(http):
     r = http.post("/v1/voices", json={"name": "a", "seed": 1}, headers={"Authorization": "Bearer k2"})
     assert r.status_code == 201
     check_openai_error(http.delete("/v1/voices/a"), 401)
-    assert http.delete("/v1/voices/a", headers={"Authorization": "Bearer k1"}).status_code == 200
+    assert http.delete("/v1/voices/a", headers={"Authorization": "Bearer k1"}).status_code == 404  # k2's voice
+    assert http.delete("/v1/voices/a", headers={"Authorization": "Bearer k2"}).status_code == 200
 
 
 def test_openai_sdk_with_key(auth_server):
@@ -192,20 +193,76 @@ def test_read_key(kind, headers, query, key, ambiguous):
 
 
 def test_resolve_with_keys_and_with_tenants():
-    from chattts_serve.server.auth import KeyRing, Principal, resolve
+    from chattts_serve.server.auth import KeyRing, Principal, key_owner, resolve
 
     bearer = _scope("http", [("Authorization", "Bearer k1")])
     assert resolve(bearer, KeyRing()) == Principal(True, True)  # no keys: nothing is refused
     assert resolve(_scope("http", [BASIC, BASIC]), KeyRing()).authorized
     plain = KeyRing.from_keys(("k1", "k2"))
-    assert resolve(bearer, plain) == Principal(True, True, None)
+    assert resolve(bearer, plain) == Principal(True, True, None, key_owner("k1"))  # a plain key is its own
+    assert key_owner("k1") != key_owner("k2") and "k1" not in key_owner("k1")
+    assert resolve(bearer, KeyRing.from_keys(("k1", "k2"), shared=True)) == Principal(True, True, None, None)
     assert resolve(_scope("http"), plain) == Principal(False, False, problem="missing or invalid API key")
     assert not resolve(_scope("websocket", query="api_key=k3"), plain).authorized
     tenants = KeyRing.from_tenants({"a": ("k1",), "b": ("k2", "k3")})
-    assert resolve(_scope("websocket", query="api_key=k3"), tenants) == Principal(True, True, "b")
+    assert resolve(_scope("websocket", query="api_key=k3"), tenants) == Principal(True, True, "b", "b")
     assert resolve(bearer, tenants).tenant == "a"
     assert not resolve(_scope("http", [("Authorization", "Bearer k4")]), tenants).authorized
     assert not resolve(bearer, KeyRing.from_tenants({})).authorized  # tenants, none served: every key refused
+
+
+# ------------------------------------------------------------------ principals: whose cache, whose voices
+
+
+def _as(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+SECRET = {
+    "text": "我的银行卡密码是七三九一。",
+    "format": "pcm",
+    "seed": 42,
+    **{k: v for k, v in FIXED.items() if k != "seed"},
+}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
+def test_each_plain_key_is_its_own_principal(tiny_ckpt, tmp_path, shared):
+    """With ``--api-keys k1,k2`` a key never sees another's cache entries (no ``X-Cache: hit``, a real
+    synthesis: the cache must not tell k2 what k1 asked) nor its saved voices (issue 29, item 6); keys the
+    operator declares one principal (``--api-keys-shared``) share both."""
+    flags = ["--api-keys", "k1,k2", "--cache-mb", "16", "--no-warmup", *(["--api-keys-shared"] if shared else [])]
+    with (
+        running_server(tiny_ckpt, tmp_path, *flags, in_process=True) as base,
+        httpx.Client(base_url=base, timeout=HTTP_TIMEOUT) as http,
+    ):
+        first = http.post("/v1/tts", json=SECRET, headers=_as("k1"))
+        assert first.status_code == 200 and first.headers["X-Cache"] == "miss"
+        assert http.post("/v1/tts", json=SECRET, headers=_as("k1")).headers["X-Cache"] == "hit"  # its own
+        before = _synthesised(http)
+        guess = http.post("/v1/tts", json=SECRET, headers=_as("k2"))
+        assert guess.status_code == 200 and guess.content == first.content  # same request, same audio
+        assert guess.headers["X-Cache"] == ("hit" if shared else "miss")
+        assert (_synthesised(http) > before) is not shared  # a miss is a real run: no timing tells
+        assert http.post("/v1/tts", json=SECRET, headers=_as("k2")).headers["X-Cache"] == "hit"  # now its own
+
+        assert http.post("/v1/voices", json={"name": "k2-voice", "seed": 7}, headers=_as("k2")).status_code == 201
+        listed = [v["name"] for v in http.get("/v1/voices", headers=_as("k1")).json()["data"]]
+        assert ("k2-voice" in listed) is shared
+        if not shared:
+            assert http.get("/v1/voices/k2-voice", headers=_as("k1")).status_code == 404
+            assert http.delete("/v1/voices/k2-voice", headers=_as("k1")).status_code == 404
+            check_openai_error(http.post("/v1/tts", json={**TTS, "voice": "k2-voice"}, headers=_as("k1")), 400)
+            # each key may have a voice of the same name
+            assert http.post("/v1/voices", json={"name": "k2-voice", "seed": 8}, headers=_as("k1")).status_code == 201
+        assert http.get("/v1/voices/k2-voice", headers=_as("k2")).json()["name"] == "k2-voice"  # still k2's
+        assert http.delete("/v1/voices/k2-voice", headers=_as("k2")).status_code == 200
+
+
+def _synthesised(http) -> float:
+    """Seconds of audio the engine made so far (``/metrics``): a cache hit adds none."""
+    text = http.get("/metrics", headers=_as("k1")).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("chattts_audio_seconds_total"))
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,10 @@ the cache stays within its bytes, and that a hit is the live answer byte for byt
 from __future__ import annotations
 
 import asyncio
+import gc
+import hashlib
+import sys
+import tracemalloc
 from contextlib import aclosing
 from types import SimpleNamespace
 
@@ -12,7 +16,7 @@ import pytest
 
 from chattts_serve.audio.policy import StreamPolicy
 from chattts_serve.engine.async_engine import EngineError
-from chattts_serve.engine.outputs import RequestOutput
+from chattts_serve.engine.outputs import RequestOutput, SegmentSpan
 from chattts_serve.sampling_params import RefineParams, SamplingParams
 from chattts_serve.server.audio_response import AudioResponse
 from chattts_serve.server.cache import CACHE_HEADER, ResultCache, entry_bytes
@@ -89,7 +93,7 @@ def _outputs(samples: int) -> list[RequestOutput]:
 
 
 def test_the_least_recently_used_entries_go_when_the_bytes_run_out():
-    size = entry_bytes(_outputs(1000))
+    size = entry_bytes(_outputs(1000)) + sys.getsizeof("a")  # the outputs and the key
     cache = ResultCache(4 * size + size // 2)  # room for four
     for key in "abcd":
         assert cache.put(key, _outputs(1000))
@@ -105,6 +109,50 @@ def test_a_result_larger_than_a_quarter_of_the_cache_is_not_kept():
     cache = ResultCache(4 * entry_bytes(_outputs(1000)) - 1)
     assert not cache.put("big", _outputs(1000))
     assert cache.get("big") is None and cache.nbytes == 0
+
+
+@pytest.mark.parametrize(
+    ("count", "audio_bytes", "max_bytes"),
+    [(10_000, 1 << 10, 8 << 20), (100, 10 << 20, 64 << 20)],
+    ids=["10000x1KB", "100x10MB"],
+)
+def test_the_bound_holds_in_the_bytes_entries_really_hold(count, audio_bytes, max_bytes):
+    """``--cache-mb`` bounds what the entries really hold (tracemalloc: arrays, output objects, keys, the
+    dict), for many small entries as for a few large ones (issue 29, item 11): an entry counts at least what
+    it holds, so the cache never holds more than its bound, and not much less."""
+    half = audio_bytes // 8  # two float32 chunks
+
+    def put(into: ResultCache, i: int) -> bool:
+        outputs = [
+            RequestOutput(f"req-{i}", np.ones(half, np.float32), spans=[SegmentSpan(0, "你好。", 0, half)]),
+            RequestOutput(f"req-{i}", np.ones(half, np.float32), finished=True, finish_reason="stop"),
+        ]
+        return into.put(hashlib.sha256(str(i).encode()).hexdigest(), outputs)
+
+    cache = ResultCache(max_bytes)
+    tracemalloc.start()
+    try:
+        assert put(ResultCache(max_bytes), -1)  # the first use's one-off allocations are not the cache's
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(count):
+            assert put(cache, i)
+            assert cache.nbytes <= cache.max_bytes
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(cache) < count  # it was full: entries went
+    assert held <= max_bytes and cache.nbytes <= max_bytes, (held, cache.nbytes)
+    # Each entry counts at least what it holds; the slack is the interpreter's and numpy's free lists, which
+    # the first few hundred arrays fill (a few KB once, not per entry).
+    assert held <= cache.nbytes + (16 << 10), (held, cache.nbytes)
+    assert cache.nbytes <= 1.25 * held  # and the count is close to the truth
+
+
+def test_a_view_counts_the_buffer_it_keeps_alive():
+    whole = np.ones(100_000, np.float32)
+    assert entry_bytes([RequestOutput("r", whole[:10])]) > whole.nbytes
 
 
 def test_stored_audio_is_read_only():
@@ -133,7 +181,7 @@ class ScriptedEngine:
 
 def _http_request(cache: ResultCache, tenant: str | None = None):
     """What ``AudioResponse`` reads of an HTTP request: the app's cache, the scope (tenant), disconnection."""
-    state = {"auth": SimpleNamespace(tenant=tenant)} if tenant is not None else {}
+    state = {"auth": SimpleNamespace(tenant=tenant, owner=tenant)} if tenant is not None else {}
 
     async def is_disconnected():
         return False

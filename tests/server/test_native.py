@@ -226,6 +226,73 @@ def test_the_servers_lexicon_and_the_requests(tiny_ckpt, tmp_path):
             assert _pcm(c, TEXT, lexicon={"错": "好"}) == _pcm(c, "今天天气真不好。")
 
 
+def test_an_expanding_lexicon_is_refused_at_the_input_bound_and_the_server_stays_free(server):
+    """4 KB of text whose lexicon makes it a megabyte: a 400 naming ``max_input_chars`` (which holds after the
+    expansion), refused after about the bound's worth of work, so a /health probe sent meanwhile is answered
+    at once (each such request used to cost seconds of CPU and stall the event loop for as long)."""
+    import threading
+
+    import httpx
+
+    from .conftest import HTTP_TIMEOUT
+
+    bombs = [
+        {"text": "a" * 4000, "lexicon": {"a": "啊" * 256}},
+        {"text": ("a" * 8 + "。") * 250, "lexicon": {"a": "啊" * 255}},  # was a 200 after 25 s
+        {"text": "<speak>" + "a" * 4000 + "</speak>", "lexicon": {"a": "啊" * 256}},
+    ]
+    answers: list[httpx.Response] = []
+
+    def send() -> None:
+        with httpx.Client(base_url=server, timeout=HTTP_TIMEOUT) as c:
+            for body in bombs * 2:
+                answers.append(c.post("/v1/tts", json={**FIXED, **body}))
+
+    senders = [threading.Thread(target=send) for _ in range(2)]
+    for t in senders:
+        t.start()
+    lags = []
+    with httpx.Client(base_url=server, timeout=HTTP_TIMEOUT) as probe:
+        while any(t.is_alive() for t in senders) or not lags:
+            t0 = time.monotonic()
+            assert probe.get("/health").status_code == 200
+            lags.append(time.monotonic() - t0)
+    for t in senders:
+        t.join(HTTP_TIMEOUT)
+    assert len(answers) == 12
+    for r in answers:
+        err = check_openai_error(r, 400)
+        assert err["code"] == "input_too_long" and "the limit is 4096" in err["message"], err
+    assert max(lags) < 1.0, lags  # generous: the loop is free while the requests are refused
+    # The same on the OpenAI route and in a dialogue's turn (named).
+    with httpx.Client(base_url=server, timeout=HTTP_TIMEOUT) as c:
+        speech = {"model": "tts-1", "voice": "alloy", "input": "a" * 4000, "lexicon": {"a": "啊" * 256}}
+        err = check_openai_error(c.post("/v1/audio/speech", json=speech), 400)
+        assert err["code"] == "input_too_long", err
+        turns = [{"voice": "alloy", "text": "你好。"}, {"voice": "nova", **bombs[0]}]
+        err = check_openai_error(c.post("/v1/dialogue", json={"turns": turns}), 400)
+        assert err["code"] == "input_too_long" and err["message"].startswith("turn 1: "), err
+
+
+def test_ssml_with_an_xml_declaration_is_read_as_ssml(http):
+    """A document as generators write it (declaration, W3C namespace) is SSML, not text read aloud."""
+    doc = (
+        '\ufeff<?xml version="1.0" encoding="UTF-8"?>\n<!-- generated -->\n<speak version="1.0" '
+        'xmlns="http://www.w3.org/2001/10/synthesis" xml:lang="zh-CN">你好<break time="500ms"/>再见</speak>'
+    )
+    r = http.post("/v1/tts/captioned", json={"text": doc, **FIXED})
+    assert r.status_code == 200, r.text
+    assert [s["text"] for s in r.json()["segments"]] == ["你好再见"]  # no "xml version", no "speak"
+    assert _pcm(http, doc) == _pcm(http, "你好[lbreak]再见")
+    bomb = (
+        '<?xml version="1.0"?><!DOCTYPE l [<!ENTITY a "aaaaaaaaaa">'
+        + "".join(f'<!ENTITY {chr(98 + i)} "{("&" + chr(97 + i) + ";") * 10}">' for i in range(8))
+        + "]><speak>&i;</speak>"
+    )
+    err = check_openai_error(http.post("/v1/tts", json={"text": bomb, **FIXED}), 400)
+    assert "DOCTYPE" in err["message"]
+
+
 # ------------------------------------------------------------------------------ WebSocket limits and failures
 # An app in this process (uvicorn on 127.0.0.1 in a thread), so a test can make its engine stall or fail at a
 # chosen step, change its config, and count the messages the handler has read.

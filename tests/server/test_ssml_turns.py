@@ -262,3 +262,17 @@ def _dialogue_with(client, headers, *turns) -> bytes:
     r = client.post("/v1/dialogue", json={**body, "pause_ms": TURN_PAUSE_MS}, headers=headers)
     assert r.status_code == 200, r.text
     return r.content
+
+
+def test_ssml_at_several_rates_is_each_run_at_its_rate(http):
+    """``<prosody rate>`` on part of a document: the slow run is spoken as a request with its ``[speed_N]`` would
+    be, and the document's audio is the runs' audio joined (seeded; one slot, so every window decodes alone; no
+    first-sentence voice, so each run is exactly its own request)."""
+    mixed = '<speak>你好<break time="500ms"/>世界。<prosody rate="slow">慢一点。</prosody></speak>'
+    opts = {"first_sentence_voice": False}
+    audio = _tts(http, mixed, **opts)
+    assert audio == _tts(http, "你好[lbreak]世界。", **opts) + _tts(http, "慢一点。", prompt=speed_prompt(0.75), **opts)
+    assert audio != _tts(http, "你好[lbreak]世界。慢一点。", **opts)
+    body = {"model": "tts-1", "input": mixed, "voice": "alloy", "response_format": "pcm"}
+    r = http.post("/v1/audio/speech", json=body)
+    assert r.status_code == 200 and r.content, r.text

@@ -4,7 +4,9 @@ consistency."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import itertools
 import json
 import signal
 import sqlite3
@@ -239,6 +241,62 @@ def test_a_blend_speaks_in_every_voice_field(http, blend_parts):
     assert speech_pcm(http, "alloy(2)+nova(1)") != speech_pcm(http, "alloy")
     speaker_b = http.get(f"/v1/voices/{b}").json()["speaker"]
     assert speech_pcm(http, f"{a}(2)+{speaker_b}(1)") == mixed
+
+
+_blend_numbers = itertools.count()
+
+
+def _unique_blends(a: str, b: str, n: int) -> list[str]:
+    """``n`` blends no earlier request of this process mixed: weights 0.01 apart, each its own mix (blends
+    that differ by less than 1/10,000 of their weights are one: params.canonical_blend)."""
+    return [f"{a}({1 + next(_blend_numbers) / 100:.2f})+{b}(1)+alloy(2)+nova(3)" for _ in range(n)]
+
+
+@pytest.mark.parametrize("route", ["tts", "speech", "dialogue", "ssml"])
+def test_blends_are_mixed_off_the_event_loop(http, blend_parts, monkeypatch, route):
+    """Mixing a blend (decoding its parts, mixing, encoding a speaker string) is a worker thread's work: while
+    a request's blends are being mixed, the server answers /health (issue 29, item 4: 32 unique blends once
+    froze every client for 1.5 s). The first mix is held until /health has answered: on the event loop it would
+    hold the loop, and /health would wait for it."""
+    from chattts_serve.server import params
+
+    started, release, on_loop = threading.Event(), threading.Event(), []
+    real = params.blend_speakers
+
+    def held_mix(*args):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop running in this thread: a worker's
+            pass
+        started.set()
+        release.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(params, "blend_speakers", held_mix)
+    blends = _unique_blends(*blend_parts, 4)
+    voices = "".join(f'<voice name="{b}">第{i}句。</voice>' for i, b in enumerate(blends))
+    request = {
+        "tts": ("/v1/tts", {"text": TEXT, "format": "pcm", "voice": blends[0], **FIXED}),
+        "speech": (
+            "/v1/audio/speech",
+            {"model": "tts-1", "input": TEXT, "voice": blends[0], "response_format": "pcm", **FIXED},
+        ),
+        "dialogue": ("/v1/dialogue", {"turns": [{"text": TEXT, "voice": b, **FIXED} for b in blends], "format": "pcm"}),
+        "ssml": ("/v1/tts", {"text": f"<speak>{voices}</speak>", "format": "pcm", **FIXED}),
+    }[route]
+    answer: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: answer.append(http.post(request[0], json=request[1])), daemon=True)
+    worker.start()
+    try:
+        assert started.wait(30), "the blend was never mixed"
+        health = httpx.get(http.base_url.join("/health"), timeout=5)  # the loop is free while the mix runs
+        assert health.status_code == 200
+    finally:
+        release.set()
+        worker.join(60)
+    assert answer and answer[0].status_code == 200, answer[0].text if answer else "no answer"
+    assert not on_loop
 
 
 def test_a_blend_can_be_saved(http, blend_parts):

@@ -411,6 +411,11 @@ BAD_EVENTS = {
     "bad option": ([Event("synthesize", {"text": "你好。", "chattts": {"temperature": -1}})], "invalid_request"),
     "unknown option": ([Event("synthesize", {"text": "你好。", "chattts": {"volume": 11}})], "invalid_request"),
     "text too long": ([Synthesize(text="你好。" * 2000).event()], "input_too_long"),
+    # 4 KB that a lexicon makes a megabyte: the bound holds after the expansion, and no key is needed to try
+    "lexicon past the bound": (
+        [Event("synthesize", {"text": "a" * 4000, "chattts": {"lexicon": {"a": "啊" * 256}}})],
+        "input_too_long",
+    ),
     "chunk without start": ([SynthesizeChunk(text="你好。").event()], "invalid_event"),
     "stop without start": ([SynthesizeStop().event()], "invalid_event"),
     "two starts": ([SynthesizeStart().event(), SynthesizeStart().event()], "invalid_event"),

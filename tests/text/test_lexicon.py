@@ -7,6 +7,7 @@ import json
 import pytest
 from pypinyin.pinyin_dict import pinyin_dict
 
+from chattts_serve.text.bound import TextTooLong
 from chattts_serve.text.lexicon import Lexicon, homophone, is_pinyin, load_lexicon, parse_lexicon_file
 from chattts_serve.text.normalize import Normalizer, load_default_homophones
 
@@ -66,6 +67,25 @@ def test_longest_match_first_and_never_inside_control_tokens():
     )
     # A replacement is not matched again.
     assert Lexicon.from_entries({"a": "ab", "b": "c"}).apply("ab") == "abc"
+
+
+def test_a_bounded_apply_stops_at_its_limit():
+    lex = Lexicon.from_entries({"a": "啊" * 256, "长城": "chang2 cheng2"})
+    text = "[uv_break]a长城a[laugh]a"
+    assert lex.apply(text, limit=len(lex.apply(text))) == lex.apply(text)  # at the limit: the same text
+    with pytest.raises(TextTooLong, match=r"700 characters after the lexicon's replacements; the limit is 700"):
+        lex.apply(text, limit=700)
+
+    class Counting(Lexicon):
+        looked = 0
+
+        def lookup(self, word: str) -> str | None:
+            Counting.looked += 1
+            return super().lookup(word)
+
+    with pytest.raises(TextTooLong):
+        Counting.from_entries({"a": "啊" * 256}).apply("a" * 4000, limit=4096)
+    assert Counting.looked == 4096 // 256 + 1  # stopped at the bound: not 4000 look-ups and a megabyte
 
 
 def test_request_entries_win_over_the_servers():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from chattts_serve.text.bound import TextTooLong
 from chattts_serve.text.lexicon import Lexicon, homophone
 from chattts_serve.text.ssml import MAX_SSML_CHARS, SsmlText, VoiceRun, is_ssml, parse_ssml, voice_runs
 
@@ -47,11 +48,24 @@ def test_relative_rates_and_one_rate_in_nested_prosody():
     assert out.speed == "[speed_5]"
 
 
-def test_mixed_rates_are_refused_with_where_they_were_set():
-    with pytest.raises(ValueError, match=r"mixes speaking rates \(<prosody rate> at line 1, column 9, outside"):
-        parse_ssml('<speak>快<prosody rate="fast">慢</prosody></speak>')
-    with pytest.raises(ValueError, match="mixes speaking rates"):
-        parse_ssml('<speak><prosody rate="fast">a</prosody><prosody rate="slow">b</prosody></speak>')
+def test_text_at_several_rates_is_cut_into_its_rate_runs():
+    out = parse_ssml('<speak>你好<break time="500ms"/>世界。<prosody rate="slow">慢一点。</prosody></speak>')
+    runs = (("你好[lbreak]世界。", None), ("慢一点。", "[speed_4]"))
+    assert out == SsmlText("你好[lbreak]世界。慢一点。", None, runs)
+    # Breaks and blanks belong to the run they follow (those before any text, to the first); joined, the runs
+    # are the text.
+    out = parse_ssml(
+        '<speak><break/><prosody rate="fast">a<break/></prosody> <prosody rate="slow">b</prosody>c</speak>'
+    )
+    assert out.runs == (("[uv_break]a[uv_break] ", "[speed_6]"), ("b", "[speed_4]"), ("c", None))
+    assert out.text == "".join(t for t, _ in out.runs) and out.speed is None
+    # A rate inside a sentence cuts it; the same rate again is a run of its own (runs are in order).
+    out = parse_ssml('<speak>快<prosody rate="fast">慢</prosody>快</speak>')
+    assert out.runs == (("快", None), ("慢", "[speed_6]"), ("快", None))
+    # One rate, wherever it is set, is still the request's speed and no runs.
+    assert parse_ssml('<speak><prosody rate="fast">a</prosody><break/><prosody rate="150%">b</prosody></speak>') == (
+        SsmlText("a[uv_break]b", "[speed_6]")
+    )
 
 
 def test_say_as_in_chinese():
@@ -137,14 +151,78 @@ def test_bad_ssml_is_refused_naming_the_tag_and_position(ssml, match):
         parse_ssml(ssml)
 
 
+BOMB = (
+    '<?xml version="1.0"?><!DOCTYPE l [<!ENTITY a "aaaaaaaaaa">'
+    + "".join(f'<!ENTITY {chr(98 + i)} "{("&" + chr(97 + i) + ";") * 10}">' for i in range(8))
+    + "]><speak>&i;</speak>"
+)
+"""A billion laughs (10^9 a's) behind an XML declaration."""
+
+
 def test_entity_expansion_bombs_are_refused_before_expansion():
-    bomb = (
-        '<?xml version="1.0"?><!DOCTYPE l [<!ENTITY a "aaaaaaaaaa">'
-        + "".join(f'<!ENTITY {chr(98 + i)} "{("&" + chr(97 + i) + ";") * 10}">' for i in range(8))
-        + "]><speak>&i;</speak>"
-    )
+    assert is_ssml(BOMB)  # SSML with a prologue: refused as SSML, not spoken as text
     with pytest.raises(ValueError, match="DOCTYPE"):
-        parse_ssml(bomb)
+        parse_ssml(BOMB)
+
+
+W3C = (
+    '<?xml version="1.0" encoding="UTF-8"?>\n'
+    '<speak version="1.0" xmlns="http://www.w3.org/2001/10/synthesis"\n'
+    '       xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance"\n'
+    '       xsi:schemaLocation="http://www.w3.org/2001/10/synthesis http://www.w3.org/TR/speech-synthesis/synthesis.xsd"\n'
+    '       xml:lang="zh-CN">你好<break time="500ms"/>再见</speak>\n'
+)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        '<?xml version="1.0"?><speak>你好<break time="500ms"/>再见</speak>',
+        '\ufeff<speak>你好<break time="500ms"/>再见</speak>',
+        '\ufeff<?xml version="1.0" encoding="utf-8"?>\r\n<speak>你好<break time="500ms"/>再见</speak>',
+        '\n  <?xml version="1.0"?>\n<speak>你好<break time="500ms"/>再见</speak>',
+        '<!-- made by a generator --><speak>你好<break time="500ms"/>再见</speak>',
+        '<?xml version="1.0"?><!-- a -->\n<?xml-stylesheet href="x"?><!--b-->'
+        '<speak>你好<break time="500ms"/>再见</speak>',
+        '<speak version="1.0" xmlns="http://www.w3.org/2001/10/synthesis" xml:lang="zh-CN">你好<break time="500ms"/>'
+        "再见</speak>",
+        W3C,
+    ],
+)
+def test_ssml_as_generators_write_it(doc):
+    assert is_ssml(doc)
+    assert parse_ssml(doc).text == "你好[lbreak]再见"
+
+
+def test_a_prologue_alone_does_not_make_ssml_and_positions_stay_the_texts():
+    for text in ('<?xml version="1.0"?><html>x</html>', "<!-- <speak>x</speak>", "<!-- note --> say <speak>", "<?x"):
+        assert not is_ssml(text)
+    with pytest.raises(ValueError, match=r"unknown SSML tag <emphasis> at line 3, column 8"):
+        parse_ssml('\ufeff<?xml version="1.0"\n encoding="UTF-8"?>\n<speak><emphasis>a</emphasis></speak>')
+    with pytest.raises(ValueError, match="unsupported attribute 'schemaLocation'"):  # only on <speak>
+        xsi = 'xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance" xsi:schemaLocation="x"'
+        parse_ssml(f"<speak><p {xsi}>a</p></speak>")
+
+
+class _Counting(Lexicon):
+    """A lexicon that counts its look-ups: the work an expansion did."""
+
+    def lookup(self, word: str) -> str | None:
+        self.lookups = getattr(self, "lookups", 0) + 1
+        return super().lookup(word)
+
+
+def test_what_a_document_says_is_bounded_as_it_is_written():
+    lex = _Counting.from_entries({"a": "啊" * 256})
+    with pytest.raises(TextTooLong, match="4096 characters after the lexicon's replacements; the limit is 4096"):
+        parse_ssml("<speak>" + "a" * 4000 + "</speak>", lexicon=lex, limit=4096)
+    assert lex.lookups <= 4096 // 256 + 1  # it stopped at the bound, not after 4000 words and a megabyte
+    digits = '<speak xml:lang="en"><say-as interpret-as="digits">' + "7" * 1000 + "</say-as></speak>"
+    with pytest.raises(TextTooLong, match="after SSML's <say-as>"):
+        parse_ssml(digits, limit=4096)  # "seven seven ...": 6 characters a digit
+    assert len(parse_ssml(digits, limit=6000).text) == 5999
+    ok = parse_ssml("<speak>" + "a" * 16 + "</speak>", lexicon=Lexicon.from_entries({"a": "啊" * 256}), limit=4096)
+    assert ok.text == "啊" * 4096
 
 
 def test_size_and_depth_bounds():
@@ -204,8 +282,9 @@ def test_each_run_may_have_its_own_rate():
         '<voice name="b"><prosody rate="slow">慢</prosody></voice></speak>'
     )
     assert [parse_ssml(r.ssml).speed for r in runs] == ["[speed_6]", "[speed_4]"]
-    with pytest.raises(ValueError, match=r"mixes speaking rates \(<prosody rate> at line 1, column 24"):
-        voice_runs('<speak><voice name="a"><prosody rate="fast">快</prosody>慢</voice></speak>')
+    # ... and its own rate runs.
+    [run] = voice_runs('<speak><voice name="a"><prosody rate="fast">快</prosody>慢</voice></speak>')
+    assert parse_ssml(run.ssml).runs == (("快", "[speed_6]"), ("慢", None))
 
 
 def test_nested_voices_the_innermost_speaks_and_the_outer_resumes():

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.config import add_max_num_seqs_argument
+from .settings import PROXY_ONLY_LIMITS, proxy_only_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ def add_arguments(
     sub = p.add_subparsers(dest="ray_command", required=True)
     srv = sub.add_parser("serve", help="serve on Ray Serve: N replicas of the server, one engine each")
     server_args(srv)
+    for action in srv._actions:  # parsed, to be refused by name (serve_settings), but not offered
+        if action.dest in PROXY_ONLY_LIMITS:
+            action.help = argparse.SUPPRESS
     _cluster_args(srv)
     srv.add_argument("--name", default="chattts", help="application and deployment name (default: chattts)")
     srv.add_argument("--num-replicas", type=int, default=1, help="replicas (default: 1; see --autoscale)")
@@ -88,14 +92,23 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 
 def serve_settings(args: argparse.Namespace):
     """The ServeSettings of ``ray serve``'s flags; the server options resolved here (flags, then this
-    machine's CHATTTS_SERVE_*, then defaults) and sent to every replica as they are."""
-    from ..server.config import ServerConfig
+    machine's CHATTTS_SERVE_*, then defaults) and sent to every replica as they are. The ``PROXY_ONLY_LIMITS``
+    are refused as flags; from the environment (which ``serve`` may share) they are ignored with a warning."""
+    import os
+
+    from ..server.config import ENV_PREFIX, ServerConfig
     from .recycling import RecyclePolicy
     from .settings import ServeSettings, parse_autoscale
     from .tenants import TenantsConfig
 
+    if flags := ["--" + name.replace("_", "-") for name in PROXY_ONLY_LIMITS if getattr(args, name, None) is not None]:
+        raise ValueError(proxy_only_refusal(flags))
+    if env := [ENV_PREFIX + name.upper() for name in PROXY_ONLY_LIMITS if ENV_PREFIX + name.upper() in os.environ]:
+        logger.warning("ignored on Ray Serve: %s (%s)", ", ".join(env), proxy_only_refusal(env))
     config = ServerConfig.from_args(args)
     server: dict[str, Any] = config.to_flat()
+    for name in PROXY_ONLY_LIMITS:  # not the replicas' to enforce (settings.PROXY_ONLY_LIMITS)
+        del server[name]
     server["voices_db"] = config.voices.path  # one file for every replica (see docs/ray.md for clusters)
     if args.tenants:
         server.pop("api_keys")

@@ -36,8 +36,18 @@ from .tenants import TenantsConfig
 DEFAULT_NAME = "chattts"
 PROXY_ONLY_LIMITS = ("max_connections", "header_timeout_s")
 """Server options a replica cannot enforce behind Serve's proxy (see the module doc); a WebSocket
-message is also buffered whole by the proxy, up to its own 16 MiB, before a replica can refuse it."""
+message is also buffered whole by the proxy, up to its own 16 MiB, before a replica can refuse it. Setting
+one is refused (``proxy_only_refusal``): accepted, it would say a limit holds that does not."""
 TENANT_ROUTE_PREFIX = "/tenants/"
+
+
+def proxy_only_refusal(names: list[str]) -> str:
+    """Why ray serve refuses the ``PROXY_ONLY_LIMITS`` options ``names`` (as the caller spells them)."""
+    return (
+        f"ray serve cannot enforce {', '.join(names)}: Serve's HTTP proxy accepts any number of connections "
+        "and waits for request headers forever. Leave them out and put a proxy in front that caps connections "
+        'and sets a header timeout (docs/ray.md, "Limits and keys")'
+    )
 
 
 def parse_autoscale(value: str) -> tuple[int, int]:
@@ -109,6 +119,8 @@ class ServeSettings:
         for name in ("num_cpus", "health_check_period_s", "metrics_period_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if given := [name for name in PROXY_ONLY_LIMITS if name in self.server]:
+            raise ValueError(proxy_only_refusal(given))
         unknown = set(self.server) - set(ServerConfig.flat_defaults())
         if unknown:
             raise ValueError(f"unknown server option(s): {', '.join(sorted(unknown))}")

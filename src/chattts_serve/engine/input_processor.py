@@ -4,6 +4,10 @@ pronunciation lexicon (``text/lexicon.py``), split into sentences, normalise, de
 voice sample. Every transport's text passes through here. Host-only and thread-safe (``AsyncEngine`` runs
 it in a worker thread), so the loop never waits on text work and bad input is refused before it costs a
 step.
+
+The text's bound (``SamplingParams.max_text_chars``) holds for the text as given and after every expansion:
+the lexicon and SSML count as they write (``text.bound``), so a short text that would expand a hundredfold
+is refused after about the bound's worth of work; markdown cleanup and normalisation are checked after.
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ from ..model.config import AUDIO_EOS, TOKENS_PER_SECOND
 from ..model.speaker import decode_prompt_codes, decode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
+from ..text.bound import TextTooLong, check_chars
 from ..text.cleanup import clean_markdown
 from ..text.lexicon import Lexicon
 from ..text.normalize import Normalizer, split_text
 from ..text.ssml import is_ssml, parse_ssml
 
-MAX_TEXT_CHARS = 20_000
 _SPEED = re.compile(r"\[speed_\d\]")
 
 
@@ -41,6 +45,13 @@ class PreparedRequest:
     """Speak the first segment alone first and use its audio as every segment's voice sample."""
     max_new_tokens: int = 0
     """Each audio pass's cap: ``params.max_new_tokens``, or less to keep the request in its budget."""
+    prompts: list[str] | None = None
+    """Each segment's audio prompt where they differ (SSML at several ``<prosody rate>``: each rate run's
+    sentences have their own ``[speed_N]``); None: ``params.prompt`` for every segment."""
+
+    def prompt(self, index: int) -> str:
+        """Segment ``index``'s audio prompt (the voice step, -1, speaks segment 0)."""
+        return self.prompts[max(index, 0)] if self.prompts is not None else self.params.prompt
 
 
 class InputProcessor:
@@ -61,19 +72,22 @@ class InputProcessor:
             raise ValueError(f"text must be a string, got {type(text).__name__}")
         if not text.strip():
             raise ValueError("text is empty")
-        if len(text) > MAX_TEXT_CHARS:
-            raise ValueError(f"text has {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+        limit = params.max_text_chars
+        if len(text) > limit:
+            raise ValueError(f"text has {len(text)} characters; the limit is {limit}")
         lexicon = _lexicon(params.lexicon)
-        if is_ssml(text):  # SSML (text/ssml.py): its text, with break tokens, and perhaps its own rate
-            ssml = parse_ssml(text, params.lang, lexicon)
-            text = ssml.text
+        runs: list[tuple[str, str | None]]  # (text, its [speed_N]; None: the request's prompt)
+        if is_ssml(text):  # SSML (text/ssml.py): its text, with break tokens, and perhaps its own rates
+            ssml = parse_ssml(text, params.lang, lexicon, limit)
+            runs = list(ssml.runs) or [(ssml.text, None)]
             if ssml.speed is not None:
                 params = replace(params, prompt=_with_speed(params.prompt, ssml.speed))
         else:
             if params.text_cleanup == "markdown":
-                text = clean_markdown(text)
+                text = check_chars(clean_markdown(text), limit, "markdown cleanup")
             if lexicon is not None:
-                text = lexicon.apply(text)
+                text = lexicon.apply(text, limit)
+            runs = [(text, None)]
         # An unknown [tag] in the text is text, as in the reference (markdown links, [oral] in prose: LLM
         # output is full of them); in the prompts, which hold only control tokens, it is a mistake.
         for what, value in (("prompt", params.prompt), ("refine.prompt", params.refine.prompt)):
@@ -81,14 +95,23 @@ class InputProcessor:
             if unknown:
                 known = ", ".join(sorted(self.tokenizer.control_tokens))
                 raise ValueError(f"{what} has unknown control token(s) {', '.join(unknown)}; known: {known}")
-        pieces = split_text(text) if params.split_text else [text]
-        segments = []
-        for piece in pieces:
-            norm = self.normalizer(piece, params.do_text_normalization, params.do_homophone_replacement, params.lang)
-            if norm.strip():
-                segments.append(norm)
+        # Each rate run is split on its own, so a sentence never spans two rates (split_text off: a run is
+        # one segment).
+        segments, prompts, size = [], [], 0
+        for run, speed in runs:
+            prompt = _with_speed(params.prompt, speed) if speed is not None else params.prompt
+            for piece in split_text(run) if params.split_text else [run]:
+                norm = self.normalizer(
+                    piece, params.do_text_normalization, params.do_homophone_replacement, params.lang
+                )
+                size += len(norm)
+                if size > limit:
+                    raise TextTooLong(limit, "normalisation")
+                if norm.strip():
+                    segments.append(norm)
+                    prompts.append(prompt)
         if not segments:
-            raise ValueError(f"nothing to speak after normalisation: {text!r}")
+            raise ValueError(f"nothing to speak after normalisation: {''.join(r for r, _ in runs)!r}")
         speaker = decode_speaker(params.speaker, expected_dim=self.hidden_size) if params.speaker is not None else None
         sample = None
         if params.speaker_sample is not None:
@@ -98,7 +121,13 @@ class InputProcessor:
         voice_step = params.split_text and params.first_sentence_voice and sample is None and len(segments) > 1
         limit = self.max_audio_seconds if max_audio_seconds is None else min(max_audio_seconds, self.max_audio_seconds)
         return PreparedRequest(
-            segments, params, speaker, sample, voice_step, _max_new_tokens(params, segments, voice_step, limit)
+            segments,
+            params,
+            speaker,
+            sample,
+            voice_step,
+            _max_new_tokens(params, segments, voice_step, limit),
+            prompts if len(set(prompts)) > 1 else None,
         )
 
 

@@ -174,7 +174,8 @@ class RequestPipeline:
             min_new, max_new = r.min_new_tokens, r.max_new_tokens
         else:
             has_speaker = req.speaker is not None
-            ids = self.tokenizer.encode(code_prompt(seg.spoken_text, p.prompt, has_speaker, req.sample_text))
+            prompt = req.prepared.prompt(seg.index)  # its own [speed_N] in SSML at several rates
+            ids = self.tokenizer.encode(code_prompt(seg.spoken_text, prompt, has_speaker, req.sample_text))
             sample = req.sample_codes
             prompt_len = len(ids) + (0 if sample is None else len(sample))
             sampling = StepSampling(p.temperatures, p.top_p, p.top_k, p.repetition_penalty, p.seed)

@@ -91,7 +91,9 @@ def create_app(
     for extra in reversed(middleware):
         app.add_middleware(extra.cls, *extra.args, **extra.kwargs)
     app.add_middleware(BodyReader, max_bytes=config.max_body_bytes, timeout_s=config.timeouts.body_s)
-    app.add_middleware(Authenticate, keys=keys if keys is not None else KeyRing.from_keys(config.api_keys))
+    if keys is None:
+        keys = KeyRing.from_keys(config.api_keys, config.api_keys_shared)
+    app.add_middleware(Authenticate, keys=keys)
     app.add_middleware(RequestContext, config=config)
     app.state.config = config
     app.state.ready = False

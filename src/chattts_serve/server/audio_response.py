@@ -30,6 +30,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
+from ..text.bound import TextTooLong
 from .cache import CACHE_HEADER, ResultCache
 from .errors import APIError, ClientGone, StreamEndedByShutdown, StreamFailed, TimedStreamingResponse, busy
 from .limits import Limits
@@ -191,6 +192,8 @@ class AudioResponse:
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, ClientGone):  # nobody reads this answer; it only ends the request cleanly
             return APIError(499, "client closed the request", code="client_closed")
+        if isinstance(exc, TextTooLong):  # max_input_chars, passed by an expansion (text.bound)
+            return APIError(400, str(exc), code="input_too_long")
         if isinstance(exc, ValueError):
             return APIError(400, str(exc))
         if isinstance(exc, QueueFullError):

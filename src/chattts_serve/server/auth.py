@@ -17,10 +17,17 @@ for nothing there. Credentials that could be read two ways are refused, never in
 and an ``api_key`` that name different keys (each parser that once read "the first" or "the last" of them
 let a tenant use one key for the check and another for its limits). With tenants, only a tenant's key is
 accepted.
+
+Whose data a request sees (``Principal.owner``): the result cache's entries and the saved voices belong to a
+principal. A tenant's keys are one principal (the tenant); each plain ``--api-keys`` key is its own, unless
+the operator declares the plain keys one (``--api-keys-shared``), as they all were before: otherwise one key
+could read another's requests from a cache hit (``X-Cache``, or how fast the answer came) and list or delete
+its voices. A server without keys has one principal, nobody's (``owner`` None).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -54,10 +61,13 @@ class KeyRing:
     by_tenant: bool = False
     """Keys belong to tenants: a key of no tenant is refused (even with no tenant at all), never served
     unlimited."""
+    shared: bool = False
+    """The plain keys are one principal (``--api-keys-shared``): they share the result cache and the saved
+    voices. Otherwise each plain key is its own."""
 
     @classmethod
-    def from_keys(cls, keys: Iterable[str]) -> KeyRing:
-        return cls(tuple((k, None) for k in keys))
+    def from_keys(cls, keys: Iterable[str], shared: bool = False) -> KeyRing:
+        return cls(tuple((k, None) for k in keys), shared=shared)
 
     @classmethod
     def from_tenants(cls, tenants: Mapping[str, Iterable[str]]) -> KeyRing:
@@ -86,7 +96,10 @@ class Principal:
     authorized: bool
     """It may use protected routes: its key is one of the server's, or the server has no keys."""
     tenant: str | None = None
-    """The tenant its key belongs to (None without tenants)."""
+    """The tenant its key belongs to (None without tenants): whose limits it is under."""
+    owner: str | None = None
+    """Whose cached results and saved voices it sees: its tenant; for a plain key, the key's own
+    (``key_owner``), or None when the plain keys are shared or the server has none."""
     problem: str = ""
     """Why it is not authorized; the refusal's message (never quotes a key)."""
 
@@ -126,7 +139,15 @@ def resolve(scope, keys: KeyRing) -> Principal:
     known, tenant = keys.owner(key) if key is not None else (False, None)
     if not known or (keys.by_tenant and tenant is None):
         return Principal(present, False, problem=_INVALID)
-    return Principal(present, True, tenant)
+    owner = tenant if tenant is not None else None if keys.shared else key_owner(key)
+    return Principal(present, True, tenant, owner)
+
+
+def key_owner(key: str) -> str:
+    """The principal of a plain API key, as the cache keys and the voice store name it: a fingerprint, never
+    the key (the voice store and logs may be read by others). The ``:`` keeps it apart from every tenant name
+    (``distributed.tenants.TENANT_NAME``), so a key's voices never mix with a tenant's."""
+    return "key:" + hashlib.sha256(b"chattts-serve api key\0" + key.encode()).hexdigest()[:32]
 
 
 def principal(scope) -> Principal | None:

@@ -23,8 +23,11 @@ encoder) and in the request metrics, but not in the real-time factor or audio se
 nothing). Not cached: WebSocket and Wyoming sessions (their requests have no HTTP scope, hence no tenant, and a
 session's parts take their voice from its first part).
 
-Memory: an LRU bounded in bytes (float32 PCM, 94 KB per second of audio: 256 MB hold about 45 minutes).
-The server is asyncio and the cache is used only on its event loop, so the ``OrderedDict`` needs no lock.
+Memory: an LRU bounded in bytes (float32 PCM, 94 KB per second of audio: 256 MB hold about 45 minutes). An
+entry counts what it really holds (``entry_bytes``): its arrays' buffers, and the Python objects around them
+and its key, so that many small entries hold the bound as a few large ones do (tests/server/test_cache.py
+measures both with tracemalloc). The server is asyncio and the cache is used only on its event loop, so the
+``OrderedDict`` needs no lock.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from ..audio.policy import StreamPolicy
 from ..engine.outputs import RequestOutput
@@ -47,8 +53,9 @@ CACHE_HEADER = "X-Cache"
 KEY_VERSION = 1
 """Bump when what a key covers changes."""
 _LEXICON_MEMO_SIZE = 16
-_ENTRY_OVERHEAD = 512
-"""Bytes counted per entry beyond its arrays (the key, the outputs' other fields): a rough figure."""
+_ENTRY_OVERHEAD = 256
+"""Bytes counted per entry beyond the objects ``entry_bytes`` sizes: the ``OrderedDict``'s node and its share
+of the table (CPython: ~100 B at the fullest), and the (outputs, size) pair."""
 
 
 class ResultCache:
@@ -104,7 +111,7 @@ class ResultCache:
     def put(self, key: str, outputs: Sequence[RequestOutput]) -> bool:
         """Keep a completed request's outputs (the last one finished), evicting the least recently used
         entries to stay within ``max_bytes``. False (nothing kept) when it is larger than ``max_entry_bytes``."""
-        size = entry_bytes(outputs)
+        size = entry_bytes(outputs) + sys.getsizeof(key)
         if size > self.max_entry_bytes:
             return False
         for out in outputs:  # shared with every later hit: nobody may change them in place
@@ -121,14 +128,27 @@ class ResultCache:
 
 
 def entry_bytes(outputs: Sequence[RequestOutput]) -> int:
-    """What an entry of ``outputs`` holds: their audio, and the last one's sentences (codes, texts)."""
-    size = _ENTRY_OVERHEAD
+    """What an entry of ``outputs`` holds, its key aside: each output object, its audio (the whole buffer a
+    view keeps alive), its strings and its sentences (spans; the last one's segments with their codes), and
+    the tuple that holds them. Shared objects (one request id for every output) are counted for each: the
+    count errs high, never low."""
+    size = _ENTRY_OVERHEAD + sys.getsizeof(tuple(outputs))
     for out in outputs:
-        size += out.audio.nbytes + 128
+        size += sys.getsizeof(out) + _array_bytes(out.audio) + sys.getsizeof(out.request_id)
+        size += sys.getsizeof(out.voice_sample) + sys.getsizeof(out.error)
+        size += sys.getsizeof(out.spans) + sum(sys.getsizeof(s) + sys.getsizeof(s.text) for s in out.spans)
         for seg in out.segments or ():
-            size += seg.codes.nbytes + 4 * len(seg.text) + 64
-        size += len(out.voice_sample or "") * 4
+            size += sys.getsizeof(seg) + _array_bytes(seg.codes) + sys.getsizeof(seg.text) + 64
     return size
+
+
+def _array_bytes(array: np.ndarray) -> int:
+    """An array's object and the buffer it keeps alive: a view's base, whole (``getsizeof`` counts the
+    buffer of an array that owns its data, and only the header of any other)."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return sys.getsizeof(array) + (0 if root is array and root.flags.owndata else root.nbytes)
 
 
 def engine_identity(engine) -> str:

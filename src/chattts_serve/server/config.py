@@ -177,7 +177,11 @@ class ServerConfig:
     reach it can use it); it does not refuse to."""
     port: int = 8000
     api_keys: tuple[str, ...] = ()
-    """When set, every endpoint except /health needs ``Authorization: Bearer <key>``."""
+    """When set, every endpoint except /health needs ``Authorization: Bearer <key>``. Each key is its own
+    principal: its own saved voices and result-cache entries (``server.auth``)."""
+    api_keys_shared: bool = False
+    """The ``api_keys`` are one principal: they share the saved voices (those of a server without keys) and
+    the result cache, as one tenant's keys do."""
     max_concurrent_streams: int = 64
     """Requests in flight (running + waiting); beyond it requests get 429."""
     max_connections: int = 512

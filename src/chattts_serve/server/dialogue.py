@@ -34,6 +34,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
+from ..text.bound import TextTooLong
 from .audio_response import AudioResponse
 from .budget import turn_budget
 from .errors import APIError, TimedStreamingResponse, check_length
@@ -75,7 +76,8 @@ async def dialogue(body: DialogueRequest, request: Request):
     """The turns in order, each in its voice, ``pause_ms`` of silence between two; streamed by default."""
     st = request.app.state
     pause = body.pause_ms * SAMPLE_RATE // 1000
-    turns = budgeted(st.engine, _turns(st, body, tenant_of(request.scope)), pause, param="pause_ms")
+    turns = await asyncio.to_thread(_turns, st, body, tenant_of(request.scope))  # voices: store reads, blends
+    turns = budgeted(st.engine, turns, pause, param="pause_ms")
     policy = build_policy(st.engine.stream_policy, body.chunking)
     rid = request.state.request_id
     resp = AudioResponse(st.engine, st.metrics, st.limits, "dialogue", st.config.timeouts.queue_wait_s)
@@ -100,7 +102,9 @@ def _turns(st, body: DialogueRequest, tenant: str | None) -> list[Turn]:
         try:
             check_length(turn.text, cfg.max_input_chars, "text")
             voice = resolve_voice(st.voices, st.engine, turn.speaker or turn.voice, cfg.voices.default, "voice", tenant)
-            params = build_params(turn, voice, defaults=defaults, lexicon=cfg.lexicon)
+            params = build_params(
+                turn, voice, defaults=defaults, lexicon=cfg.lexicon, max_text_chars=cfg.max_input_chars
+            )
         except APIError as exc:
             raise _in_turn(exc, i) from None
         turns.append(Turn(turn.text, params))
@@ -169,7 +173,9 @@ async def _opened(stream: AsyncIterator[RequestOutput], turn: Turn, index: int) 
     try:
         return await anext(stream)
     except ValueError as exc:
-        raise APIError(400, f"{turn.name or f'turn {index}'}: {exc}", param=turn.param or f"turns.{index}") from None
+        code = "input_too_long" if isinstance(exc, TextTooLong) else None  # max_input_chars, after an expansion
+        message = f"{turn.name or f'turn {index}'}: {exc}"
+        raise APIError(400, message, param=turn.param or f"turns.{index}", code=code) from None
 
 
 async def _first_turn_started(firsts: list[asyncio.Future]) -> None:

@@ -5,6 +5,7 @@ WebSocket ``/v1/tts/stream`` is in ``server/websocket.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 from collections.abc import AsyncIterator
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 @synthesis
 async def tts(body: TTSRequest, request: Request):
     st = request.app.state
-    turns, policy, factor = _turns(st, body, request)
+    turns, policy, factor = await _turns(st, body, request)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.timeouts.queue_wait_s)
     await start_turns(resp, st.engine, turns, policy, request.state.request_id, request, factor)
     if body.stream:
@@ -65,7 +66,7 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
     """The whole audio (base64, in ``format``) with each sentence's start and end (``server.captions``); with
     ``format`` srt or vtt, only the subtitles."""
     st = request.app.state
-    turns, policy, _ = _turns(st, body, request)  # (no stretch: CaptionedRequest)
+    turns, policy, _ = await _turns(st, body, request)  # (no stretch: CaptionedRequest)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "captioned", st.config.timeouts.queue_wait_s)
     await start_turns(resp, st.engine, turns, policy, request.state.request_id, request)
     if body.format in CAPTION_MEDIA_TYPES:
@@ -98,17 +99,17 @@ async def _json_around(spool: AsyncIterator[bytes], head: bytes, tail: bytes) ->
     yield tail
 
 
-def _turns(st, body: TTSRequest, request: Request) -> tuple[list[Turn], StreamPolicy, float]:
+async def _turns(st, body: TTSRequest, request: Request) -> tuple[list[Turn], StreamPolicy, float]:
     """The request's turns (``server.ssml_turns``: one, unless its SSML changes voice), chunking and stretch."""
     tenant = tenant_of(request.scope)
-    params, policy, factor = tts_params(st, body, tenant)
+    params, policy, factor = await asyncio.to_thread(tts_params, st, body, tenant)  # voices: store reads, blends
 
     def params_for(voice: str | None) -> SamplingParams:
         if voice is None:
             return params
         return tts_params(st, body.model_copy(update={"voice": voice, "speaker": None}), tenant)[0]
 
-    return text_turns(body.text, params_for, "text"), policy, factor
+    return await text_turns(body.text, params_for, "text"), policy, factor
 
 
 async def _spans(resp: AudioResponse, request: Request) -> list[SegmentSpan]:

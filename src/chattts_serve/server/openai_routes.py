@@ -52,9 +52,11 @@ async def speech(body: SpeechRequest, request: Request):
         name = body.voice if voice_name is None else voice_name
         voice = resolve_voice(st.voices, st.engine, name, cfg.voices.default, "voice", tenant)
         defaults = request_defaults(cfg.default_options)
-        return build_params(body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon)
+        return build_params(
+            body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon, max_text_chars=cfg.max_input_chars
+        )
 
-    turns = text_turns(body.input, params_for, "input")
+    turns = await text_turns(body.input, params_for, "input")
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.timeouts.queue_wait_s)
     rid = request.state.request_id
     await start_turns(resp, st.engine, turns, st.engine.stream_policy, rid, request, speed.stretch, "input")

@@ -2,7 +2,10 @@
 or a blend of them: ``server.blend``) and its options on top of the server's defaults -> ``SamplingParams``;
 its chunking -> ``StreamPolicy``. The same for every transport (HTTP routes, WebSocket, Wyoming). Bad
 options are 400s here; speaker strings are checked later, when the engine prepares the request (a blend's
-parts are checked here, when they are mixed)."""
+parts are checked here, when they are mixed).
+
+Resolving a voice may read the voice store and mix a blend: the async callers run it in a worker thread
+(``asyncio.to_thread``), never on the event loop."""
 
 from __future__ import annotations
 
@@ -35,10 +38,11 @@ class ResolvedVoice:
 
 
 def tenant_of(scope) -> str | None:
-    """The tenant whose saved voices a request sees: the one its API key belongs to (``server.auth``); None
-    without tenants (the voices of no tenant)."""
+    """Whose saved voices and cached results a request sees (``auth.Principal.owner``): its API key's tenant,
+    or with plain ``--api-keys`` its key's own (all keys' one with ``--api-keys-shared``); None on a server
+    without keys (the voices of no tenant)."""
     who = principal(scope)
-    return who.tenant if who is not None else None
+    return who.owner if who is not None else None
 
 
 def resolve_voice(
@@ -64,16 +68,21 @@ def resolve_voice(
         raise APIError(400, str(exc), param=param, code="invalid_blend") from None
     if len(terms) == 1:  # "a(2)": one voice, whatever its weight (a voice sample included)
         return _resolve_one(store, engine, terms[0].voice, param, tenant)
-    parts = tuple(_blendable(store, engine, t.voice, param, tenant).tobytes() for t in terms)
+    parts = [_blendable(store, engine, t.voice, param, tenant).tobytes() for t in terms]
     try:
-        return ResolvedVoice(speaker=_mixed_speaker(engine.speaker_stats, parts, tuple(t.weight for t in terms)))
+        blend = canonical_blend(parts, [t.weight for t in terms])
+        return ResolvedVoice(speaker=_mixed_speaker(engine.speaker_stats, *blend))
     except ValueError as exc:
         raise APIError(400, f"cannot blend these voices: {exc}", param=param, code="invalid_blend") from None
 
 
-# Encoding a speaker string (LZMA at the reference's preset 9|extreme) takes ~50 ms, on the event loop with the
-# rest of voice resolution. A built-in voice is the same string every time (a fixed seed), and so is a blend
-# of the same parts: each is encoded once. The built-in cache is per engine and does not keep one alive.
+BLEND_WEIGHT_DIGITS = 4
+"""A blend's weights count to 1/10,000 of their sum: finer differences are far below what the float16
+embedding can hold, and each distinct blend costs a mix."""
+
+# A built-in voice is the same string every time (a fixed seed), and so is a blend of the same parts at the
+# same (canonical) weights: each is mixed and encoded once. The built-in cache is per engine and does not keep
+# one alive.
 _builtin_speakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -88,10 +97,26 @@ def _builtin_speaker(engine, name: str) -> str | None:
     return known[name]
 
 
+def canonical_blend(parts: list[bytes], weights: list[float]) -> tuple[tuple[bytes, ...], tuple[float, ...]]:
+    """A blend as it is mixed, and its cache key: one term per distinct embedding (a voice named twice, or by
+    name and by speaker string, adds its weights), in a fixed order, with the weights normalised to sum 1 and
+    rounded to ``BLEND_WEIGHT_DIGITS`` (a term that rounds to 0 adds nothing and is left out). So blends that
+    cannot sound different are one entry, and a request of many near-equal blends buys one mix, not many.
+    ``weights``: positive and finite (``server.blend``)."""
+    merged: dict[bytes, float] = {}
+    top = max(weights)  # first to (0, 1]: the sum of a few huge weights cannot overflow
+    for part, weight in zip(parts, weights, strict=True):
+        merged[part] = merged.get(part, 0.0) + weight / top
+    total = sum(merged.values())
+    rounded = {p: round(w / total, BLEND_WEIGHT_DIGITS) for p, w in sorted(merged.items())}
+    kept = {p: w for p, w in rounded.items() if w > 0}  # the largest is >= 1/8 (server.blend.MAX_BLEND_TERMS)
+    return tuple(kept), tuple(kept.values())
+
+
 @functools.lru_cache(maxsize=256)
 def _mixed_speaker(stats, parts: tuple[bytes, ...], weights: tuple[float, ...]) -> str:
-    """The speaker string of a blend: ``parts`` are float16 embeddings' bytes (a cache key; ``stats`` is
-    hashed by identity)."""
+    """The speaker string of a blend (``canonical_blend``): ``parts`` are float16 embeddings' bytes (a cache
+    key; ``stats`` is hashed by identity)."""
     embeddings = [np.frombuffer(p, dtype=np.float16) for p in parts]
     return encode_speaker(blend_speakers(embeddings, weights, stats))
 
@@ -163,11 +188,14 @@ def build_params(
     prompt: str | None = None,
     defaults: ChatTTSOptions | None = None,
     lexicon: str | None = None,
+    max_text_chars: int | None = None,
 ) -> SamplingParams:
     """A request's options on top of the server's ``defaults`` (``request_defaults``), on top of
     SamplingParams' own; ``prompt``: the prompt the request implies (an OpenAI ``speed`` other than 1),
     which wins over the defaults' but not over a prompt the request sets itself. ``lexicon``: the server's
-    lexicon file (``ServerConfig.lexicon``), under the defaults' lexicon, under the request's."""
+    lexicon file (``ServerConfig.lexicon``), under the defaults' lexicon, under the request's.
+    ``max_text_chars``: the server's ``max_input_chars``, which the engine holds the text to after every
+    expansion too (``SamplingParams.max_text_chars``)."""
 
     def given(name: str):
         value = getattr(opts, name)
@@ -184,6 +212,7 @@ def build_params(
             speaker=voice.speaker,
             speaker_sample=voice.sample,
             speaker_sample_text=voice.sample_text,
+            max_text_chars=max_text_chars,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
@@ -208,5 +237,7 @@ def tts_params(state, body: TTSRequest, tenant: str | None) -> tuple[SamplingPar
     voice = resolve_voice(state.voices, state.engine, body.speaker or body.voice, cfg.voices.default, "voice", tenant)
     speed = plan_speed(body.speed, body.speed_mode)
     defaults = request_defaults(cfg.default_options)
-    params = build_params(body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon)
+    params = build_params(
+        body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon, max_text_chars=cfg.max_input_chars
+    )
     return params, build_policy(state.engine.stream_policy, body.chunking), speed.stretch

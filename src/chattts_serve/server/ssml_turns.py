@@ -11,10 +11,12 @@ A text without ``<voice>`` is one turn, the text itself, on the route's path as 
 included); so is a document with one run, in that run's voice. A document of several turns is not looked up
 in the result cache, as dialogues are not. Splitting happens here, before anything is submitted, so a fault
 in the document (malformed, an unknown tag, an unknown voice) is a 400 naming its place in the request's text.
+The document is read in a worker thread, as the engine reads text: parsing is never the event loop's work.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from fastapi import Request
@@ -32,15 +34,17 @@ TURN_PAUSE_MS: int = DialogueRequest.model_fields["pause_ms"].default
 """Silence between two voices' turns."""
 
 
-def text_turns(text: str, params_for: Callable[[str | None], SamplingParams], param: str) -> list[Turn]:
+async def text_turns(text: str, params_for: Callable[[str | None], SamplingParams], param: str) -> list[Turn]:
     """``text`` as the turns to speak. ``params_for(None)``: the request's ``SamplingParams``;
     ``params_for(name)``: the same request in voice ``name`` (a 400 for an unknown voice). ``param``: the
     request's text field, which a refusal points at."""
-    params = params_for(None)  # the request's own voice and options are checked whatever its text holds
+    # the request's own voice and options are checked whatever its text holds; resolving a voice reads the
+    # store and may mix a blend: a worker thread's work, as each <voice> run's below
+    params = await asyncio.to_thread(params_for, None)
     if not is_ssml(text) or "voice" not in text:  # no <voice>: the engine reads the SSML, off the event loop
         return [Turn(text, params)]
     try:
-        runs = voice_runs(text)
+        runs = await asyncio.to_thread(voice_runs, text)
     except ValueError as exc:
         raise APIError(400, str(exc), param=param) from None
     if len(runs) > MAX_TURNS:
@@ -55,7 +59,7 @@ def text_turns(text: str, params_for: Callable[[str | None], SamplingParams], pa
             continue
         name = f"SSML turn {i} (<voice> at {run.where})"
         try:
-            turns.append(Turn(run.ssml, params_for(run.voice), name, param))
+            turns.append(Turn(run.ssml, await asyncio.to_thread(params_for, run.voice), name, param))
         except APIError as exc:
             raise APIError(
                 exc.status_code, f"<voice> at {run.where}: {exc.detail}", exc.type, param, exc.code, exc.headers

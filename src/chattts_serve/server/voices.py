@@ -247,7 +247,8 @@ class VoiceStore:
 
 
 def limit_message(max_voices: int, tenant: str | None) -> str:
-    holder = "the server holds" if tenant is None else f"tenant {tenant!r} has"
+    # a plain API key's owner is a fingerprint (server.auth.key_owner): not a name to show
+    holder = "the server holds" if tenant is None else "this API key has" if ":" in tenant else f"tenant {tenant!r} has"
     return f"{holder} its maximum of {max_voices} voices; delete one first"
 
 

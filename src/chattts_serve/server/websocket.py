@@ -155,7 +155,7 @@ class _Framing:
             if not isinstance(self.timestamps, bool):
                 raise ValueError("timestamps must be true or false")
             body = TTSRequest(**first)
-            params, policy, self.stretch = tts_params(self.st, body, tenant_of(self.ws.scope))
+            params, policy, self.stretch = await asyncio.to_thread(tts_params, self.st, body, tenant_of(self.ws.scope))
             if self.timestamps and self.stretch != 1.0:
                 raise ValueError('timestamps need speed_mode "prompt" (timings of stretched audio are not exact)')
         except (ValueError, ValidationError, APIError, RecursionError, TypeError) as exc:

@@ -338,7 +338,8 @@ class Connection(AsyncEventHandler):
         elif SynthesizeStart.is_type(kind):
             if self.stream is not None:
                 raise _bad("synthesize-start while a stream is open")
-            self.stream = self.session.stream(self._params(data), policy, _AudioOut(self, streaming=True))
+            params = await asyncio.to_thread(self._params, data)  # voices: store reads, blends
+            self.stream = self.session.stream(params, policy, _AudioOut(self, streaming=True))
         elif SynthesizeChunk.is_type(kind):
             stream, text = self._open_stream("synthesize-chunk"), data.get("text")
             if not isinstance(text, str):
@@ -357,7 +358,8 @@ class Connection(AsyncEventHandler):
                 except APIError as exc:
                     raise error_from_api(exc) from None
                 out = _AudioOut(self, streaming=False)
-                await self.session.stream(self._params(data), policy, out, keep_first_voice=False).say(text)
+                params = await asyncio.to_thread(self._params, data)
+                await self.session.stream(params, policy, out, keep_first_voice=False).say(text)
         else:
             logger.debug("wyoming connection %s: ignored a %r event", self.session.id, kind)
         return True
@@ -384,7 +386,11 @@ class Connection(AsyncEventHandler):
                 opts = opts.model_copy(update={"lang": lang})
             chosen = resolve_voice(self.st.voices, self.st.engine, name, self.cfg.voices.default, "voice")
             return build_params(
-                opts, chosen, defaults=request_defaults(self.cfg.default_options), lexicon=self.cfg.lexicon
+                opts,
+                chosen,
+                defaults=request_defaults(self.cfg.default_options),
+                lexicon=self.cfg.lexicon,
+                max_text_chars=self.cfg.max_input_chars,
             )
         except ValidationError as exc:
             first = exc.errors()[0]

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
+from .bound import TextTooLong
 from .normalize import load_default_homophones
 
 MAX_WORD_CHARS = 64
@@ -158,25 +159,37 @@ class Lexicon:
             return own[word]
         return self.base.lookup(word) if self.base is not None else None
 
-    def apply(self, text: str) -> str:
+    def apply(self, text: str, limit: int | None = None) -> str:
         """``text`` with every entry replaced, longest match first, left to right; ``[control]`` tokens are
-        left alone and a replacement is never matched again."""
-        return "".join(p if _CONTROL.fullmatch(p) else self._apply_plain(p) for p in _CONTROL.split(text))
+        left alone and a replacement is never matched again. ``limit``: the most characters the result may
+        have; ``TextTooLong`` as soon as it passes them (a replacement may be 256 times its word: the work
+        stops at the bound, not after the whole expansion)."""
+        out: list[str] = []
+        size = 0
+        for part in _CONTROL.split(text):
+            size += self._apply_plain(part, out, limit, size) if not _CONTROL.fullmatch(part) else _put(out, part)
+            if limit is not None and size > limit:
+                raise TextTooLong(limit, "the lexicon's replacements")
+        return "".join(out)
 
-    def _apply_plain(self, text: str) -> str:
-        out, i, n = [], 0, len(text)
+    def _apply_plain(self, text: str, out: list[str], limit: int | None, size: int) -> int:
+        """Appends ``text`` with its entries replaced to ``out``; returns the characters appended (stops once
+        ``size`` plus them passes ``limit``)."""
+        i, n, added = 0, len(text), 0
         while i < n:
             for length in self._lengths:
                 if i + length <= n:
                     value = self.lookup(text[i : i + length])
                     if value is not None:
-                        out.append(value)
+                        added += _put(out, value)
                         i += length
                         break
             else:
-                out.append(text[i])
+                added += _put(out, text[i])
                 i += 1
-        return "".join(out)
+            if limit is not None and size + added > limit:
+                break
+        return added
 
     def __len__(self) -> int:
         return len(self._flat())
@@ -189,6 +202,11 @@ class Lexicon:
 
     def __repr__(self) -> str:
         return f"Lexicon({len(self)} entries)"
+
+
+def _put(out: list[str], piece: str) -> int:
+    out.append(piece)
+    return len(piece)
 
 
 def _check(word: object, value: object, where: str) -> None:

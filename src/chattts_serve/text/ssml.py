@@ -1,14 +1,17 @@
 """An SSML subset -> the text ChatTTS speaks (control tokens included) and the request's speaking rate.
 
-A request's text that starts with ``<speak`` (after whitespace) is SSML (``is_ssml``); the engine's input
-processing turns it into plain text here, before sentence splitting and normalisation. Tags:
+A request's text that is an XML document whose root is ``<speak>`` is SSML (``is_ssml``): ``<speak`` first,
+or after what generators put before it (a byte-order mark, whitespace, the ``<?xml ...?>`` declaration,
+comments, processing instructions; a DOCTYPE there makes it SSML too, which ``parse_ssml`` then refuses). The
+engine's input processing turns it into plain text here, before sentence splitting and normalisation. Tags:
 
 * ``<speak>`` (root; ``xml:lang`` zh/en picks the language of say-as words), ``<p>``, ``<s>`` (kept as text);
 * ``<break time="500ms"/>`` / ``strength="none|x-weak|weak|medium|strong|x-strong"``: ChatTTS's break tokens,
   ``[uv_break]`` (a short pause, up to ``SHORT_BREAK_MS``) or ``[lbreak]`` (longer; also for breaks longer
   than the model can pause: ChatTTS has no timed silence, and inserting silence is the audio stage's work);
-* ``<prosody rate="x-slow|slow|medium|fast|x-fast|NN%|+NN%|-NN%|1.5">``: the request's ``[speed_N]``. The
-  engine speaks one request at one rate, so all text must share it: text at two rates is refused;
+* ``<prosody rate="x-slow|slow|medium|fast|x-fast|NN%|+NN%|-NN%|1.5">``: a ``[speed_N]`` for the text inside.
+  Text at one rate gives the request's prompt that rate (``SsmlText.speed``); text at several is cut into
+  its rate runs (``SsmlText.runs``), each spoken as sentences of its own with its own ``[speed_N]``;
 * ``<say-as interpret-as="characters|spell-out|digits|telephone|date" format=...>`` (``text/say_as.py``);
 * ``<sub alias="...">``: the alias is spoken instead of the content;
 * ``<phoneme alphabet="pinyin" ph="chang2">长</phoneme>``: one unambiguous homophone per syllable
@@ -17,10 +20,13 @@ processing turns it into plain text here, before sentence splitting and normalis
   splits a document into its voice runs, each an SSML document of its own, which the server speaks as the
   turns of a dialogue (``server/ssml_turns.py``); ``parse_ssml`` reads one run and refuses ``<voice>``.
 
-Any other tag or attribute, and malformed XML, is a ValueError naming it and its line and column. Parsing
+Any other tag or attribute, and malformed XML, is a ValueError naming it and its line and column (the
+W3C's ``xmlns``, ``xml:lang`` and ``xsi:schemaLocation`` on ``<speak>`` are taken as they are written). Parsing
 is expat's (a real XML parser) with a size and depth bound; a DOCTYPE (and so any entity declaration: the
 entity-expansion bombs) is refused before anything is expanded; only XML's five predefined entities and
-character references are read. Whitespace runs become one space, as SSML processors do.
+character references are read. Whitespace runs become one space, as SSML processors do. What the document
+says is bounded too (``limit``: the lexicon and ``<say-as>`` lengthen text), counted as it is written out
+(``text.bound``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from xml.parsers import expat
 from xml.sax.saxutils import escape, quoteattr
 
 from ..sampling_params import speed_prompt
+from .bound import TextTooLong
 from .lexicon import Lexicon, pinyin_to_text
 from .normalize import detect_language
 from .say_as import DATE_FORMATS, INTERPRET_AS, say_as
@@ -44,7 +51,9 @@ SHORT_BREAK_MS = 300
 
 _SSML_NS = "http://www.w3.org/2001/10/synthesis"
 _XML_NS = "http://www.w3.org/XML/1998/namespace"
-_START = re.compile(r"\s*<speak[\s/>]")
+_XSI_NS = "http://www.w3.org/2001/XMLSchema-instance"  # xsi:schemaLocation, as the W3C's examples write it
+_ROOT = re.compile(r"<speak[\s/>]")
+_DECLARATION = re.compile(r"\ufeff?\s*<\?xml\s[^>]*\?>")
 _TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s)\s*$")
 _BLANKS = re.compile(r"\s+")
 _STRENGTHS = {
@@ -72,8 +81,31 @@ _TEXT_ONLY = ("say-as", "sub", "phoneme")  # their content is replaced, so it ma
 
 
 def is_ssml(text: str) -> bool:
-    """Whether a request's text is SSML: it starts (after whitespace) with a ``<speak>`` tag."""
-    return _START.match(text) is not None
+    """Whether a request's text is SSML: an XML document whose root is ``<speak>``, that is ``<speak`` after
+    the prologue (``_prologue_end``). A DOCTYPE in the prologue of a document with a ``<speak>`` makes it
+    SSML as well: it is refused (``parse_ssml``), not spoken as text."""
+    start = _prologue_end(text)
+    if _ROOT.match(text, start):
+        return True
+    return text.startswith("<!DOCTYPE", start) and _ROOT.search(text, start) is not None
+
+
+def _prologue_end(text: str) -> int:
+    """Where the text starts after a byte-order mark and the XML prologue's whitespace, declaration,
+    comments and processing instructions (one pass, no backtracking: linear in the text)."""
+    i, n = (1 if text.startswith("\ufeff") else 0), len(text)
+    while True:
+        while i < n and text[i].isspace():
+            i += 1
+        for opener, closer in (("<?", "?>"), ("<!--", "-->")):
+            if text.startswith(opener, i):
+                end = text.find(closer, i + len(opener))
+                if end < 0:
+                    return i
+                i = end + len(closer)
+                break
+        else:
+            return i
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +113,12 @@ class SsmlText:
     text: str
     """What to speak: plain text with ChatTTS control tokens."""
     speed: str | None = None
-    """``[speed_N]`` when the text asks for a rate (``<prosody rate>``); None: the request's prompt."""
+    """``[speed_N]`` when all the text asks for one rate (``<prosody rate>``); None: the request's prompt, or
+    several rates (``runs``)."""
+    runs: tuple[tuple[str, str | None], ...] = ()
+    """With text at several rates: (text, ``[speed_N]`` or None for the request's prompt) of each stretch at
+    one rate, in order (their texts joined are ``text``); breaks belong to the stretch they follow. Empty
+    when there is one rate."""
 
 
 @dataclass(slots=True)
@@ -92,11 +129,14 @@ class _Element:
     children: list[_Element | str] = field(default_factory=list)
 
 
-def parse_ssml(text: str, lang: str | None = None, lexicon: Lexicon | None = None) -> SsmlText:
+def parse_ssml(
+    text: str, lang: str | None = None, lexicon: Lexicon | None = None, limit: int | None = None
+) -> SsmlText:
     """``text`` (SSML) as ``SsmlText``. ``lang``: the request's ("zh"/"en"; None: ``xml:lang``, else
-    detected); ``lexicon``: applied to the document's own text (not to say-as, sub or phoneme output).
+    detected); ``lexicon``: applied to the document's own text (not to say-as, sub or phoneme output);
+    ``limit``: the most characters what it says may have (``TextTooLong`` as soon as it passes them).
     ``<voice>`` is refused: split the document with ``voice_runs`` first."""
-    return _spoken(_read(text), lang, lexicon)
+    return _spoken(_read(text), lang, lexicon, limit)
 
 
 def _read(text: str) -> _Element:
@@ -106,23 +146,62 @@ def _read(text: str) -> _Element:
     for decl in ("<!DOCTYPE", "<!ENTITY"):
         if decl in text:
             raise ValueError(f"SSML must not have a DOCTYPE or entity declarations ({decl} at {_position(text, decl)})")
-    return _parse(text)
+    return _parse(_without_declaration(text))
 
 
-def _spoken(root: _Element, lang: str | None, lexicon: Lexicon | None) -> SsmlText:
+def _without_declaration(text: str) -> str:
+    """``text`` with its byte-order mark and XML declaration blanked out (spaces; line breaks kept, so
+    positions stay those of ``text``): expat takes a declaration only at the very start, and a generator's
+    whitespace or BOM before it is no fault of the document's. The text is a str, so the declaration's
+    encoding says nothing."""
+    m = _DECLARATION.match(text)
+    if m is None:
+        return " " + text[1:] if text.startswith("\ufeff") else text
+    return "".join(c if c == "\n" else " " for c in m.group()) + text[m.end() :]
+
+
+def _spoken(root: _Element, lang: str | None, lexicon: Lexicon | None, limit: int | None = None) -> SsmlText:
     lang = lang or _lang_of(root) or detect_language(_plain(root))
-    pieces: list[tuple[str, float | None, str | None]] = []  # (text, rate, where the rate was set)
-    _render(root, lang, lexicon, None, None, pieces)
-    rates = {(rate, where) for piece, rate, where in pieces if piece.strip() and not _only_tokens(piece)}
-    if len({rate for rate, _ in rates}) > 1:
-        where = ", ".join(sorted(w or "outside <prosody>" for _, w in rates))
-        raise ValueError(
-            f"SSML mixes speaking rates (<prosody rate> at {where}): the engine speaks one request at one rate; "
-            "put one <prosody> around all the text, or send a request per rate"
-        )
-    speed = next(iter(rates))[0] if rates else None
-    spoken = _BLANKS.sub(" ", "".join(p for p, _, _ in pieces)).strip()
-    return SsmlText(spoken, speed_prompt(speed) if speed is not None else None)
+    pieces: list[tuple[str, float | None]] = []  # (text, its rate: None outside <prosody rate>)
+    _render(root, lang, lexicon, None, _Budget(limit), pieces)
+    runs: list[tuple[list[str], float | None]] = []  # the stretches at one rate; neutral pieces join the last
+    for piece, rate in pieces:
+        if runs and (runs[-1][1] == rate or _neutral(piece)):
+            runs[-1][0].append(piece)
+        elif runs and all(_neutral(p) for p in runs[-1][0]):
+            runs[-1] = ([*runs[-1][0], piece], rate)  # what came first (breaks) goes with the first text
+        else:
+            runs.append(([piece], rate))
+    spoken = [_BLANKS.sub(" ", "".join(texts)) for texts, _ in runs]
+    text = "".join(spoken).strip()
+    if len(runs) <= 1:
+        rate = runs[0][1] if runs else None
+        return SsmlText(text, speed_prompt(rate) if rate is not None else None)
+    spoken[0], spoken[-1] = spoken[0].lstrip(), spoken[-1].rstrip()
+    speeds = [speed_prompt(rate) if rate is not None else None for _, rate in runs]
+    return SsmlText(text, None, tuple(zip(spoken, speeds, strict=True)))
+
+
+def _neutral(piece: str) -> bool:
+    """Nothing to say at a rate (whitespace, break tokens): it joins the run in progress."""
+    return not piece.strip() or _only_tokens(piece)
+
+
+class _Budget:
+    """The characters a document's spoken text may have (None: no bound), counted as it is written out."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.used = limit, 0
+
+    @property
+    def left(self) -> int | None:
+        return None if self.limit is None else self.limit - self.used
+
+    def take(self, piece: str, what: str) -> str:
+        self.used += len(piece)
+        if self.limit is not None and self.used > self.limit:
+            raise TextTooLong(self.limit, what)
+        return piece
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +243,7 @@ def voice_runs(text: str) -> list[VoiceRun]:
     out = []
     for voice, leaves in runs:
         doc = _rebuilt(leaves)
-        _spoken(doc, None, None)  # its faults, named at their place in text
+        _spoken(doc, None, None, MAX_SSML_CHARS)  # its faults, named at their place in text
         out.append(VoiceRun(_name(voice), voice.where if voice is not None else None, _xml(doc)))
     return out
 
@@ -258,6 +337,8 @@ def _parse(text: str) -> _Element:
         plain = {}
         for key, value in attrs.items():
             local = key.split(" ")[-1]
+            if tag == "speak" and key.startswith(_XSI_NS + " "):
+                continue  # where the schema is: nothing to speak
             if (" " in key and not key.startswith(_XML_NS + " ")) or local not in _TAGS[tag]:
                 raise ValueError(f"<{tag}> at {where()}: unsupported attribute {local!r}")
             plain[local] = value
@@ -318,8 +399,8 @@ def _render(
     lang: str,
     lexicon: Lexicon | None,
     rate: float | None,
-    rate_at: str | None,
-    out: list[tuple[str, float | None, str | None]],
+    budget: _Budget,
+    out: list[tuple[str, float | None]],
 ) -> None:
     a, tag = el.attrs, el.tag
     if tag == "voice":
@@ -330,18 +411,19 @@ def _render(
     if tag == "break":
         if any(isinstance(c, _Element) or c.strip() for c in el.children):
             raise ValueError(f"<break> at {el.where} must be empty")
-        out.append((_break(a, el.where), None, None))
+        out.append((budget.take(_break(a, el.where), "SSML's breaks"), None))
         return
     if tag in _TEXT_ONLY:
-        out.append((_replace(tag, a, _plain(el), lang, el.where), rate, rate_at))
+        out.append((budget.take(_replace(tag, a, _plain(el), lang, el.where), f"SSML's <{tag}>"), rate))
         return
     if tag == "prosody" and "rate" in a:
-        rate, rate_at = _rate(a["rate"], rate, el.where), el.where
+        rate = _rate(a["rate"], rate, el.where)
     for child in el.children:
         if isinstance(child, str):
-            out.append((lexicon.apply(child) if lexicon is not None else child, rate, rate_at))
+            said = lexicon.apply(child, budget.left) if lexicon is not None else child
+            out.append((budget.take(said, "the lexicon's replacements"), rate))
         else:
-            _render(child, lang, lexicon, rate, rate_at, out)
+            _render(child, lang, lexicon, rate, budget, out)
 
 
 def _break(a: dict[str, str], where: str) -> str:
