@@ -211,12 +211,14 @@ class AsyncEngine:
         request_id: str | None = None,
         policy: StreamPolicy | None = None,
         priority: int = 0,
+        max_audio_seconds: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's audio in deltas as it is decoded; the last one has ``finished`` set and the
         sentences' texts and codes. Raises ValueError (bad input), QueueFullError (no capacity),
-        EngineError (the request failed) or EngineDeadError."""
+        EngineError (the request failed) or EngineDeadError. ``max_audio_seconds``: this request's audio
+        budget when tighter than the engine's (``InputProcessor.prepare``)."""
         params = params or SamplingParams()
-        prepared = await asyncio.to_thread(self.core.prepare, text, params)
+        prepared = await asyncio.to_thread(self.core.prepare, text, params, max_audio_seconds)
         rid, collector, t0 = self._submit(prepared, request_id, policy or self.stream_policy, priority)
         index, position, finished, spans = 0, 0, False, []
         try:
@@ -372,6 +374,11 @@ class AsyncEngine:
     @property
     def decode_mode(self) -> str:
         return self.engine.decode_mode
+
+    @property
+    def max_audio_seconds(self) -> float:
+        """The most audio one request may generate (``EngineConfig.max_audio_seconds``)."""
+        return self.engine.config.max_audio_seconds
 
     @property
     def speaker_stats(self):

@@ -105,9 +105,10 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
 
-    def prepare(self, text: str, params: SamplingParams) -> PreparedRequest:
-        """Validate and normalise one text (thread-safe; no device work). Raises ValueError."""
-        return self.inputs.prepare(text, params)
+    def prepare(self, text: str, params: SamplingParams, max_audio_seconds: float | None = None) -> PreparedRequest:
+        """Validate and normalise one text (thread-safe; no device work). Raises ValueError.
+        ``max_audio_seconds``: a budget tighter than the engine's (``InputProcessor.prepare``)."""
+        return self.inputs.prepare(text, params, max_audio_seconds)
 
     def add_request(
         self,

@@ -62,8 +62,10 @@ class InputProcessor:
         self.num_vq = num_vq
         self.max_audio_seconds = max_audio_seconds
 
-    def prepare(self, text: str, params: SamplingParams) -> PreparedRequest:
-        """Raises ValueError with the reason for any bad input."""
+    def prepare(self, text: str, params: SamplingParams, max_audio_seconds: float | None = None) -> PreparedRequest:
+        """Raises ValueError with the reason for any bad input. ``max_audio_seconds``: this request's audio
+        budget when it is tighter than the engine's (a server's share of one client request that is several
+        engine requests, or whose audio is stretched: ``server.budget``); None: the engine's."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(text, str):
@@ -117,28 +119,32 @@ class InputProcessor:
             if sample.numel() == 0 or sample.shape[1] != self.num_vq or int(sample.max()) >= AUDIO_EOS:
                 raise ValueError("speaker_sample does not hold valid [4, T] audio codes")
         voice_step = params.split_text and params.first_sentence_voice and sample is None and len(segments) > 1
+        limit = self.max_audio_seconds if max_audio_seconds is None else min(max_audio_seconds, self.max_audio_seconds)
         return PreparedRequest(
             segments,
             params,
             speaker,
             sample,
             voice_step,
-            self._max_new_tokens(params, segments, voice_step),
+            _max_new_tokens(params, segments, voice_step, limit),
             prompts if len(set(prompts)) > 1 else None,
         )
 
-    def _max_new_tokens(self, params: SamplingParams, segments: list[str], voice_step: bool) -> int:
-        """The audio budget: refuse a request whose minimum length passes it; otherwise cap each audio
-        pass at its share (one short request cannot ask for hours of audio from a few lines of text)."""
-        passes = len(segments) + voice_step
-        budget = int(self.max_audio_seconds * TOKENS_PER_SECOND)
-        if params.min_new_tokens * passes > budget:
-            asked = params.min_new_tokens * passes / TOKENS_PER_SECOND
-            raise ValueError(
-                f"the request asks for at least {asked:.0f} s of audio ({passes} audio passes x min_new_tokens "
-                f"{params.min_new_tokens}); the limit is {self.max_audio_seconds:g} s"
-            )
-        return min(params.max_new_tokens, budget // passes)
+
+def _max_new_tokens(params: SamplingParams, segments: list[str], voice_step: bool, limit_s: float) -> int:
+    """The audio budget: refuse a request whose minimum length passes ``limit_s``; otherwise cap each audio
+    pass at its share (one short request cannot ask for hours of audio from a few lines of text)."""
+    passes = len(segments) + voice_step
+    budget = int(limit_s * TOKENS_PER_SECOND)
+    if budget < passes:  # not one step per pass: nothing could be spoken
+        raise ValueError(f"the request's audio budget ({limit_s:.2f} s) is too short for its {passes} audio passes")
+    if params.min_new_tokens * passes > budget:
+        asked = params.min_new_tokens * passes / TOKENS_PER_SECOND
+        raise ValueError(
+            f"the request asks for at least {asked:.0f} s of audio ({passes} audio passes x min_new_tokens "
+            f"{params.min_new_tokens}); the limit is {limit_s:g} s"
+        )
+    return min(params.max_new_tokens, budget // passes)
 
 
 def _lexicon(raw: Lexicon | Mapping[str, str] | None) -> Lexicon | None:

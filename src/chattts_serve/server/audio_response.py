@@ -12,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
+from typing import IO
 
 import numpy as np
 from fastapi import Request
@@ -29,7 +32,7 @@ from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from ..text.bound import TextTooLong
 from .cache import CACHE_HEADER, ResultCache
-from .errors import APIError, ClientGone, StreamEndedByShutdown, StreamFailed, busy
+from .errors import APIError, ClientGone, StreamEndedByShutdown, StreamFailed, TimedStreamingResponse, busy
 from .limits import Limits
 from .metrics import Metrics
 from .params import tenant_of
@@ -37,6 +40,11 @@ from .params import tenant_of
 logger = logging.getLogger(__name__)
 _COMPLETE = ("stop", "length")
 """The finish reasons of a request that ran to its end."""
+SPOOL_BYTES = 4 << 20
+"""A non-streamed answer's bytes kept in memory; past this they wait in a temporary file (``spooled``), so a
+few long answers at once cost disk, not the host's memory."""
+_READ_BYTES = 3 << 18
+"""A spooled answer leaves in blocks of this size (a multiple of 3: base64 blocks join without padding)."""
 EMPTY_AUDIO_HEADER = "X-Audio-Empty"
 """``1`` on a response whose request finished without any audio: the body is then the format's shortest
 silence (``audio.encode``), a file its decoder opens, rather than something that merely looks short."""
@@ -69,16 +77,24 @@ class AudioResponse:
         self._recorded_bytes = 0
 
     async def start(
-        self, text: str, params: SamplingParams, policy: StreamPolicy, request_id: str, request: Request | None = None
+        self,
+        text: str,
+        params: SamplingParams,
+        policy: StreamPolicy,
+        request_id: str,
+        request: Request | None = None,
+        max_audio_seconds: float | None = None,
     ) -> None:
         """Submit and wait for the first chunk (at most ``max_queue_wait_s``; a client that disconnects
         meanwhile aborts the request at once). With ``request`` (an HTTP route's: it names the app's result
-        cache and the tenant) a deterministic request is looked up first, and a hit never reaches the engine."""
+        cache and the tenant) a deterministic request is looked up first, and a hit never reaches the engine.
+        ``max_audio_seconds``: the request's audio budget when tighter than the engine's (``server.budget``)."""
+        budget = {} if max_audio_seconds is None else {"max_audio_seconds": max_audio_seconds}
 
         def outputs() -> AsyncIterator[RequestOutput]:
-            cached = self._look_up(text, params, policy, request)
+            cached = self._look_up(text, params, policy, request, max_audio_seconds)
             if cached is None:
-                return self.engine.stream(text, params, request_id=request_id, policy=policy)
+                return self.engine.stream(text, params, request_id=request_id, policy=policy, **budget)
             self._first = _replayed(cached[0], request_id, self.t0)
             return _replay(cached[1:], request_id, self.t0)
 
@@ -111,11 +127,11 @@ class AudioResponse:
             raise self._translate(exc) from None
 
     def _look_up(
-        self, text: str, params: SamplingParams, policy: StreamPolicy, request: Request | None
+        self, text: str, params: SamplingParams, policy: StreamPolicy, request: Request | None, budget: float | None
     ) -> Sequence[RequestOutput] | None:
         """The cached outputs of this request, or None (then a cacheable miss is recorded)."""
         cache = getattr(request.app.state, "cache", None) if request is not None else None
-        key = cache.key(text, params, policy, tenant_of(request.scope)) if cache is not None else None
+        key = cache.key(text, params, policy, tenant_of(request.scope), budget) if cache is not None else None
         if key is None:
             return None
         cached = cache.get(key)
@@ -252,6 +268,53 @@ class AudioResponse:
         finally:
             encoder.close()
 
+    async def spool(
+        self,
+        fmt: str,
+        sample_rate: int | None,
+        request: Request,
+        stretch: float = 1.0,
+        on_chunk: Callable[[RequestOutput], object] | None = None,
+    ) -> tuple[IO[bytes], int]:
+        """The whole answer as one file (``"stream": false``), encoded as its audio arrives (as ``encoded``)
+        into a ``SPOOL_BYTES`` spooled temporary file: the server never holds a long answer's samples, nor the
+        copies a whole-array stretch, resample and encode would make. Returns the file, at its start, and its
+        size; a wav gets its exact sizes, as ``audio.encode.encode_whole`` writes them. A client that leaves
+        meanwhile ends the request."""
+        spool = tempfile.SpooledTemporaryFile(SPOOL_BYTES)  # noqa: SIM115 - the caller's, or closed below
+        try:
+            async with contextlib.aclosing(self.encoded(fmt, sample_rate, on_chunk, stretch)) as body:
+                async for data in body:
+                    spool.write(data)  # (into memory, or the page cache once rolled over: no wait worth a thread)
+                    if await request.is_disconnected():  # nobody waits for the whole file: stop generating it
+                        raise ClientGone()
+            size = spool.tell()
+            if fmt == "wav":  # the streamed header's open-ended sizes -> the exact ones
+                spool.seek(4)
+                spool.write(struct.pack("<I", size - 8))
+                spool.seek(40)
+                spool.write(struct.pack("<I", size - 44))
+            spool.seek(0)
+            return spool, size
+        except BaseException:
+            spool.close()
+            raise
+
+    async def spooled(
+        self, fmt: str, sample_rate: int | None, request: Request, stretch: float = 1.0, media_type: str = ""
+    ) -> TimedStreamingResponse:
+        """``spool``'s file as the response, with its ``Content-Length``, once complete (a failure before
+        then is still a status code)."""
+        spool, size = await self.spool(fmt, sample_rate, request, stretch)
+        headers = {**self.headers, "Content-Length": str(size)}
+        send_s = request.app.state.config.timeouts.send_s
+        return TimedStreamingResponse(read_spool(spool), send_s, media_type=media_type, headers=headers)
+
+    @property
+    def samples(self) -> int:
+        """The model's samples delivered so far (before any stretch)."""
+        return self._audio_samples
+
     async def _close(self) -> None:
         if self._stream is not None:
             stream, self._stream = self._stream, None
@@ -274,6 +337,16 @@ class AudioResponse:
             audio_s = self._audio_samples / SAMPLE_RATE
             self.metrics.audio_seconds.inc(audio_s)
             self.metrics.rtf.observe(elapsed / audio_s)
+
+
+async def read_spool(spool: IO[bytes], block: int = _READ_BYTES) -> AsyncIterator[bytes]:
+    """A spooled answer's bytes in blocks of ``block``, read in a worker thread (it may be on disk); the file
+    is gone after."""
+    try:
+        while data := await asyncio.to_thread(spool.read, block):
+            yield data
+    finally:
+        spool.close()
 
 
 def _replayed(out: RequestOutput, request_id: str, t0: float) -> RequestOutput:

@@ -84,12 +84,17 @@ class ResultCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def key(self, text: str, params: SamplingParams, policy: StreamPolicy, tenant: str | None) -> str | None:
-        """The request's key; None when it is not cacheable (no seed, or an option it cannot spell)."""
+    def key(
+        self, text: str, params: SamplingParams, policy: StreamPolicy, tenant: str | None, budget: float | None = None
+    ) -> str | None:
+        """The request's key; None when it is not cacheable (no seed, or an option it cannot spell). ``budget``:
+        the request's audio budget when tighter than the engine's (it caps the audio: ``server.budget``)."""
         if params.seed is None or params.refine_seed is None:
             return None
         try:
             doc = [KEY_VERSION, self.identity, tenant, text, _plain(params), _plain(policy)]
+            if budget is not None:
+                doc.append(budget)
             raw = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
         except TypeError:
             return None

@@ -7,13 +7,14 @@ encoder (``AudioResponse``). The first audio leaves with the first turn's first 
 waits in its engine collector until the turns before it are out (at most ``max_buffered_audio_s`` of it, the
 engine's guard against a client that stops reading), then follows ``pause_ms`` of silence.
 
-Bounds: at most ``MAX_TURNS`` turns of at most ``max_input_chars`` each. A bad turn is a 400 naming it
-(``param`` ``turns.I...``): its fields, its voice and options are checked before anything is submitted; what
-only the engine checks (a text that normalises to nothing, a malformed speaker string) is found when the turn
-is submitted. That is before the first turn's first chunk in practice (preparing a text takes about a
-millisecond, the first chunk several engine steps), so the answer is still a 400; a refusal after the first
-audio is out ends the stream as failed. Closing the response (a client that leaves, a failed turn) aborts
-every turn's engine request. Dialogues are not looked up in the result cache.
+Bounds: at most ``MAX_TURNS`` turns of at most ``max_input_chars`` each, and one audio budget for the whole
+dialogue (``server.budget``): the turns and the pauses between them share ``max_audio_seconds``.
+A bad turn is a 400 naming it (``param`` ``turns.I...``): its fields, its voice and options are checked before
+anything is submitted; what only the engine checks (a text that normalises to nothing, a malformed speaker
+string) is found when the turn is submitted. That is before the first turn's first chunk in practice
+(preparing a text takes about a millisecond, the first chunk several engine steps), so the answer is still a
+400; a refusal after the first audio is out ends the stream as failed. Closing the response (a client that
+leaves, a failed turn) aborts every turn's engine request. Dialogues are not looked up in the result cache.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..audio.encode import encode_whole
 from ..audio.policy import StreamPolicy
 from ..engine.async_engine import EngineError
 from ..engine.outputs import RequestOutput
@@ -36,7 +36,8 @@ from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from ..text.bound import TextTooLong
 from .audio_response import AudioResponse
-from .errors import APIError, ClientGone, TimedStreamingResponse, check_length
+from .budget import turn_budget
+from .errors import APIError, TimedStreamingResponse, check_length
 from .limits import synthesis
 from .openapi import audio_responses, errors
 from .params import build_params, build_policy, request_defaults, resolve_voice, tenant_of
@@ -55,6 +56,18 @@ class Turn:
     """How a refusal names the turn; None: ``turn I``."""
     param: str | None = None
     """The request field a refusal points at; None: ``turns.I``."""
+    max_audio_seconds: float | None = None
+    """The turn's share of the request's audio budget (``server.budget``); None: the engine's whole budget."""
+
+
+def budgeted(engine, turns: list[Turn], pause: int, stretch: float = 1.0, param: str = "turns") -> list[Turn]:
+    """``turns`` with their shares of one request's audio budget (``server.budget.turn_budget``): ``pause``
+    samples between two, the whole stretched by ``stretch``. A 400 naming ``param`` when they cannot fit."""
+    if len(turns) == 1 and stretch >= 1.0:  # one engine request as any: the engine's budget
+        return turns
+    pause_s = pause * (len(turns) - 1) / SAMPLE_RATE
+    share = turn_budget(engine.max_audio_seconds, [t.params.min_new_tokens for t in turns], pause_s, stretch, param)
+    return turns if share is None else [replace(t, max_audio_seconds=share) for t in turns]
 
 
 @router.post("/v1/dialogue", response_class=Response, responses={**audio_responses(sse=False), **errors(429)})
@@ -62,9 +75,10 @@ class Turn:
 async def dialogue(body: DialogueRequest, request: Request):
     """The turns in order, each in its voice, ``pause_ms`` of silence between two; streamed by default."""
     st = request.app.state
-    turns = await asyncio.to_thread(_turns, st, body, tenant_of(request.scope))  # voices: store reads, blends
-    policy = build_policy(st.engine.stream_policy, body.chunking)
     pause = body.pause_ms * SAMPLE_RATE // 1000
+    turns = await asyncio.to_thread(_turns, st, body, tenant_of(request.scope))  # voices: store reads, blends
+    turns = budgeted(st.engine, turns, pause, param="pause_ms")
+    policy = build_policy(st.engine.stream_policy, body.chunking)
     rid = request.state.request_id
     resp = AudioResponse(st.engine, st.metrics, st.limits, "dialogue", st.config.timeouts.queue_wait_s)
     await resp.start_outputs(lambda: spoken(st.engine, turns, policy, rid, pause), rid, request)
@@ -75,15 +89,7 @@ async def dialogue(body: DialogueRequest, request: Request):
             media_type=MEDIA_TYPES[body.format],
             headers=resp.headers,
         )
-    parts = []
-    async with contextlib.aclosing(resp.chunks()) as chunks:
-        async for c in chunks:
-            parts.append(c.audio)
-            if await request.is_disconnected():  # nobody waits for the whole file: stop generating it
-                raise ClientGone()
-    audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    data = await asyncio.to_thread(encode_whole, audio, body.format, body.sample_rate)
-    return Response(data, media_type=MEDIA_TYPES[body.format], headers=resp.headers)
+    return await resp.spooled(body.format, body.sample_rate, request, media_type=MEDIA_TYPES[body.format])
 
 
 def _turns(st, body: DialogueRequest, tenant: str | None) -> list[Turn]:
@@ -119,7 +125,8 @@ async def spoken(
     the first turn's first chunk, or ends with the error of any turn that failed before it. Closing this
     aborts every turn still running."""
     streams = [
-        engine.stream(t.text, t.params, request_id=f"{request_id}-t{i}", policy=policy) for i, t in enumerate(turns)
+        engine.stream(t.text, t.params, request_id=f"{request_id}-t{i}", policy=policy, **_budget(t))
+        for i, t in enumerate(turns)
     ]
     firsts = [asyncio.ensure_future(_opened(s, t, i)) for i, (s, t) in enumerate(zip(streams, turns, strict=True))]
     index = position = sentences = 0
@@ -154,6 +161,11 @@ async def spoken(
                 await f
         for s in streams:
             await s.aclose()  # aborts the turn's engine request if it is still running
+
+
+def _budget(turn: Turn) -> dict:
+    """``engine.stream``'s budget argument for ``turn``: none when it has the engine's whole budget."""
+    return {} if turn.max_audio_seconds is None else {"max_audio_seconds": turn.max_audio_seconds}
 
 
 async def _opened(stream: AsyncIterator[RequestOutput], turn: Turn, index: int) -> RequestOutput:

@@ -8,19 +8,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..audio.encode import check_rate, encode_whole
+from ..audio.encode import check_rate
 from ..audio.policy import StreamPolicy
-from ..audio.stretch import stretch
 from ..engine.outputs import SegmentSpan
 from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
-from .audio_response import AudioResponse
+from .audio_response import AudioResponse, read_spool
 from .captions import CAPTION_MEDIA_TYPES, SegmentClock, segment_fields, subtitles
 from .dialogue import Turn
 from .errors import ClientGone, TimedStreamingResponse
@@ -40,7 +39,7 @@ async def tts(body: TTSRequest, request: Request):
     st = request.app.state
     turns, policy, factor = await _turns(st, body, request)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.timeouts.queue_wait_s)
-    await start_turns(resp, st.engine, turns, policy, request.state.request_id, request)
+    await start_turns(resp, st.engine, turns, policy, request.state.request_id, request, factor)
     if body.stream:
         return TimedStreamingResponse(
             resp.encoded(body.format, body.sample_rate, stretch=factor),
@@ -48,10 +47,7 @@ async def tts(body: TTSRequest, request: Request):
             media_type=MEDIA_TYPES[body.format],
             headers=resp.headers,
         )
-    audio, _ = await _whole(resp, request)
-    # stretching and encoding are not the event loop's work
-    data = await asyncio.to_thread(lambda: encode_whole(stretch(audio, factor), body.format, body.sample_rate))
-    return Response(data, media_type=MEDIA_TYPES[body.format], headers=resp.headers)
+    return await resp.spooled(body.format, body.sample_rate, request, factor, MEDIA_TYPES[body.format])
 
 
 @router.post(
@@ -73,19 +69,34 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
     turns, policy, _ = await _turns(st, body, request)  # (no stretch: CaptionedRequest)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "captioned", st.config.timeouts.queue_wait_s)
     await start_turns(resp, st.engine, turns, policy, request.state.request_id, request)
-    audio, spans = await _whole(resp, request)
     if body.format in CAPTION_MEDIA_TYPES:
+        spans = await _spans(resp, request)
         media_type = f"{CAPTION_MEDIA_TYPES[body.format]}; charset=utf-8"  # SubRip has no other way to say it
         return Response(subtitles(spans, body.format), media_type=media_type)
-    data = await asyncio.to_thread(encode_whole, audio, body.format, body.sample_rate)
-    return CaptionedSpeech(
-        audio=base64.b64encode(data).decode(),
+    clock = SegmentClock()
+    spool, _ = await resp.spool(body.format, body.sample_rate, request, on_chunk=clock.feed)
+    doc = CaptionedSpeech(
+        audio="",
         format=body.format,
         sample_rate=check_rate(body.format, body.sample_rate),
-        duration_s=len(audio) / SAMPLE_RATE,
-        segments=[segment_fields(s) for s in spans],
-        captions=subtitles(spans, body.captions) if body.captions else None,
-    )
+        duration_s=resp.samples / SAMPLE_RATE,
+        segments=[segment_fields(s) for s in clock.spans],
+        captions=subtitles(clock.spans, body.captions) if body.captions else None,
+    ).model_dump_json()
+    head = '{"audio":"'  # the audio goes after it, base64, straight from the spool (its field comes first)
+    if not doc.startswith(head + '"'):
+        raise RuntimeError(f"CaptionedSpeech no longer starts with its audio: {doc[:40]!r}")
+    json_body = _json_around(read_spool(spool), head.encode(), doc[len(head) :].encode())
+    return TimedStreamingResponse(json_body, st.config.timeouts.send_s, media_type="application/json")
+
+
+async def _json_around(spool: AsyncIterator[bytes], head: bytes, tail: bytes) -> AsyncIterator[bytes]:
+    """``head``, the spool's bytes in base64 (blocks of a multiple of 3 bytes: no padding between), ``tail``:
+    a JSON document whose audio never sits in memory whole."""
+    yield head
+    async for block in spool:
+        yield base64.b64encode(block)
+    yield tail
 
 
 async def _turns(st, body: TTSRequest, request: Request) -> tuple[list[Turn], StreamPolicy, float]:
@@ -101,13 +112,12 @@ async def _turns(st, body: TTSRequest, request: Request) -> tuple[list[Turn], St
     return await text_turns(body.text, params_for, "text"), policy, factor
 
 
-async def _whole(resp: AudioResponse, request: Request) -> tuple[np.ndarray, list[SegmentSpan]]:
-    """All of a started request's audio and its sentences' spans."""
-    parts, clock = [], SegmentClock()
+async def _spans(resp: AudioResponse, request: Request) -> list[SegmentSpan]:
+    """A started request's sentences' spans (its audio is not kept: subtitles only)."""
+    clock = SegmentClock()
     async with aclosing(resp.chunks()) as chunks:
         async for c in chunks:
-            parts.append(c.audio)
             clock.feed(c)
-            if await request.is_disconnected():  # nobody waits for the whole file: stop generating it
+            if await request.is_disconnected():  # nobody waits for the subtitles: stop generating them
                 raise ClientGone()
-    return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), clock.spans
+    return clock.spans

@@ -58,7 +58,8 @@ async def speech(body: SpeechRequest, request: Request):
 
     turns = await text_turns(body.input, params_for, "input")
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.timeouts.queue_wait_s)
-    await start_turns(resp, st.engine, turns, st.engine.stream_policy, request.state.request_id, request)
+    rid = request.state.request_id
+    await start_turns(resp, st.engine, turns, st.engine.stream_policy, rid, request, speed.stretch, "input")
     timeout = cfg.timeouts.send_s
     if body.stream_format == "sse":
         sse = _sse(resp, body.response_format, body.sample_rate, body.timestamps, speed.stretch)

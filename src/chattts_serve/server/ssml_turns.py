@@ -26,7 +26,7 @@ from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from ..text.ssml import is_ssml, voice_runs
 from .audio_response import AudioResponse
-from .dialogue import Turn, spoken
+from .dialogue import Turn, budgeted, spoken
 from .errors import APIError
 from .protocol import MAX_TURNS, DialogueRequest
 
@@ -68,11 +68,21 @@ async def text_turns(text: str, params_for: Callable[[str | None], SamplingParam
 
 
 async def start_turns(
-    resp: AudioResponse, engine, turns: list[Turn], policy: StreamPolicy, request_id: str, request: Request
+    resp: AudioResponse,
+    engine,
+    turns: list[Turn],
+    policy: StreamPolicy,
+    request_id: str,
+    request: Request,
+    stretch: float = 1.0,
+    param: str = "text",
 ) -> None:
-    """Start ``resp`` on ``turns``: one turn as any request, several as a dialogue's."""
+    """Start ``resp`` on ``turns``: one turn as any request, several as a dialogue's. The turns, the pauses
+    between them and ``stretch`` (the response's time stretch) share one audio budget (``server.budget``)."""
+    pause = TURN_PAUSE_MS * SAMPLE_RATE // 1000 if len(turns) > 1 else 0
+    turns = budgeted(engine, turns, pause, stretch, param)
     if len(turns) == 1:
-        await resp.start(turns[0].text, turns[0].params, policy, request_id, request)
+        t = turns[0]
+        await resp.start(t.text, t.params, policy, request_id, request, max_audio_seconds=t.max_audio_seconds)
         return
-    pause = TURN_PAUSE_MS * SAMPLE_RATE // 1000
     await resp.start_outputs(lambda: spoken(engine, turns, policy, request_id, pause), request_id, request)

@@ -140,10 +140,18 @@ class TextStream:
     queued for the speaker; ``params`` become the first part's voice once it has been spoken."""
 
     def __init__(
-        self, session: TextSession, params: SamplingParams, policy: StreamPolicy, sink: Sink, keep_first_voice: bool
+        self,
+        session: TextSession,
+        params: SamplingParams,
+        policy: StreamPolicy,
+        sink: Sink,
+        keep_first_voice: bool,
+        stretch: float = 1.0,
     ) -> None:
         self.session, self.params, self.policy, self.sink = session, params, policy, sink
         self.keep_first_voice = keep_first_voice
+        self.stretch = stretch
+        """The sink's time stretch: a slowed-down part's audio counts at its stretched length (``server.budget``)."""
         self.segmenter = Segmenter(session.cfg.max_input_chars)
         self.text_chars = 0
         self.num_parts = 0
@@ -192,9 +200,14 @@ class TextSession:
         self._next: asyncio.Future | None = None
 
     def stream(
-        self, params: SamplingParams, policy: StreamPolicy, sink: Sink, keep_first_voice: bool = True
+        self,
+        params: SamplingParams,
+        policy: StreamPolicy,
+        sink: Sink,
+        keep_first_voice: bool = True,
+        stretch: float = 1.0,
     ) -> TextStream:
-        return TextStream(self, params, policy, sink, keep_first_voice)
+        return TextStream(self, params, policy, sink, keep_first_voice, stretch)
 
     # ------------------------------------------------------------------ the two tasks
 
@@ -268,8 +281,10 @@ class TextSession:
         resp = AudioResponse(st.engine, st.metrics, st.limits, self.endpoint, self.cfg.timeouts.queue_wait_s)
         request_id = f"{self.request_prefix}{self.id}-{self.num_requests}"
         self.num_requests += 1
+        # each part as one request: its stretched audio within max_audio_seconds (server.budget)
+        budget = st.engine.max_audio_seconds * stream.stretch if stream.stretch < 1.0 else None
         try:
-            await resp.start(text, stream.params, stream.policy, request_id)
+            await resp.start(text, stream.params, stream.policy, request_id, max_audio_seconds=budget)
         except APIError as exc:
             error = error_from_api(exc)
             if error.kind is not ErrorKind.BAD_INPUT:

@@ -163,7 +163,7 @@ class _Framing:
         self.format, self.sample_rate = body.format, check_rate(body.format, body.sample_rate)
         start = {"type": "start", "session_id": self.session.id, "format": body.format, "sample_rate": self.sample_rate}
         await self._send(start)
-        return self.session.stream(params, policy, self), body.text if has_initial_text else ""
+        return self.session.stream(params, policy, self, stretch=self.stretch), body.text if has_initial_text else ""
 
     async def _receive_text(self) -> str:
         msg = await self.session.receive(self.ws.receive)
