@@ -7,7 +7,8 @@ float32 state dicts, ``module.``-prefixed keys, weight-norm pairs) and ``voices/
 
 Random durations are absurd without care: the duration head sums ``max_dur`` (50) sigmoids, so random
 logits near 0 give ~25 frames a phoneme. We bias the duration projection by ``DURATION_BIAS`` (-3), so a
-phoneme lasts round(50 * sigmoid(-3)) ~ 2-3 frames (50-75 ms), as real speech does.
+phoneme lasts round(50 * sigmoid(-3)) ~ 2-3 frames (50-75 ms), as real speech does. Likewise the F0
+head is biased to ~150 Hz, so frames are voiced and the sine source runs as it does on real weights.
 
 ``tiny`` keeps every field and name; what it shrinks is only what the package reads from the config
 (ALBERT's sizes, the number of text/duration layers, the generator's resblocks). The decoder's 1024/512
@@ -31,6 +32,8 @@ from .model import KokoroModel
 from .voices import PACK_ROWS
 
 DURATION_BIAS = -3.0
+DURATION_WEIGHT_STD = 0.1  # enough spread that phonemes differ (1 to ~6 frames), not all the same length
+F0_BIAS = 150.0  # Hz: random F0 near 0 would leave every frame unvoiced and the sine source unexercised
 # The 54 voices of hexgrad/Kokoro-82M v1.0 (voices/*.pt).
 OFFICIAL_VOICES = (
     "af_alloy", "af_aoede", "af_bella", "af_heart", "af_jessica", "af_kore", "af_nicole", "af_nova",
@@ -71,7 +74,10 @@ def random_model(config: KokoroConfig, seed: int) -> KokoroModel:
         for block in gen.resblocks:
             for conv in [*block.convs1, *block.convs2]:
                 conv.weight.normal_(0.0, 0.01)
-        model.predictor.duration_proj.linear_layer.bias.fill_(DURATION_BIAS)
+        duration = model.predictor.duration_proj.linear_layer
+        duration.weight.normal_(0.0, DURATION_WEIGHT_STD)
+        duration.bias.fill_(DURATION_BIAS)
+        model.predictor.F0_proj.bias.fill_(F0_BIAS)
     return model.eval()
 
 
