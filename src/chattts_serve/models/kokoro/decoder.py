@@ -47,50 +47,44 @@ class SineSource(nn.Module):
         self.l_linear = nn.Linear(self.dim, 1)
 
     def forward(self, f0: torch.Tensor, lengths: Lengths, generators: list[torch.Generator | None]) -> torch.Tensor:
-        b, total = f0.shape
-        harmonics = torch.arange(1, self.dim + 1, dtype=torch.float32, device=f0.device)
-        fn = f0[:, :, None] * harmonics[None, None, :]
-        rad = (fn / SAMPLE_RATE) % 1
-        # The three draws of the reference, per row and in its order: the initial phases (none for the
-        # fundamental), the additive noise, then the noise branch's draw, which the generator never
-        # uses: drawn anyway so a generator is left where the package leaves the global one. The
-        # reference's noise is ``randn_like`` of a harmonics-major tensor seen as [B, L, 9]: a
-        # non-contiguous fill, which torch draws element by element (not in its vectorised blocks of 16)
-        # in memory order. Filling a tensor of that same layout reproduces it.
-        initial = torch.zeros(b, self.dim, device=f0.device)
-        noise = torch.zeros(b, total, self.dim, device=f0.device)
+        """[B, L] excitation, zero past each row's end.
+
+        Row by row, on each row's own samples: the source is cheap (elementwise over 9 sines), and its
+        output feeds an STFT whose phases (``angle``) jump by 2*pi on a 1-ulp change of a near-silent
+        bin, so it must be each row's batch-1 value exactly, not merely close (a batched linear layer or
+        a vector loop's tail changes the last bit).
+        """
+        out = torch.zeros_like(f0)
         for row, (n, gen) in enumerate(zip(lengths.lengths.tolist(), generators, strict=True)):
-            initial[row] = _rand((1, self.dim), gen, f0.device)[0]
-            noise[row, :n] = torch.empty(1, self.dim, n, device=f0.device).transpose(1, 2).normal_(generator=gen)[0]
-            torch.empty(1, n, 1, device=f0.device).normal_(generator=gen)
+            out[row, :n] = self._one(f0[row : row + 1, :n], gen)[0]
+        return out
+
+    def _one(self, f0: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        """One utterance's source [1, n] from its F0 [1, n] at the audio rate, as the package computes it."""
+        n = f0.shape[1]
+        harmonics = torch.arange(1, self.dim + 1, dtype=torch.float32, device=f0.device)
+        rad = (f0[:, :, None] * harmonics[None, None, :] / SAMPLE_RATE) % 1
+        # The reference's three draws, in its order: the initial phases (none for the fundamental), the
+        # additive noise, then the noise branch's draw, which the generator never uses: drawn anyway so a
+        # generator is left where the package leaves the global one. The additive noise is ``randn_like``
+        # of a harmonics-major tensor seen as [1, n, 9]: a non-contiguous fill, which torch draws element
+        # by element (not in its vectorised blocks of 16) in memory order; filling a tensor of that same
+        # layout reproduces it.
+        initial = torch.rand((1, self.dim), generator=gen, device=f0.device)
+        noise = torch.empty(1, self.dim, n, device=f0.device).transpose(1, 2).normal_(generator=gen)
+        torch.empty(1, n, 1, device=f0.device).normal_(generator=gen)
         initial[:, 0] = 0
         rad[:, 0, :] = rad[:, 0, :] + initial
         # Phase: integrate at the F0 rate (the signal is constant over each F0 step), then interpolate
-        # back up; written as the reference does, so the rounding matches.
+        # back up; written as the reference writes it, so the rounding matches.
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample_scale, mode="linear")
         phase = torch.cumsum(rad, dim=2) * 2 * torch.pi
-        # Alone, the upsampling clamps at a row's last step; in a batch the next step is padding, so
-        # repeat each row's last value there (the kernel then computes what it computes alone).
-        phase = _hold_last(phase, lengths.lengths // self.upsample_scale)
         phase = F.interpolate(phase * self.upsample_scale, scale_factor=self.upsample_scale, mode="linear")
         sines = torch.sin(phase.transpose(1, 2)) * SINE_AMP
         uv = (f0[:, :, None] > VOICED_THRESHOLD).type(torch.float32)
         noise_amp = uv * NOISE_STD + (1 - uv) * SINE_AMP / 3
         sines = sines * uv + noise_amp * noise
         return torch.tanh(self.l_linear(sines))[:, :, 0]
-
-
-def _rand(shape: tuple[int, ...], gen: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    return torch.rand(shape, generator=gen, device=device)
-
-
-def _hold_last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[B, C, T] with each row's positions past ``lengths[b]`` set to its last valid value."""
-    if bool((lengths == x.shape[2]).all()):
-        return x
-    steps = torch.arange(x.shape[2], device=x.device)
-    index = torch.minimum(steps[None, :], (lengths.to(x.device) - 1)[:, None])
-    return torch.gather(x, 2, index[:, None, :].expand(-1, x.shape[1], -1))
 
 
 class Generator(nn.Module):
