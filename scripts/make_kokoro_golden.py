@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
-from chattts_serve.models.kokoro.random_checkpoint import write_random  # noqa: E402
 from tests.models.kokoro.cases import CASES, GOLDEN_CHECKPOINT_SEED  # noqa: E402
 from tests.models.kokoro.oracle import run_reference  # noqa: E402
+
+from chattts_serve.models.kokoro.random_checkpoint import write_random  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "models" / "kokoro" / "golden" / "tiny.npz"
 
