@@ -1,0 +1,81 @@
+"""The two style-conditioned residual blocks shared by the prosody predictor and the decoder.
+
+Every block takes and returns a padded [B, C, T] batch whose padding is zero, with the rows' valid
+lengths at the input rate (:class:`Lengths`); a block that doubles the rate says so.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .layers import Lengths, StyledInstanceNorm, WNConv1d, WNConvTranspose1d, masked
+
+_INV_SQRT2 = torch.rsqrt(torch.tensor(2))  # the reference scales the residual sum by this float32 value
+
+
+class AdainResBlk1d(nn.Module):
+    """AdaIN -> LeakyReLU(0.2) -> [x2 depthwise transposed conv] -> conv3 -> AdaIN -> LeakyReLU -> conv3,
+    added to a (nearest x2, 1x1-projected) shortcut and scaled by 1/sqrt(2)."""
+
+    def __init__(self, dim_in: int, dim_out: int, style_dim: int, upsample: bool = False):
+        super().__init__()
+        self.upsample = upsample
+        self.conv1 = WNConv1d(dim_in, dim_out, 3, 1, 1)
+        self.conv2 = WNConv1d(dim_out, dim_out, 3, 1, 1)
+        self.norm1 = StyledInstanceNorm(style_dim, dim_in)
+        self.norm2 = StyledInstanceNorm(style_dim, dim_out)
+        self.learned_sc = dim_in != dim_out
+        if self.learned_sc:
+            self.conv1x1 = WNConv1d(dim_in, dim_out, 1, 1, 0, bias=False)
+        if upsample:
+            self.pool = WNConvTranspose1d(dim_in, dim_in, kernel_size=3, stride=2, groups=dim_in, padding=1,
+                                          output_padding=1)
+
+    def forward(self, x: torch.Tensor, style: torch.Tensor, lengths: Lengths) -> torch.Tensor:
+        """``x`` at ``lengths``; the result is at ``lengths.scaled(2)`` when the block upsamples."""
+        out_lengths = lengths.scaled(2) if self.upsample else lengths
+        shortcut = F.interpolate(x, scale_factor=2, mode="nearest") if self.upsample else x
+        if self.learned_sc:
+            shortcut = self.conv1x1(shortcut)
+        h = F.leaky_relu(self.norm1(x, style, lengths), 0.2)
+        if self.upsample:
+            h = self.pool(masked(h, lengths))
+        h = self.conv1(masked(h, out_lengths))
+        h = F.leaky_relu(self.norm2(h, style, out_lengths), 0.2)
+        h = self.conv2(masked(h, out_lengths))
+        return masked((h + shortcut) * _INV_SQRT2, out_lengths)
+
+
+def _snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Snake activation x + sin^2(a x) / a, written in the reference's operation order."""
+    return x + (1 / alpha) * (torch.sin(alpha * x) ** 2)
+
+
+class AdaINResBlock1(nn.Module):
+    """The generator's multi-receptive-field block: per dilation, AdaIN -> snake -> dilated conv ->
+    AdaIN -> snake -> conv, added back to the input."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...], style_dim: int):
+        super().__init__()
+        self.convs1 = nn.ModuleList([
+            WNConv1d(channels, channels, kernel_size, 1, dilation=d, padding=d * (kernel_size - 1) // 2)
+            for d in dilations
+        ])
+        self.convs2 = nn.ModuleList([
+            WNConv1d(channels, channels, kernel_size, 1, dilation=1, padding=(kernel_size - 1) // 2)
+            for _ in dilations
+        ])
+        self.adain1 = nn.ModuleList([StyledInstanceNorm(style_dim, channels) for _ in dilations])
+        self.adain2 = nn.ModuleList([StyledInstanceNorm(style_dim, channels) for _ in dilations])
+        self.alpha1 = nn.ParameterList([nn.Parameter(torch.ones(1, channels, 1)) for _ in dilations])
+        self.alpha2 = nn.ParameterList([nn.Parameter(torch.ones(1, channels, 1)) for _ in dilations])
+
+    def forward(self, x: torch.Tensor, style: torch.Tensor, lengths: Lengths) -> torch.Tensor:
+        for c1, c2, n1, n2, a1, a2 in zip(self.convs1, self.convs2, self.adain1, self.adain2, self.alpha1,
+                                          self.alpha2, strict=True):
+            h = c1(masked(_snake(n1(x, style, lengths), a1), lengths))
+            h = c2(masked(_snake(n2(h, style, lengths), a2), lengths))
+            x = masked(h + x, lengths)
+        return x

@@ -1,0 +1,177 @@
+"""KokoroModel: whole utterances of different lengths in one forward, each row equal to itself alone.
+
+The forward is the package's ``KModel.forward_with_tokens``, generalised from one utterance to a padded
+batch: ALBERT with a key mask, packed LSTMs, convolutions fed zeros past each row's end, instance norms
+over each row's own frames, the duration alignment per row (a gather, which is exact where the package
+multiplies by a one-hot matrix), and one noise generator per utterance in the sine source.
+
+A batch costs what its padded size costs. On a CPU thread that is no saving over running the rows one at
+a time (measured on the full-size checkpoint, one busy thread: 8 x 40 phonemes batched 1.6x slower than
+one by one, 8 mixed lengths 3.8x slower): the convolutions are already compute-bound and the padded
+tensors stream more memory. Batching pays where the device is underused by one utterance (a GPU); on a
+CPU, whoever composes batches should keep them small and of like lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .albert import Albert
+from .config import KokoroConfig
+from .decoder import Decoder
+from .layers import Lengths, masked
+from .prosody import ProsodyPredictor, TextEncoder
+
+
+@dataclass(frozen=True)
+class Utterance:
+    """One utterance: ``input_ids`` with the 0 boundary at both ends; ``style`` the voice pack's row for
+    its phoneme count ([1, 256] or [256]); ``generator`` None draws from torch's global generator."""
+
+    input_ids: Sequence[int]
+    style: torch.Tensor
+    speed: float = 1.0
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class Synthesis:
+    audio: torch.Tensor  # float32 [samples] at config.sample_rate, before any clipping
+    durations: torch.Tensor  # int64 [len(input_ids)]: frames per input id
+    f0: torch.Tensor  # float32 [2 * frames]: the predicted F0 curve (Hz)
+    energy: torch.Tensor  # float32 [2 * frames]
+    samples_per_frame: int
+
+
+class KokoroModel(nn.Module):
+    def __init__(self, config: KokoroConfig):
+        super().__init__()
+        self.config = config
+        self.bert = Albert(config.plbert, config.n_token)
+        self.bert_encoder = nn.Linear(config.plbert.hidden_size, config.hidden_dim)
+        self.predictor = ProsodyPredictor(config.style_dim, config.hidden_dim, config.n_layer, config.max_dur)
+        self.text_encoder = TextEncoder(config.hidden_dim, config.text_encoder_kernel_size, config.n_layer,
+                                        config.n_token)
+        self.decoder = Decoder(config.hidden_dim, config.style_dim, config.istftnet)
+
+    @property
+    def device(self) -> torch.device:
+        return self.bert_encoder.weight.device
+
+    @torch.inference_mode()
+    def synthesize(self, utterances: Sequence[Utterance], prosody: str = "rows") -> list[Synthesis]:
+        """Audio for every utterance, the decoder run once over the padded batch.
+
+        ``prosody="rows"`` (the default) runs the text side (ALBERT, durations, F0 and energy: a few
+        percent of the work) one utterance at a time, so each row's durations and curves are its batch-1
+        values bit for bit. That matters because the sine source integrates F0 into a phase of ~1e4-1e5
+        radians over an utterance: a 1-ulp change of F0 moves the waveform by ~1e-2. ``"batch"`` runs the
+        text side as one padded forward too (key-masked attention, packed LSTMs): durations still match,
+        F0 within ~1e-6 relative, and the waveform only within that phase drift.
+        """
+        if prosody not in ("rows", "batch"):
+            raise ValueError(f"prosody must be 'rows' or 'batch', got {prosody!r}")
+        if not utterances:
+            return []
+        for i, u in enumerate(utterances):
+            self._check(i, u)
+        if prosody == "batch" or len(utterances) == 1:
+            side = self._text_side(utterances)
+        else:
+            side = _stack_sides([self._text_side([u]) for u in utterances])
+        audio = self.decoder(side.asr, side.f0, side.energy, side.decoder_style, side.frames,
+                             [u.generator for u in utterances])
+        spf = self.config.samples_per_frame
+        return [
+            Synthesis(audio=audio[row], durations=side.durations[row, : len(u.input_ids)].cpu(),
+                      f0=side.f0[row, : 2 * f].cpu(), energy=side.energy[row, : 2 * f].cpu(),
+                      samples_per_frame=spf)
+            for row, (u, f) in enumerate(zip(utterances, side.frames.lengths.tolist(), strict=True))
+        ]
+
+    def _text_side(self, utterances: Sequence[Utterance]) -> _TextSide:
+        """Everything before the decoder, for a padded batch (one forward)."""
+        device, sd = self.device, self.config.style_dim
+        token_counts = torch.tensor([len(u.input_ids) for u in utterances], dtype=torch.long)
+        tokens = Lengths(token_counts, int(token_counts.max()))
+        ids = torch.zeros(len(utterances), tokens.total, dtype=torch.long)
+        for row, u in enumerate(utterances):
+            ids[row, : len(u.input_ids)] = torch.as_tensor(list(u.input_ids), dtype=torch.long)
+        ids = ids.to(device)
+        ref = torch.stack([u.style.reshape(-1) for u in utterances]).to(device=device, dtype=torch.float32)
+        decoder_style, prosody_style = ref[:, :sd], ref[:, sd:]
+
+        valid = tokens.mask(device, torch.bool)[:, 0, :] if tokens.ragged else None
+        d_en = self.bert_encoder(self.bert(ids, valid)).transpose(-1, -2)
+        d = self.predictor.text_encoder(d_en, prosody_style, tokens)
+        durations = self.predictor.durations(d, tokens, [u.speed for u in utterances])
+
+        frame_counts = durations.sum(dim=1).cpu()
+        frames = Lengths(frame_counts, int(frame_counts.max()))
+        index = _frame_to_token(durations, frames.total)
+        en = _align(d.transpose(-1, -2), index, frames)
+        f0, energy = self.predictor.curves(en, prosody_style, frames)
+        asr = _align(self.text_encoder(ids, tokens), index, frames)
+        return _TextSide(durations, frames, asr, f0, energy, decoder_style)
+
+    def _check(self, i: int, u: Utterance) -> None:
+        n, limit = len(u.input_ids), self.config.context_length
+        if n < 3:
+            raise ValueError(f"utterance {i}: input_ids needs at least one phoneme between the 0 boundaries")
+        if n > limit:
+            raise ValueError(f"utterance {i}: {n} input ids exceed the model's context of {limit}")
+        if any(not 0 <= t < self.config.n_token for t in u.input_ids):
+            raise ValueError(f"utterance {i}: input ids must lie in [0, {self.config.n_token})")
+        if u.style.numel() != self.config.voice_dim:
+            raise ValueError(f"utterance {i}: style must hold {self.config.voice_dim} values (one voice row), "
+                             f"got shape {tuple(u.style.shape)}")
+        if not u.speed > 0:
+            raise ValueError(f"utterance {i}: speed must be positive, got {u.speed!r}")
+
+
+@dataclass(frozen=True)
+class _TextSide:
+    durations: torch.Tensor  # int64 [B, T] (0 on padding)
+    frames: Lengths
+    asr: torch.Tensor  # [B, C, F]
+    f0: torch.Tensor  # [B, 2F]
+    energy: torch.Tensor  # [B, 2F]
+    decoder_style: torch.Tensor  # [B, style_dim]
+
+
+def _stack_sides(sides: list[_TextSide]) -> _TextSide:
+    """Single-row text sides as one right-padded batch (padding zero, as the decoder expects)."""
+    def pad(tensors: list[torch.Tensor]) -> torch.Tensor:
+        out = tensors[0].new_zeros((len(tensors), *tensors[0].shape[1:-1], max(t.shape[-1] for t in tensors)))
+        for row, t in enumerate(tensors):
+            out[row, ..., : t.shape[-1]] = t[0]
+        return out
+
+    frame_counts = torch.cat([s.frames.lengths for s in sides])
+    return _TextSide(
+        durations=pad([s.durations for s in sides]),
+        frames=Lengths(frame_counts, int(frame_counts.max())),
+        asr=pad([s.asr for s in sides]),
+        f0=pad([s.f0 for s in sides]),
+        energy=pad([s.energy for s in sides]),
+        decoder_style=torch.cat([s.decoder_style for s in sides]),
+    )
+
+
+def _frame_to_token(durations: torch.Tensor, total: int) -> torch.Tensor:
+    """[B, total]: the token each frame belongs to (0 on padding frames, which are masked after)."""
+    index = torch.zeros(durations.shape[0], total, dtype=torch.long, device=durations.device)
+    for row in range(durations.shape[0]):
+        per_row = torch.repeat_interleave(torch.arange(durations.shape[1], device=durations.device), durations[row])
+        index[row, : per_row.shape[0]] = per_row
+    return index
+
+
+def _align(x: torch.Tensor, index: torch.Tensor, frames: Lengths) -> torch.Tensor:
+    """Token-rate [B, C, T] -> frame-rate [B, C, F], each frame a copy of its token's vector."""
+    out = torch.gather(x, 2, index[:, None, :].expand(-1, x.shape[1], -1))
+    return masked(out, frames)
