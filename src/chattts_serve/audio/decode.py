@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..device import pinned_copy
 from ..model.checkpoint import LoadedModel
 from ..model.config import N_FFT, SAMPLES_PER_TOKEN, ModelConfig
 from .stream import Window
@@ -239,9 +240,7 @@ def _decode_batch(model: LoadedModel, h: torch.Tensor, dtype: str, steps: list[i
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> device without a sync: through pinned memory on CUDA (torch keeps the pinned block
     until the copy is done)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return pinned_copy(t, device)
 
 
 @contextmanager

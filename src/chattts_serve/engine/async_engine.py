@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..audio.policy import StreamPolicy
+from ..device import bind_thread
 from ..model.config import DEFAULT_MODEL, SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from .config import EngineConfig
@@ -297,6 +298,7 @@ class AsyncEngine:
     def _run(self) -> None:
         busy = False
         try:
+            bind_thread(self.engine.device)  # once: this thread makes every device call of the engine
             while not self._stop.is_set():
                 self._drain_inbox()
                 if self.core.has_unfinished():

@@ -27,11 +27,12 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
+from ..device import host_zeros, on_device, record_event
 from ..model.gpt import GPT, KVCache
 
 logger = logging.getLogger(__name__)
@@ -139,8 +140,8 @@ class StaticDecoder:
         # Slots and positions reach the device through persistent pinned buffers (CUDA), not a
         # freshly pinned tensor per call; ``_copied`` orders a rewrite after the previous copy.
         self._pin = self.device.type == "cuda"
-        self._host_idx = torch.zeros(slots, dtype=torch.long, pin_memory=self._pin)
-        self._host_pos = torch.zeros(slots, dtype=torch.long, pin_memory=self._pin)
+        self._host_idx = host_zeros(slots, torch.long, self.device)
+        self._host_pos = host_zeros(slots, torch.long, self.device)
         self._dev_idx = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._dev_pos = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._copied: torch.cuda.Event | None = None
@@ -188,7 +189,7 @@ class StaticDecoder:
 
     def _on_device(self) -> AbstractContextManager:
         """The engine's CUDA device as the current one (capture and replay use the current device)."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+        return on_device(self.device)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -289,5 +290,5 @@ class StaticDecoder:
         pos = self._dev_pos[:n]
         idx.copy_(self._host_idx[:n], non_blocking=True)
         pos.copy_(self._host_pos[:n], non_blocking=True)
-        self._copied = torch.cuda.current_stream(self.device).record_event()
+        self._copied = record_event(self.device)
         return idx, pos

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..audio.policy import StreamPolicy
+from ..device import bind_thread
 from ..model import checkpoint
 from ..model.checkpoint import LoadedModel
 from ..model.config import DEFAULT_MODEL
@@ -82,6 +83,7 @@ class Engine:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
         check_supported(spec, device)
+        bind_thread(device)  # this thread drives the engine offline: its current device is the engine's
         # Every mode starts from the fp32 weights (int8 scales are taken from them, not from bf16).
         model = checkpoint.load(path_or_repo, device=device, dtype=torch.float32)
         if config.auto_slots:  # as many KV slots as half the free memory holds
