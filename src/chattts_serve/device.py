@@ -15,6 +15,8 @@ calls that cannot take a device (pinned host memory, library kernels) land on th
 
 from __future__ import annotations
 
+import threading
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -41,9 +43,27 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.current_stream(device)
 
 
+_POOL_SIZE = 32
+"""Streams in torch's per-device pool (per priority): ``torch.cuda.Stream()`` hands them out round robin."""
+
+_held: weakref.WeakSet = weakref.WeakSet()
+"""Every stream ``new_stream`` handed out that someone still holds."""
+_held_lock = threading.Lock()
+
+
 def new_stream(device: torch.device) -> torch.cuda.Stream:
-    """A side stream of ``device`` (from torch's per-device pool of 32: callers keep theirs)."""
-    return torch.cuda.Stream(device=device)
+    """A side stream of ``device`` that no other holder of a ``new_stream`` stream has: torch's pool
+    hands out its 32 streams round robin, so the 33rd ``Stream()`` is the first again. Two users
+    sharing one stream lose their concurrency, and worse: cuBLAS keys its workspace by (handle,
+    stream), so a graph captured on the audio stream would replay on the workspace the audio
+    decode's matmuls are using. Raises when every pool stream of ``device`` is held."""
+    with _held_lock:
+        for _ in range(_POOL_SIZE + 1):
+            stream = torch.cuda.Stream(device=device)
+            if not any(stream == s for s in _held):
+                _held.add(stream)
+                return stream
+    raise RuntimeError(f"every one of the {_POOL_SIZE} pooled CUDA streams of {device} is held")
 
 
 def record_event(device: torch.device, event: torch.cuda.Event | None = None) -> torch.cuda.Event:

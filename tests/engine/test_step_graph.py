@@ -219,7 +219,7 @@ def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int],
 
     class FakeStream:
         def __init__(self, device=None):
-            pass
+            self.device = device
 
         def wait_stream(self, other):
             pass

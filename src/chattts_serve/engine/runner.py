@@ -29,7 +29,7 @@ from ..model.config import AUDIO_EOS, GPTConfig
 from ..model.gpt import KVCache
 from ..model.prepare import ModelLayout
 from .config import RunnerConfig
-from .cuda_graph import StaticDecoder
+from .cuda_graph import GraphStore, StaticDecoder
 from .hidden_store import HiddenStore
 from .noise import CounterNoise, GeneratorNoise, resolve_noise, seed_value
 from .outputs import RunnerOutput, SchedulerOutput
@@ -151,12 +151,16 @@ class ModelRunner:
         step_graphs = step_graphs_apply(
             cfg.step_graphs, self.device.type, self.decode_mode, self.noise_source, cfg.cuda_graphs
         )
+        self.graph_store = GraphStore(self.device)
+        """Every CUDA graph of this engine, their pool and their one capture stream (``cuda_graph``)."""
         self.static: StaticDecoder | None = None
         if self.decode_mode == "static":
             # With step graphs every decode step replays one of them: the trunk's own graphs (one per
             # bucket, captured at start-up) would never replay, so they are not captured.
             trunk_graphs = cfg.cuda_graphs and not step_graphs
-            self.static = StaticDecoder(model.gpt, self.cache, trunk_graphs, cfg.compile, cfg.strict_cuda_graphs)
+            self.static = StaticDecoder(
+                model.gpt, self.cache, trunk_graphs, cfg.compile, cfg.strict_cuda_graphs, self.graph_store
+            )
         self.step_graph: StepGraph | None = None
         """Decode rows as one graph (the CUDA defaults; ``engine.step_graph``)."""
         if step_graphs:

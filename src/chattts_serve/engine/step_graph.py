@@ -27,19 +27,21 @@ function runs, the state is put back, the graph replays, and the tokens and stat
 eager step's (the hidden state within ``cuda_graph._TOLERANCE``) before the replay's result is used.
 Keys written twice are the same keys (same inputs, same position). A graph that fails is dropped (or,
 ``strict_cuda_graphs``, raises) and its bucket runs eagerly from then on, with the eager result used.
-All step graphs share one memory pool: they replay one at a time on one stream, and every graph's
-outputs stay alive, so no capture reuses another graph's output memory.
+All step graphs share one memory pool and one capture stream (the engine's ``GraphStore``, which owns
+them, refused ones included, until the engine goes): they replay one at a time on one stream, and every
+graph's outputs stay alive, so no capture reuses another graph's output memory.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
-from .cuda_graph import _TOLERANCE, _bucket, capture_graph
+from .cuda_graph import _TOLERANCE, _bucket
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -64,12 +66,15 @@ def step_graphs_apply(mode: str, device_type: str, decode_mode: str, noise_sourc
 
 
 class StepGraph:
-    """See the module docstring. ``runner`` owns the model, the static trunk step and the slot state."""
+    """See the module docstring. ``runner`` owns the model, the static trunk step, the slot state and
+    this object; it is held weakly (no reference cycle: an engine and its graphs go when it is dropped,
+    not at a later garbage collection)."""
 
     def __init__(self, runner: ModelRunner, use_graphs: bool, strict: bool = False) -> None:
         static = runner.static
         assert static is not None, "the step graph needs the static decode step"
-        self.runner, self.static = runner, static
+        self.runner: ModelRunner = weakref.proxy(runner)
+        self.static = static
         self.device = static.device
         slots = runner.cache.num_slots
         self.code_active = torch.zeros(slots, dtype=torch.bool, device=self.device)
@@ -77,10 +82,12 @@ class StepGraph:
         self.rows = torch.arange(slots, device=self.device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.strict = strict
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.store = static.store
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = (
+            self.store.table("step")
+        )
         """(batch bucket, context bucket, any text row) -> the graph and its outputs."""
         self.refused: set[tuple[int, int, bool]] = set()
-        self._pool = None
         self._active_for: StepPlan | None = None
         self.graph_replays = 0
         """Steps run by replaying a step graph."""
@@ -174,10 +181,8 @@ class StepGraph:
         advances exactly once."""
         t0 = time.perf_counter()
         before = self._save()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         # The warm-ups run the step for real: the state is put back after each.
-        graph, out = capture_graph(lambda: self.step_fn(*key), self.device, self._pool, lambda: self._restore(before))
+        graph, out = self.store.capture(lambda: self.step_fn(*key), lambda: self._restore(before))
         self._restore(before)  # a capture runs nothing on CUDA; a stand-in graph (tests) may have
 
         want = tuple(t.clone() for t in self.step_fn(*key))
@@ -197,6 +202,7 @@ class StepGraph:
             logger.debug("captured the decode step graph for batch %d ctx %d text %s", *key)
             return out
         self.refused.add(key)
+        self.store.retire(graph)
         # The failed replay may have written wrong keys at this step's positions: the eager step again
         # (from the saved state) writes the right ones and leaves the state one step on.
         self._restore(before)
