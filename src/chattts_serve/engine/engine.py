@@ -32,6 +32,7 @@ from ..model.quant import check_supported, parse_precision
 from ..model.speaker import MIN_VOICE_SAMPLES, SpeakerStats, encode_prompt_codes, encode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
+from ..tf32 import strict_fp32
 from .calibrate import calibrate
 from .config import EngineConfig
 from .core import EngineCore
@@ -84,6 +85,8 @@ class Engine:
             raise ValueError("device 'cuda' requested but CUDA is not available")
         check_supported(spec, device)
         bind_thread(device)  # this thread drives the engine offline: its current device is the engine's
+        if device.type == "cuda":
+            strict_fp32()  # fp32 means fp32: TF32 only inside a tf32 scope (chattts_serve.tf32)
         # Every mode starts from the fp32 weights (int8 scales are taken from them, not from bf16).
         model = checkpoint.load(path_or_repo, device=device, dtype=torch.float32)
         if config.auto_slots:  # as many KV slots as half the free memory holds
