@@ -124,3 +124,31 @@ def test_the_static_check_sees_a_bare_call(code):
 )
 def test_the_static_check_passes_a_named_call(code):
     assert not _bare_cuda_calls(ast.parse(code), "x.py")
+
+
+def test_a_voice_encode_runs_on_the_engine_loop_thread(tiny_engine, monkeypatch):
+    """The DVAE encode behind ``speaker_from_audio`` (voice uploads, a text stream's voice) is device work:
+    it runs on the engine loop's thread, between steps, not on a worker thread; its errors reach the caller."""
+    import asyncio
+
+    from chattts_serve.engine.async_engine import AsyncEngine
+    from chattts_serve.model.speaker import MIN_VOICE_SAMPLES
+
+    threads: list[str] = []
+    real = tiny_engine.core.voice_codes
+
+    def spy(wav):
+        threads.append(threading.current_thread().name)
+        return real(wav)
+
+    monkeypatch.setattr(tiny_engine.core, "voice_codes", spy)
+    eng = AsyncEngine(tiny_engine)
+    try:
+        wav = np.random.default_rng(0).standard_normal(MIN_VOICE_SAMPLES).astype(np.float32) * 0.1
+        speaker = asyncio.run(asyncio.wait_for(eng.speaker_from_audio(wav), 60))
+        with pytest.raises(ValueError, match="waveform"):
+            asyncio.run(asyncio.wait_for(eng.speaker_from_audio(wav[:10]), 60))
+    finally:
+        eng.shutdown()
+    assert isinstance(speaker, str) and speaker
+    assert threads == ["chattts-engine"]
