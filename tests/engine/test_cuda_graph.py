@@ -23,6 +23,7 @@ def test_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(16) == [1, 2, 4, 8, 16]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_buckets(512) == [2**i for i in range(10)]  # powers of two: every bucket captured at start-up
     assert ctx_buckets(2304) == [256, 512, 1024, 2048, 2304]
     assert ctx_buckets(100) == [100]
 

@@ -55,19 +55,23 @@ def engine_with_step_graphs(tiny_ckpt) -> Engine:
     return Engine.from_pretrained(tiny_ckpt, device="cpu", config=config)
 
 
-def test_every_step_graph_is_captured_on_the_engines_one_stream(tiny_ckpt, monkeypatch):
+def test_step_graphs_are_captured_at_start_up_on_one_stream_and_never_during_a_step(tiny_ckpt, monkeypatch):
     engine = engine_with_step_graphs(tiny_ckpt)
     calls = FakeCuda.install(monkeypatch)
-    runner = engine.core.runner
-    runner.step_graph.use_graphs = True  # the stand-in graphs record nothing: each is refused, its bucket eager
+    runner, sg = engine.core.runner, engine.core.runner.step_graph
+    sg.use_graphs = True  # the stand-in graphs record nothing: each is refused, its bucket eager
+    sg.capture_all()  # what start-up does on CUDA
+    streams = [s for _, s, kw in calls.captures]
+    assert len(streams) == len(sg.buckets()) == 12  # batch 1, 2, 4, 8, 16, 24 x ctx 256 x text rows or not
+    assert all(s is runner.graph_store.stream for s in streams)
+    assert all(kw.get("capture_error_mode") == "thread_local" for _, _, kw in calls.captures)
+    assert len(runner.graph_store.retired) == len(streams)  # refused graphs are kept, not destroyed
+    calls.log.clear()
     params = SamplingParams(seed=3, max_new_tokens=12, refine_text=False)
     engine.synthesize(["Hello there."], params)  # a small batch bucket, then a larger one
     engine.synthesize(["Hello there, my friend.", "Good morning to you all.", "你好，世界。"] * 3, params)
-    streams = [s for _, s, _ in calls.captures]
-    assert len(streams) >= 2, "the run should reach several buckets"
-    assert all(s is streams[0] for s in streams)
-    assert streams[0] is runner.graph_store.stream
-    assert len(runner.graph_store.retired) == len(streams)  # refused graphs are kept, not destroyed mid-run
+    assert len(calls.captures) == 12 and not calls.named("graph") and not calls.named("synchronize")
+    assert sg.eager_steps > 0
 
 
 def test_the_capture_stream_is_never_the_audio_stream(tiny_ckpt, pooled_streams):
@@ -88,6 +92,7 @@ def test_a_dropped_engine_frees_its_graphs_without_a_gc_cycle(tiny_ckpt, monkeyp
     engine = engine_with_step_graphs(tiny_ckpt)
     calls = FakeCuda.install(monkeypatch)
     engine.core.runner.step_graph.use_graphs = True
+    engine.core.runner.step_graph.capture_all()
     engine.synthesize(["Hello there, my friend."], SamplingParams(seed=3, max_new_tokens=8, refine_text=False))
     assert calls.graphs
     gc.collect()

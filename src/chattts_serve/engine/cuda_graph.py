@@ -41,8 +41,12 @@ logger = logging.getLogger(__name__)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 (as nano-vllm), always ending at ``max_batch``."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    """Powers of two below ``max_batch``, then ``max_batch``: few enough (10 at 512 slots) to capture
+    every bucket at start-up, at the cost of padding a batch up to twice its rows."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
     return sizes + [max_batch]
 
 
@@ -84,7 +88,9 @@ def capture_graph(
                 between()
     main.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=side):
+    # Thread-local capture mode: only this thread's unsafe calls (a sync, a cudaMalloc) break the capture,
+    # not another thread's (the process-wide default would let any thread's call invalidate it).
+    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
         out = fn()
     main.wait_stream(side)
     return graph, out

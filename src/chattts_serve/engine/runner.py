@@ -51,8 +51,8 @@ class StageTimer(Protocol):
 
 MAX_AUTO_SLOTS = 512
 """Most KV slots ``auto_num_slots`` gives (500 concurrent streams fit): beyond it the static step's
-buckets (captured graphs: 36 batch x 5 context buckets at 512) and the per-step host work grow with
-no one to serve. Set ``max_num_seqs`` to go further."""
+buckets (captured graphs: 10 batch x 5 context buckets at 512 slots and 2304 positions, two step
+graphs each) and the per-step host work grow with no one to serve. Set ``max_num_seqs`` to go further."""
 
 AUTO_SLOTS_FRACTION = {"cuda": 0.75, "cpu": 0.5}
 """Share of the free memory the KV cache may take: on CUDA all but the quarter
