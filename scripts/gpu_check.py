@@ -47,7 +47,8 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,21 +175,21 @@ def _second_device(model: str, device: str, steps: int) -> dict:
     }
 
 
-def _device_arguments(model: str, device: str, steps: int) -> dict:
-    """One card: record every stream, event and capture call of an engine run (graphs, step graphs,
-    the audio stream) and check each names the engine's device; a bare ``current_stream()``, an
-    ``Event.record()`` without a stream or a capture without its stream is a failure even where the
-    thread's current device happens to be the right one."""
-    bad: list[str] = []
+@contextmanager
+def device_calls(want: torch.device) -> Iterator[tuple[dict[str, int], list[str]]]:
+    """While active, every ``current_stream``, ``Stream``, ``graph`` and ``Event.record`` call made from
+    the package (``chattts_serve.*``; torch's own calls are not its to name) is counted by name, and
+    one that does not name ``want`` (a bare call, or another device) is listed as bad."""
     seen: dict[str, int] = {}
-    want = torch.device(device)
-    if want.type == "cuda" and want.index is None:
-        want = torch.device("cuda", torch.cuda.current_device())
+    bad: list[str] = []
 
     def note(name: str, dev: Any) -> None:
+        caller = sys._getframe(2).f_globals.get("__name__", "")
+        if not caller.startswith("chattts_serve"):  # torch's own calls (StreamContext asks current_stream(None))
+            return
         seen[name] = seen.get(name, 0) + 1
         if dev is None or torch.device(dev) != want:
-            bad.append(f"{name}: {dev}")
+            bad.append(f"{name} from {caller}: {dev}")
 
     real = {n: getattr(torch.cuda, n) for n in ("current_stream", "Stream", "graph")}
     real_record = torch.cuda.Event.record
@@ -211,23 +212,35 @@ def _device_arguments(model: str, device: str, steps: int) -> dict:
         note("Event.record", stream.device if stream is not None else None)
         return real_record(self, stream)
 
-    if want.type == "cuda":
-        torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.graph = current_stream, stream, graph
-        torch.cuda.Event.record = record
+    torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.graph = current_stream, stream, graph
+    torch.cuda.Event.record = record
     try:
-        params = SamplingParams(seed=11, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
-        eng = Engine.from_pretrained(model, device, EngineConfig.with_slots(4))  # the defaults: step graphs, overlap
-        eng.synthesize(GRAPH_TEXTS, params)
+        yield seen, bad
     finally:
         torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.graph = (real[n] for n in real)
         torch.cuda.Event.record = real_record
-    on_gpu = want.type == "cuda"
+
+
+def _device_arguments(model: str, device: str, steps: int) -> dict:
+    """One card: every stream, event and capture call of an engine run (trunk or step graphs, the audio
+    stream, the token wait) must name the engine's device; a bare ``current_stream()``, an
+    ``Event.record()`` without a stream or a capture without its stream fails even where the thread's
+    current device happens to be the right one. (A CPU engine makes none of these calls.)"""
+    want = torch.device(device)
+    if want.type != "cuda":
+        return {"check": "devices", "second_device": None, "device_calls": {}, "bare_or_wrong": [], "passed": True}
+    if want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    params = SamplingParams(seed=11, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
+    with device_calls(want) as (seen, bad):
+        eng = Engine.from_pretrained(model, device, EngineConfig.with_slots(4))  # the defaults: step graphs, overlap
+        eng.synthesize(GRAPH_TEXTS, params)
     return {
         "check": "devices",
         "second_device": None,
         "device_calls": seen,
         "bare_or_wrong": bad[:20],
-        "passed": not bad and (not on_gpu or seen.get("graph", 0) > 0),
+        "passed": not bad and seen.get("graph", 0) > 0 and seen.get("Event.record", 0) > 0,
     }
 
 

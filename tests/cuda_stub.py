@@ -180,13 +180,17 @@ class FakeCuda:
             k.pop("non_blocking", None)
             return real_to(self, *a, **k)
 
+        class Event(FakeEvent):  # a class, as torch's: ``Event.record`` can be wrapped
+            def __init__(self, *a, **k) -> None:
+                super().__init__(calls=calls)
+
         for name, value in {
             "set_device": set_device,
             "device": device,
             "Stream": new_stream,
             "current_stream": current_stream,
             "stream": stream,
-            "Event": lambda *a, **k: FakeEvent(calls=calls),
+            "Event": Event,
             "CUDAGraph": new_graph,
             "graph": graph,
             "graph_pool_handle": lambda: ("pool", "handle"),

@@ -5,6 +5,7 @@ device left at 0, and statically: no call in the package leaves the device to th
 from __future__ import annotations
 
 import ast
+import sys
 import threading
 from pathlib import Path
 
@@ -152,3 +153,22 @@ def test_a_voice_encode_runs_on_the_engine_loop_thread(tiny_engine, monkeypatch)
         eng.shutdown()
     assert isinstance(speaker, str) and speaker
     assert threads == ["chattts-engine"]
+
+
+def test_the_gpu_checks_recorder_counts_the_packages_calls_and_flags_a_bare_one(monkeypatch):
+    """``scripts/gpu_check.py``'s one-GPU device check (``device_calls``), against stand-in CUDA calls."""
+    import importlib.util
+
+    path = SRC.parents[1] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_script", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gpu_check)  # its dataclasses look their module up
+    spec.loader.exec_module(gpu_check)
+    FakeCuda.install(monkeypatch)
+    with gpu_check.device_calls(CUDA1) as (seen, bad):
+        TokenReadback(4, CUDA1).read(torch.arange(2))  # named: current_stream(cuda:1), Event.record(its stream)
+        device_mod.new_stream(CUDA1)
+        exec("torch.cuda.current_stream()", {"__name__": "chattts_serve.stand_in", "torch": torch})
+        torch.cuda.current_stream()  # not the package's call: not counted
+    assert seen == {"current_stream": 2, "Event.record": 1, "Stream": 1}
+    assert bad == ["current_stream from chattts_serve.stand_in: None"]
