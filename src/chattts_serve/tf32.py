@@ -32,11 +32,8 @@ def _switches() -> list[tuple[Any, str, Any, Any]]:
     API only: torch refuses to read a mix of the two."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     if hasattr(matmul, "fp32_precision") and hasattr(cudnn, "conv"):
-        return [
-            (matmul, "fp32_precision", "ieee", "tf32"),
-            (cudnn.conv, "fp32_precision", "ieee", "tf32"),
-            (cudnn.rnn, "fp32_precision", "ieee", "tf32"),
-        ]
+        ops = [matmul, cudnn.conv] + ([cudnn.rnn] if hasattr(cudnn, "rnn") else [])
+        return [(op, "fp32_precision", "ieee", "tf32") for op in ops]
     return [(matmul, "allow_tf32", False, True), (cudnn, "allow_tf32", False, True)]
 
 
