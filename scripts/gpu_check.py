@@ -3,39 +3,52 @@
     python scripts/gpu_check.py --out gpu_results.jsonl          # writes a full-size random checkpoint first
     python scripts/gpu_check.py --model DIR --out results.jsonl  # or uses yours
 
+0. Environment: torch, CUDA, the GPU, the commit (the preflight of imports and wheels is
+   ``scripts/gpu_check.sh``'s).
 1. CUDA graphs: every captured graph passes its start-up self-check (replay vs an eager step), and
    the graph decode step gives the same codes as the same step run eagerly, with the trunk's graphs
    alone and with whole-step graphs (``engine.step_graph``: embed to sampled tokens, the CUDA
-   default); replays vs eager steps are counted; a second card, when there is one, gets the same check.
+   default); replays vs eager steps are counted.
 2. Host syncs: ``torch.cuda.set_sync_debug_mode`` counts the synchronising calls over a batch's
    decode steps (the goal: one per step, the tokens' copy).
-3. Precision: bf16 / fp16 / int8 and the bf16 KV cache against fp32 on the GPU (``chattts-serve
+3. Devices: with two cards, the same graph step on the second one (codes equal, no graph refused);
+   with one, every stream, event and capture call of an engine run is recorded and must name the
+   engine's device (``chattts_serve.device``; a bare call would use the thread's current device).
+4. Precision: bf16 / fp16 / int8 and the bf16 KV cache against fp32 on the GPU (``chattts-serve
    eval``: teacher-forced code agreement and KL, free-run agreement, mel distance, waveform SNR).
-4. Offline throughput: 256 texts of 10 s (``bench offline``), fp32 and bf16, bf16 with mixed
-   lengths; int8 against bf16 on a smaller batch (which should be the CUDA int8 default).
-5. Streaming: one stream's time to first chunk, then 512 streams arriving staggered and unseeded
+5. Offline throughput: 256 texts of 10 s (``bench offline``) in bf16, with mixed lengths; fp32, and
+   int8 against bf16 on a smaller batch, if there is time.
+6. Streaming: one stream's time to first chunk, then 512 streams arriving staggered and unseeded
    (``bench streams``), bf16.
-6. Audio decode overlap: the same concurrent streams with the audio decode on its own CUDA stream
+7. Audio decode overlap: the same concurrent streams with the audio decode on its own CUDA stream
    (collected a step later) and inside the step; wall times, same codes.
-7. Where a step's time goes: ``profile --device cuda`` at 1 / 64 / 512 streams.
+8. Where a step's time goes: ``profile --device cuda`` at 1 / 64 / 512 streams.
 
-Every result is one JSON line, printed and appended to ``--out``; the last line is the summary: each
-goal of issue 20 with its threshold, the measured value and a verdict. ``--device cpu --quick`` runs
-the same code on a CPU with tiny sizes (the test suite does, so the script cannot rot between GPU
-sessions); there only the correctness goals are judged. Copy what it prints into BENCHMARKS.md with
-the date, the GPU and the commit. ``scripts/gpu_check.sh`` runs it on a bare device machine.
+Each check runs in a process of its own under its own time limit (``CHECKS``): a sticky CUDA error,
+a crash or a hang loses that check only. Every result is one JSON line, printed and appended to
+``--out``; after every check (and on SIGTERM) the summary so far is written to ``--summary`` (each
+goal with its threshold, the value measured so far and a verdict), and the last line of ``--out`` is
+the final summary. ``--deadline-s`` bounds the whole run: a check gets at most what is left, optional
+ones are skipped past ``--budget-s``. ``--device cpu --quick`` runs the same code on a CPU with tiny
+sizes (the test suite does, so the script cannot rot between GPU sessions); there only the
+correctness goals are judged. Copy what it prints into BENCHMARKS.md with the date, the GPU and the
+commit. ``scripts/gpu_check.sh`` runs it on a bare device machine (torch >= 2.11 with CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,11 +81,14 @@ def _commit() -> str:
         return "unknown"
 
 
+GRAPH_TEXTS = ["今天天气真不错，我们一起去公园散步吧。", "The quick brown fox jumps over the lazy dog."] * 2
+
+
 def check_graphs(model: str, device: str, steps: int) -> dict:
     """Graph replay vs eager, same static step, same buckets: the codes must be identical. Three
     engines: no graphs; the trunk's graphs alone (``step_graphs`` off); and the defaults, where a code
     decode step is one whole-step graph (``engine.step_graph``, CUDA with counter noise)."""
-    texts = ["今天天气真不错，我们一起去公园散步吧。", "The quick brown fox jumps over the lazy dog."] * 2
+    texts = GRAPH_TEXTS
     params = SamplingParams(seed=11, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
     # Counter noise (the CUDA default) in all three; on a CPU the step graph's function runs eagerly.
     step = "auto" if device != "cpu" else "on"
@@ -101,7 +117,6 @@ def check_graphs(model: str, device: str, steps: int) -> dict:
     step_same, step_wav = same_as_eager("step")
     stats, step_stats = runs["trunk"][3], runs["step"][3]
     on_gpu = device != "cpu"
-    second = _second_device(model, device, texts, params, runs["trunk"][0]) if on_gpu else {}
     return {
         "check": "cuda_graph_vs_eager",
         "codes_identical": same,
@@ -120,38 +135,112 @@ def check_graphs(model: str, device: str, steps: int) -> dict:
         "step_graph_eager_steps": step_stats.step_graph_eager_steps,
         "step_graph_capture_s": round(runs["step"][4], 3),
         "step_graph_wall_s": round(runs["step"][1], 3),
-        **second,
         "passed": same
         and step_same
         and stats.graphs_refused == 0
         and step_stats.step_graphs_refused == 0
-        and second.get("second_device_passed", True)
         and (not on_gpu or (runs["trunk"][2] > 0 and stats.graph_replays > 0 and step_stats.step_graph_replays > 0)),
     }
 
 
-def _second_device(model: str, device: str, texts: list[str], params: SamplingParams, want: list) -> dict:
-    """The same graph step on another card (the first device's graphs were recorded with it current;
-    this one's must be recorded on its own): every graph passes its self-check, the codes match."""
-    if torch.cuda.device_count() < 2:
-        return {"second_device": None}
+def check_devices(model: str, device: str, steps: int) -> dict:
+    """Two cards or more: ``_second_device``. One (or a CPU): ``_device_arguments``."""
+    if device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        return _second_device(model, device, steps)
+    return _device_arguments(model, device, steps)
+
+
+def _second_device(model: str, device: str, steps: int) -> dict:
+    """The same graph step on another card, driven from this thread (whose current device is the
+    first): every graph passes its self-check and the codes equal the first card's."""
+    params = SamplingParams(seed=11, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
     other = "cuda:1" if torch.device(device).index in (None, 0) else "cuda:0"
-    eng = Engine.from_pretrained(model, other, EngineConfig.with_slots(4, runner=RunnerConfig(decode="static")))
-    got = eng.synthesize(texts, params)
+    config = EngineConfig.with_slots(4, runner=RunnerConfig(decode="static"))
+    want = Engine.from_pretrained(model, device, config).synthesize(GRAPH_TEXTS, params)
+    torch.cuda.set_device(torch.device(device))  # the engine on ``other`` must not depend on this
+    eng = Engine.from_pretrained(model, other, config)
+    torch.cuda.set_device(torch.device(device))
+    got = eng.synthesize(GRAPH_TEXTS, params)
     stats = eng.core.stats()
     same = all(np.array_equal(a.codes, b.codes) for a, b in zip(want, got, strict=True))
     return {
+        "check": "devices",
         "second_device": other,
-        "second_device_graphs": len(eng.core.runner.static.graphs),
-        "second_device_graphs_refused": stats.graphs_refused,
-        "second_device_graph_replays": stats.graph_replays,
-        "second_device_step_graph_replays": stats.step_graph_replays,
-        "second_device_step_graphs_refused": stats.step_graphs_refused,
-        "second_device_codes_identical": same,
-        "second_device_passed": same
-        and stats.graphs_refused == 0
-        and stats.step_graphs_refused == 0
+        "graphs_refused": stats.graphs_refused + stats.step_graphs_refused,
+        "graph_replays": stats.graph_replays + stats.step_graph_replays,
+        "codes_identical": same,
+        "passed": same
+        and stats.graphs_refused + stats.step_graphs_refused == 0
         and stats.graph_replays + stats.step_graph_replays > 0,
+    }
+
+
+@contextmanager
+def device_calls(want: torch.device) -> Iterator[tuple[dict[str, int], list[str]]]:
+    """While active, every ``current_stream``, ``Stream``, ``graph`` and ``Event.record`` call made from
+    the package (``chattts_serve.*``; torch's own calls are not its to name) is counted by name, and
+    one that does not name ``want`` (a bare call, or another device) is listed as bad."""
+    seen: dict[str, int] = {}
+    bad: list[str] = []
+
+    def note(name: str, dev: Any) -> None:
+        caller = sys._getframe(2).f_globals.get("__name__", "")
+        if not caller.startswith("chattts_serve"):  # torch's own calls (StreamContext asks current_stream(None))
+            return
+        seen[name] = seen.get(name, 0) + 1
+        if dev is None or torch.device(dev) != want:
+            bad.append(f"{name} from {caller}: {dev}")
+
+    real = {n: getattr(torch.cuda, n) for n in ("current_stream", "Stream", "graph")}
+    real_record = torch.cuda.Event.record
+
+    def current_stream(device=None):
+        note("current_stream", device)
+        return real["current_stream"](device)
+
+    def stream(*a, **k):
+        s = real["Stream"](*a, **k)
+        note("Stream", s.device if (a or "device" in k) else None)
+        return s
+
+    def graph(g, *a, **k):
+        s = k.get("stream")
+        note("graph", s.device if s is not None else None)
+        return real["graph"](g, *a, **k)
+
+    def record(self, stream=None):
+        note("Event.record", stream.device if stream is not None else None)
+        return real_record(self, stream)
+
+    torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.graph = current_stream, stream, graph
+    torch.cuda.Event.record = record
+    try:
+        yield seen, bad
+    finally:
+        torch.cuda.current_stream, torch.cuda.Stream, torch.cuda.graph = (real[n] for n in real)
+        torch.cuda.Event.record = real_record
+
+
+def _device_arguments(model: str, device: str, steps: int) -> dict:
+    """One card: every stream, event and capture call of an engine run (trunk or step graphs, the audio
+    stream, the token wait) must name the engine's device; a bare ``current_stream()``, an
+    ``Event.record()`` without a stream or a capture without its stream fails even where the thread's
+    current device happens to be the right one. (A CPU engine makes none of these calls.)"""
+    want = torch.device(device)
+    if want.type != "cuda":
+        return {"check": "devices", "second_device": None, "device_calls": {}, "bare_or_wrong": [], "passed": True}
+    if want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    params = SamplingParams(seed=11, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
+    with device_calls(want) as (seen, bad):
+        eng = Engine.from_pretrained(model, device, EngineConfig.with_slots(4))  # the defaults: step graphs, overlap
+        eng.synthesize(GRAPH_TEXTS, params)
+    return {
+        "check": "devices",
+        "second_device": None,
+        "device_calls": seen,
+        "bare_or_wrong": bad[:20],
+        "passed": not bad and seen.get("graph", 0) > 0 and seen.get("Event.record", 0) > 0,
     }
 
 
@@ -287,126 +376,325 @@ def _profile(model: str, device: str, precision: str, n: int, steps: int) -> dic
     return {"check": "profile", "streams": n, **{k: v for k, v in r.items() if k not in ("model", "trace")}}
 
 
+# ---------------------------------------------------------------------------------------------- the checks
+
+
+Emit = Callable[[dict], None]
+
+
+def _sizes(quick: bool) -> dict[str, Any]:
+    return {
+        "graph_steps": 16 if quick else 200,
+        "sync_steps": 16 if quick else 100,
+        "device_steps": 8 if quick else 50,
+        "half": "fp32" if quick else "bf16",
+        "offline": (4, 12) if quick else (256, 469),
+        "streams": (3, 12, "5") if quick else (512, 469, "2"),
+        "overlap": (2, 12) if quick else (64, 200),
+        "profile": (1, 2) if quick else (1, 64, 512),
+    }
+
+
+def run_environment(a: argparse.Namespace, emit: Emit) -> None:
+    on_gpu = a.device.startswith("cuda")
+    gpu = torch.cuda.get_device_name(torch.device(a.device)) if on_gpu else "cpu"
+    cuda = torch.version.cuda
+    emit(
+        {
+            "check": "environment",
+            "device": gpu,
+            "devices": torch.cuda.device_count() if on_gpu else 0,
+            "torch": torch.__version__,
+            "cuda": cuda,
+            "commit": _commit(),
+            "model": a.model,
+        }
+    )
+
+
+def run_precision(a: argparse.Namespace, emit: Emit) -> None:
+    on_gpu = a.device.startswith("cuda")
+    modes = "int8-static" if not on_gpu else "bf16,fp16,int8,bf16/kv-bf16"
+    steps, n_texts = ("16", "2") if a.quick else ("200", "4")
+    argv = ["--model", a.model, "--device", a.device, "--modes", modes, "--steps", steps, "--num-texts", n_texts]
+    ev = eval_tool.run(_ns(eval_tool, argv))
+    ok = all(m["tf_top1_agreement"] >= (0.0 if a.quick else 0.9) for m in ev["modes"])
+    emit({"check": "precision_vs_fp32", "modes": ev["modes"], "passed": ok})
+
+
+def run_offline(a: argparse.Namespace, emit: Emit) -> None:
+    """The 256 x 10 s goal, then mixed lengths (each result kept if the other fails)."""
+    (n, steps), half = _sizes(a.quick)["offline"], _sizes(a.quick)["half"]
+    emit(_offline(a.model, a.device, half, n, steps))
+    emit(_offline(a.model, a.device, half, n, steps, "--mixed-lengths"))
+
+
+def run_streams(a: argparse.Namespace, emit: Emit) -> None:
+    """One stream's first chunk, then 512 staggered unseeded arrivals (~1 s of arrivals)."""
+    (n, steps, stagger), half = _sizes(a.quick)["streams"], _sizes(a.quick)["half"]
+    emit(_streams(a.model, a.device, half, "1", steps))
+    emit(_streams(a.model, a.device, half, str(n), steps, "--stagger-ms", stagger, "--unseeded"))
+
+
+def run_int8_vs_bf16(a: argparse.Namespace, emit: Emit) -> None:
+    small = {p: _offline(a.model, a.device, p, 64, 200)["wall_s"] for p in ("bf16", "int8")}
+    emit({"check": "int8_vs_bf16", **small, "faster": min(small, key=small.get)})
+
+
+def run_profile(a: argparse.Namespace, emit: Emit) -> None:
+    for n in _sizes(a.quick)["profile"]:
+        emit(_profile(a.model, a.device, _sizes(a.quick)["half"], n, 12 if a.quick else 100))
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check, run in a process of its own (``--child``) under ``timeout_s`` (on a GPU at full
+    size; ``--quick`` gives every check ``QUICK_TIMEOUT_S``). ``optional``: skipped past ``--budget-s``."""
+
+    name: str
+    run: Callable[[argparse.Namespace, Emit], None]
+    timeout_s: float
+    optional: bool = False
+    gpu_only: bool = False
+    full_only: bool = False
+
+
+QUICK_TIMEOUT_S = 150.0
+
+CHECKS = (
+    Check("environment", run_environment, 60),
+    Check(
+        "cuda_graph_vs_eager",
+        lambda a, emit: emit(check_graphs(a.model, a.device, _sizes(a.quick)["graph_steps"])),
+        120,
+    ),
+    Check("host_syncs", lambda a, emit: emit(check_syncs(a.model, a.device, _sizes(a.quick)["sync_steps"])), 60),
+    Check("devices", lambda a, emit: emit(check_devices(a.model, a.device, _sizes(a.quick)["device_steps"])), 90),
+    Check("offline", run_offline, 120),
+    Check("streams", run_streams, 150),
+    Check("precision_vs_fp32", run_precision, 120),
+    Check("offline_fp32", lambda a, emit: emit(_offline(a.model, a.device, "fp32", 256, 469)), 90, True, False, True),
+    Check("int8_vs_bf16", run_int8_vs_bf16, 90, optional=True, gpu_only=True),
+    Check(
+        "audio_overlap",
+        lambda a, emit: emit(
+            check_audio_overlap(a.model, a.device, _sizes(a.quick)["half"], *_sizes(a.quick)["overlap"])
+        ),
+        90,
+        optional=True,
+    ),
+    Check("profile", run_profile, 120, optional=True),
+)
+
+
+# ---------------------------------------------------------------------------------------------- the summary
+
+
+def _ok(r: dict) -> bool:
+    return "error" not in r and "skipped" not in r
+
+
+def goal_values(results: list[dict], quick: bool) -> dict[str, Any]:
+    """Each goal's value from the results recorded so far (None: not measured)."""
+    half = _sizes(quick)["half"]
+
+    def first(check: str, pred: Callable[[dict], bool] = lambda r: True) -> dict | None:
+        return next((r for r in results if r["check"] == check and _ok(r) and pred(r)), None)
+
+    values: dict[str, Any] = {}
+    g = first("cuda_graph_vs_eager")
+    d = first("devices")
+    second = d.get("graphs_refused", 0) if d else 0
+    if g is not None:
+        values["graph_replay_equals_eager"] = g["codes_identical"]
+        values["graphs_refused"] = g["graphs_refused"] + second
+        values["step_graph_equals_eager"] = g["step_graph_codes_identical"]
+        values["step_graphs_refused"] = g["step_graphs_refused"]
+    values["host_syncs_per_decode_step"] = (first("host_syncs") or {}).get("syncs_per_decode_step")
+    ev = first("precision_vs_fp32")
+    values["bf16_tf_top1_agreement"] = next(
+        (m["tf_top1_agreement"] for m in (ev or {}).get("modes", []) if m["precision"] == "bf16"), None
+    )
+    plain = first("offline", lambda r: r.get("precision") == half and not r.get("mixed_lengths"))
+    mixed = first("offline", lambda r: r.get("precision") == half and r.get("mixed_lengths"))
+    values["offline_256x10s_bf16_wall_s"] = (plain or {}).get("wall_s")
+    values["offline_256_mixed_bf16_wall_s"] = (mixed or {}).get("wall_s")
+    one = first("streams", lambda r: r["levels"][0]["n"] == 1)
+    many = first("streams", lambda r: r["levels"][0]["n"] != 1)
+    values["first_chunk_1_stream_s"] = one["levels"][0]["ttfb_s"]["p50"] if one else None
+    values["first_chunk_p99_512_staggered_s"] = many["levels"][0]["ttfb_s"]["p99"] if many else None
+    values["max_rtf_512_staggered"] = many["levels"][0]["rtf"]["max"] if many else None
+    return values
+
+
+def summary(results: list[dict], quick: bool, total_s: float, complete: bool, interrupted: str | None) -> dict:
+    values = goal_values(results, quick)
+    verdicts = [goal.judge(values.get(goal.name), quick) for goal in GOALS]
+    passed = (
+        complete
+        and interrupted is None
+        and all(v["verdict"] != "fail" for v in verdicts)
+        and all(r.get("passed", True) for r in results)
+    )
+    done = [r["check"] for r in results if r["check"] != "summary"]
+    out = {"check": "summary", "passed": passed, "goals": verdicts, "total_s": total_s, "complete": complete}
+    out["checks_recorded"] = done
+    if interrupted:
+        out["interrupted"] = interrupted
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the runs
+
+
+def run_child(a: argparse.Namespace) -> int:
+    """``--child NAME``: run one check, each result one JSON line appended to ``--child-out`` at once."""
+    check = next(c for c in CHECKS if c.name == a.child)
+    out = Path(a.child_out)
+
+    def emit(r: dict) -> None:
+        with out.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
+
+    fault = dict(f.split(":", 1) for f in a.fault)
+    if fault.get(check.name) == "hang":
+        time.sleep(3600)
+    if fault.get(check.name) == "exit":
+        os._exit(70)  # as a process that a sticky CUDA error or a crash takes down
+    try:
+        check.run(a, emit)
+    except Exception as exc:  # noqa: BLE001 - recorded: the parent's summary fails
+        traceback.print_exc()
+        emit({"check": check.name, "error": f"{type(exc).__name__}: {exc}", "passed": False})
+        return 1
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="checkpoint dir (default: write a full-size random one)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="gpu_results.jsonl")
+    ap.add_argument(
+        "--summary", default=None, help="the summary so far, rewritten after every check (default: OUT.summary.json)"
+    )
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU self-test of this script)")
     ap.add_argument(
         "--budget-s",
         type=float,
-        default=400.0,
+        default=330.0,
         help="after this many seconds the optional checks (fp32 offline, int8 vs bf16, audio overlap, "
-        "profile) are skipped, so the summary is written inside gpu_check.sh's time limit",
+        "profile) are skipped",
     )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=450.0,
+        help="the whole run's limit: no check runs past it (gpu_check.sh passes what the install left of 8 min)",
+    )
+    ap.add_argument("--only", default=None, help="comma-separated check names (default: all)")
+    ap.add_argument("--check-timeout-s", type=float, default=None, help="every check's limit (default: its own)")
+    ap.add_argument("--fault", action="append", default=[], help="NAME:hang or NAME:exit (self-test of the isolation)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        return run_child(args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
         return 2
-    quick = args.quick
-    model = args.model
-    if model is None:
-        model = str(write_random(Path(tempfile.mkdtemp()) / "ckpt", "tiny" if quick else "full", seed=0))
+    quick, t_start = args.quick, time.perf_counter()
+    on_gpu = args.device.startswith("cuda")
+    if args.model is None:
+        args.model = str(write_random(Path(tempfile.mkdtemp()) / "ckpt", "tiny" if quick else "full", seed=0))
     out = Path(args.out)
-    t_start = time.perf_counter()
+    summary_path = Path(args.summary) if args.summary else out.with_suffix(".summary.json")
     results: list[dict] = []
-    values: dict[str, Any] = {}
+    running: list[subprocess.Popen] = []
 
-    def record(r: dict) -> dict:
-        r = {**r, "elapsed_s": round(time.perf_counter() - t_start, 1)}
+    def elapsed() -> float:
+        return round(time.perf_counter() - t_start, 1)
+
+    def record(r: dict) -> None:
+        r = {**r, "elapsed_s": elapsed()}
         results.append(r)
         line = json.dumps(r, ensure_ascii=False, default=str)
         print(line, flush=True)
         with out.open("a", encoding="utf-8") as f:
             f.write(line + "\n")
-        return r
 
-    def attempt(name: str, fn, *, optional: bool = False) -> dict | None:
-        """Run one check and record it. A check that raises is recorded as failed and the rest still
-        run (one crash must not lose every other verdict of a rare GPU session); an ``optional`` one
-        past ``--budget-s`` is recorded as skipped, so the summary lands before the caller's timeout."""
-        if optional and time.perf_counter() - t_start > args.budget_s:
-            return record({"check": name, "skipped": f"past the {args.budget_s:.0f} s budget"})
+    def write_summary(complete: bool, interrupted: str | None = None) -> dict:
+        s = summary(results, quick, elapsed(), complete, interrupted)
+        tmp = summary_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(s, ensure_ascii=False, default=str, indent=1), encoding="utf-8")
+        tmp.replace(summary_path)
+        return s
+
+    def on_sigterm(signum, frame) -> None:
+        for p in running:
+            _kill(p)
+        s = write_summary(False, f"signal {signum} at {elapsed()} s")
+        record(s)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    only = set(args.only.split(",")) if args.only else None
+    write_summary(False)
+    for check in CHECKS:
+        if (only and check.name not in only) or (check.gpu_only and not on_gpu) or (check.full_only and quick):
+            continue
+        left = args.deadline_s - (time.perf_counter() - t_start) - 5
+        if check.optional and time.perf_counter() - t_start > args.budget_s:
+            record({"check": check.name, "skipped": f"past the {args.budget_s:.0f} s budget"})
+        elif left < 10:
+            record({"check": check.name, "skipped": f"past the {args.deadline_s:.0f} s deadline"})
+        else:
+            own = args.check_timeout_s or (QUICK_TIMEOUT_S if quick else check.timeout_s)
+            _run_check(args, check, min(own, left), running, record)
+        write_summary(False)
+    s = write_summary(True)
+    record(s)
+    return 0 if s["passed"] else 1
+
+
+def _kill(p: subprocess.Popen) -> None:
+    """End a check's process group: SIGTERM, then SIGKILL (a process stuck in a CUDA call may ignore the first)."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        if p.poll() is not None:
+            return
         try:
-            return record(fn())
-        except Exception as exc:  # noqa: BLE001 - recorded, and the summary fails
-            traceback.print_exc()
-            record({"check": name, "error": f"{type(exc).__name__}: {exc}", "passed": False})
-            return None
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(wait)
+        except subprocess.TimeoutExpired:
+            pass
 
-    def value(r: dict | None, *path: str) -> Any:
-        for key in path:
-            if r is None:
-                return None
-            r = r[key] if not isinstance(r, list) else r[int(key)]
-        return r
 
-    dev = args.device
-    on_gpu = dev.startswith("cuda")
-    gpu = torch.cuda.get_device_name(torch.device(dev)) if on_gpu else "cpu"
-    record({"check": "environment", "device": gpu, "torch": torch.__version__, "commit": _commit(), "model": model})
-
-    g = attempt("cuda_graph_vs_eager", lambda: check_graphs(model, dev, 16 if quick else 200))
-    values["graph_replay_equals_eager"] = value(g, "codes_identical")
-    if g is not None:
-        values["graphs_refused"] = g["graphs_refused"] + g.get("second_device_graphs_refused", 0)
-        values["step_graph_equals_eager"] = g["step_graph_codes_identical"]
-        values["step_graphs_refused"] = g["step_graphs_refused"] + g.get("second_device_step_graphs_refused", 0)
-
-    s = attempt("host_syncs", lambda: check_syncs(model, dev, 16 if quick else 100))
-    values["host_syncs_per_decode_step"] = (s or {}).get("syncs_per_decode_step")
-
-    def precision() -> dict:
-        modes = "int8-static" if not on_gpu else "bf16,fp16,int8,bf16/kv-bf16"
-        steps, n_texts = ("16", "2") if quick else ("200", "4")
-        argv = ["--model", model, "--device", dev, "--modes", modes, "--steps", steps, "--num-texts", n_texts]
-        ev = eval_tool.run(_ns(eval_tool, argv))
-        ok = all(m["tf_top1_agreement"] >= (0.0 if quick else 0.9) for m in ev["modes"])
-        return {"check": "precision_vs_fp32", "modes": ev["modes"], "passed": ok}
-
-    ev = attempt("precision_vs_fp32", precision)
-    values["bf16_tf_top1_agreement"] = next(
-        (m["tf_top1_agreement"] for m in (ev or {}).get("modes", []) if m["precision"] == "bf16"), None
-    )
-
-    # Offline: the 256 x 10 s goal in bf16 (fp32 beside it), mixed lengths, then int8 vs bf16.
-    n, steps = (4, 12) if quick else (256, 469)
-    half = "fp32" if quick else "bf16"
-    if not quick:
-        attempt("offline", lambda: _offline(model, dev, "fp32", n, steps), optional=True)
-    r = attempt("offline", lambda: _offline(model, dev, half, n, steps))
-    values["offline_256x10s_bf16_wall_s"] = value(r, "wall_s")
-    r = attempt("offline", lambda: _offline(model, dev, half, n, steps, "--mixed-lengths"))
-    values["offline_256_mixed_bf16_wall_s"] = value(r, "wall_s")
-
-    # Streaming: one stream's first chunk, then 512 staggered unseeded arrivals (~1 s of arrivals).
-    n, steps, stagger = (3, 12, "5") if quick else (512, 469, "2")
-    one = attempt("streams", lambda: _streams(model, dev, half, "1", steps))
-    values["first_chunk_1_stream_s"] = value(one, "levels", "0", "ttfb_s", "p50")
-    many = attempt("streams", lambda: _streams(model, dev, half, str(n), steps, "--stagger-ms", stagger, "--unseeded"))
-    values["first_chunk_p99_512_staggered_s"] = value(many, "levels", "0", "ttfb_s", "p99")
-    values["max_rtf_512_staggered"] = value(many, "levels", "0", "rtf", "max")
-
-    if on_gpu:
-
-        def int8_vs_bf16() -> dict:
-            small = {p: _offline(model, dev, p, 64, 200)["wall_s"] for p in ("bf16", "int8")}
-            return {"check": "int8_vs_bf16", **small, "faster": min(small, key=small.get)}
-
-        attempt("int8_vs_bf16", int8_vs_bf16, optional=True)
-
-    n_streams, overlap_steps = (2, 12) if quick else (64, 200)
-    attempt("audio_overlap", lambda: check_audio_overlap(model, dev, half, n_streams, overlap_steps), optional=True)
-
-    for n in (1, 2) if quick else (1, 64, 512):
-        attempt("profile", lambda n=n: _profile(model, dev, half, n, 12 if quick else 100), optional=True)
-
-    verdicts = [goal.judge(values.get(goal.name), quick) for goal in GOALS]
-    passed = all(v["verdict"] != "fail" for v in verdicts) and all(r.get("passed", True) for r in results)
-    total = round(time.perf_counter() - t_start, 1)
-    record({"check": "summary", "passed": passed, "goals": verdicts, "total_s": total})
-    return 0 if passed else 1
+def _run_check(args: argparse.Namespace, check: Check, timeout: float, running: list, record: Callable) -> None:
+    """``check`` in a process of its own, at most ``timeout`` seconds; its results, or why there are none."""
+    with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
+        child_out = Path(f.name)
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", check.name, "--child-out", str(child_out)]
+    argv += ["--model", args.model, "--device", args.device] + (["--quick"] if args.quick else [])
+    argv += [x for f in args.fault for x in ("--fault", f)]
+    p = subprocess.Popen(argv, start_new_session=True)
+    running.append(p)
+    try:
+        p.wait(timeout)
+        error = None if p.returncode == 0 else f"exit code {p.returncode}"
+    except subprocess.TimeoutExpired:
+        _kill(p)
+        error = f"timed out after {timeout:.0f} s"
+    finally:
+        running.remove(p)
+    lines = [json.loads(x) for x in child_out.read_text(encoding="utf-8").splitlines() if x.strip()]
+    child_out.unlink(missing_ok=True)
+    for r in lines:
+        record(r)
+    if error and not any("error" in r for r in lines):
+        record({"check": check.name, "error": error, "passed": False})
 
 
 if __name__ == "__main__":

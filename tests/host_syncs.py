@@ -33,7 +33,8 @@ class HostSyncCounter(TorchDispatchMode):
             self.counts[name] += 1
         elif name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1]):
             self.counts["index(bool mask)"] += 1
-        elif name == "index_put" and any(i is not None and i.dtype == torch.bool for i in args[1]):
+        elif name in ("index_put", "index_put_") and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            # ``x[mask] = v`` dispatches the in-place ``index_put_``
             self.counts["index_put(bool mask)"] += 1
         return func(*args, **(kwargs or {}))
 

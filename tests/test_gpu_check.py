@@ -1,12 +1,16 @@
 """``scripts/gpu_check.py`` runs its whole sequence on a CPU with tiny sizes, so it still works the
-next time a GPU is lent (its CUDA-only parts: the graphs themselves and fp16)."""
+next time a GPU is lent (its CUDA-only parts: the graphs themselves and fp16); each check in its own
+process, so a hang or a crash loses that check only, and the summary is on disk after every check and
+after a SIGTERM."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,13 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 def _pythonpath() -> dict[str, str]:
     return {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+
+
+ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+
+
+def _quick(tiny_ckpt, out: Path) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--model", str(tiny_ckpt), "--out", str(out)]
 
 
 @pytest.mark.timeout(300)
@@ -36,7 +47,9 @@ def test_gpu_check_quick_on_cpu(tiny_ckpt, tmp_path):
     by = {}
     for r in lines:
         by.setdefault(r["check"], []).append(r)
-    assert [r["check"] for r in lines[:4]] == ["environment", "cuda_graph_vs_eager", "host_syncs", "precision_vs_fp32"]
+    assert [r["check"] for r in lines[:4]] == ["environment", "cuda_graph_vs_eager", "host_syncs", "devices"]
+    assert by["devices"][0]["passed"] and by["devices"][0]["second_device"] is None  # no CUDA calls on a CPU
+    assert by["precision_vs_fp32"][0]["passed"]
     assert by["cuda_graph_vs_eager"][0]["codes_identical"]
     assert by["cuda_graph_vs_eager"][0]["graph_replays"] == 0  # no graphs on a CPU
     graphs = by["cuda_graph_vs_eager"][0]
@@ -51,7 +64,9 @@ def test_gpu_check_quick_on_cpu(tiny_ckpt, tmp_path):
     overlap = by["audio_overlap"][0]
     assert overlap["codes_identical"] and overlap["overlap_wall_s"] > 0
     summary = lines[-1]
-    assert summary["check"] == "summary" and summary["passed"]
+    assert summary["check"] == "summary" and summary["passed"] and summary["complete"]
+    on_disk = json.loads(out.with_suffix(".summary.json").read_text())
+    assert on_disk["complete"] and on_disk["goals"] == summary["goals"]
     goals = {g["goal"]: g for g in summary["goals"]}
     # On a CPU only the correctness goals are judged; the speed goals are measured at toy sizes.
     assert goals["graph_replay_equals_eager"]["verdict"] == "pass"
@@ -93,3 +108,49 @@ def test_gpu_check_sh_runs_the_check_into_out(tiny_ckpt, tmp_path):
     assert skipped == {"audio_overlap", "profile"}
     assert {g["goal"]: g for g in summary["goals"]}["graph_replay_equals_eager"]["verdict"] == "pass"
     assert (tmp_path / "out" / "gpu_check.log").read_text().strip()
+    preflight = json.loads((tmp_path / "out" / "preflight.json").read_text())
+    assert preflight["problems"] == [] and not any("Error" in v for v in preflight["imports"].values())
+    assert json.loads((tmp_path / "out" / "gpu_results.summary.json").read_text())["complete"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault, error", [("hang", "timed out after 20 s"), ("exit", "exit code 70")])
+def test_a_hung_or_crashed_check_loses_only_itself(tiny_ckpt, tmp_path, fault, error):
+    out = tmp_path / "r.jsonl"
+    argv = _quick(tiny_ckpt, out) + ["--only", "environment,host_syncs,devices", "--check-timeout-s", "20"]
+    res = subprocess.run(
+        argv + ["--fault", f"host_syncs:{fault}"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**ENV, **_pythonpath()},
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["check"] for r in lines] == ["environment", "host_syncs", "devices", "summary"]
+    assert lines[1]["error"] == error and lines[2]["passed"]  # the check after it still ran
+    on_disk = json.loads(out.with_suffix(".summary.json").read_text())
+    assert on_disk["complete"] and not on_disk["passed"]
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_writes_the_summary_so_far(tiny_ckpt, tmp_path):
+    out, summary = tmp_path / "r.jsonl", tmp_path / "r.summary.json"
+    argv = _quick(tiny_ckpt, out) + ["--only", "environment,host_syncs", "--fault", "host_syncs:hang"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**ENV, **_pythonpath()})
+    try:
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:  # until the first check is on disk and the hanging one has begun
+            if summary.exists() and "environment" in json.loads(summary.read_text()).get("checks_recorded", []):
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    finally:
+        proc.kill()
+    assert rc == 128 + signal.SIGTERM
+    on_disk = json.loads(summary.read_text())
+    assert on_disk["interrupted"].startswith("signal") and not on_disk["passed"] and not on_disk["complete"]
+    assert on_disk["checks_recorded"] == ["environment"]
+    assert json.loads(out.read_text().splitlines()[-1])["interrupted"] == on_disk["interrupted"]

@@ -14,6 +14,8 @@ from chattts_serve.engine.scheduler import SchedulerConfig
 from chattts_serve.model.checkpoint import load
 from chattts_serve.sampling_params import SamplingParams
 
+from ..cuda_stub import FakeCuda
+
 TEXTS = ["你好，世界。", "Hello there, my friend.", "Good morning to you all."]
 
 
@@ -21,6 +23,7 @@ def test_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(16) == [1, 2, 4, 8, 16]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_buckets(512) == [2**i for i in range(10)]  # powers of two: every bucket captured at start-up
     assert ctx_buckets(2304) == [256, 512, 1024, 2048, 2304]
     assert ctx_buckets(100) == [100]
 
@@ -166,7 +169,7 @@ def _fake_captured(gpt, monkeypatch, bad: set[tuple[int, int]], strict: bool = F
     dec = StaticDecoder(gpt, cache, use_graphs=False, strict_graphs=strict)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
 
-    def capture(bs, ctx, pool):
+    def capture(bs, ctx):
         g = _FakeGraph(dec, bs, ctx, good=(bs, ctx) not in bad)
         return g, g.out
 
@@ -196,57 +199,22 @@ def test_capture_all_raises_on_a_mismatch_when_strict(gpt, monkeypatch):
 
 
 def test_capture_and_replay_run_on_the_engines_device(gpt, monkeypatch):
-    """``cuda:1``: the device context is entered with it around capture and replay, and the capture
-    records on a side stream made for it (torch.cuda's APIs recorded, nothing runs on a GPU)."""
-    events: list[tuple] = []
-    cuda1 = torch.device("cuda", 1)
-    Ctx = StubCtx
-
-    class FakeDevice(Ctx):
-        def __enter__(self):
-            events.append(("device", self.a[0]))
-            return self
-
-    class FakeStream:
-        def __init__(self, device=None):
-            self.device = device
-            events.append(("stream", device))
-
-        def wait_stream(self, other):
-            pass
-
-    class FakeCUDAGraph:
-        def replay(self):
-            events.append(("replay",))
-
-        def pool(self):
-            return "pool"
-
-    class FakeGraphCtx(Ctx):
-        def __enter__(self):
-            events.append(("capture", self.k.get("stream")))
-            return self
-
-    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "stream", Ctx)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeCUDAGraph)
-    monkeypatch.setattr(torch.cuda, "graph", FakeGraphCtx)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    cache = gpt.new_cache(1, 16 + 1)
+    """``cuda:1``: the device context is entered with it around capture and replay, and every capture
+    records on the engine's one capture stream, of that device (stand-in CUDA calls, no GPU)."""
+    calls = FakeCuda.install(monkeypatch)
+    cache = gpt.new_cache(4, 16 + 1)
     cache.k.zero_(), cache.v.zero_()
     dec = StaticDecoder(gpt, cache, use_graphs=False)
-    dec.device = cuda1  # the tensors stay on the CPU; only the CUDA calls see the device
+    dec.device = dec.store.device = cuda1 = torch.device("cuda", 1)  # tensors stay on the CPU
     dec.check_graphs = lambda: None  # checked above; the fake graphs compute nothing
     dec.capture_all()
-    assert events[0] == ("device", cuda1)
-    captures = [e for e in events if e[0] == "capture"]
-    assert captures and all(isinstance(s, FakeStream) and s.device == cuda1 for _, s in captures)
-    assert {e[1] for e in events if e[0] == "stream"} == {cuda1}
-    events.clear()
+    assert calls.log[0] == ("device", cuda1)
+    streams = {id(s) for _, s, _ in calls.captures}
+    assert len(calls.captures) == len(dec.graphs) > 1 and streams == {id(dec.store.stream)}
+    assert calls.devices() == {cuda1}
+    calls.log.clear()
     dec(torch.zeros(1, gpt.cfg.hidden_size), [0], [2])
-    assert events == [("device", cuda1), ("replay",)] and dec.graph_replays == 1
+    assert calls.log == [("device", cuda1), ("graph.replay", cuda1)] and dec.graph_replays == 1
 
 
 def test_engine_stats_count_eager_static_steps(tiny_ckpt):

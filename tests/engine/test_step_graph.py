@@ -219,7 +219,7 @@ def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int],
 
     class FakeStream:
         def __init__(self, device=None):
-            pass
+            self.device = device
 
         def wait_stream(self, other):
             pass
@@ -232,6 +232,7 @@ def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int],
     monkeypatch.setattr(torch.cuda, "graph", FakeGraphCtx)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     sg.use_graphs = True
+    sg.capture_all()  # as at start-up on CUDA
     return graphs
 
 
@@ -259,8 +260,8 @@ def test_captured_step_graphs_are_checked_and_a_bad_one_never_changes_the_result
             assert torch.equal(hid_g[sid], hid_w[sid])
     sg = whole.step_graph
     buckets = set(sg.graphs) | sg.refused
-    assert len(buckets) == len(graphs)  # each bucket captured once (one graph made per capture), at its first step
-    assert buckets == {(16, 256, False), (24, 256, False), (24, 256, True)}
+    assert len(buckets) == len(graphs)  # each bucket captured once, at start-up: none during the steps
+    assert buckets == set(sg.buckets()) and len(buckets) == 12  # batch 1, 2, 4, 8, 16, 24 x ctx 256 x text or not
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     if behaviour == "good":
         assert not sg.refused and not warnings
@@ -272,11 +273,10 @@ def test_captured_step_graphs_are_checked_and_a_bad_one_never_changes_the_result
         assert sg.eager_steps >= 1 and sg.graph_replays + sg.eager_steps == DECODE_STEPS
 
 
-def test_a_bad_step_graph_raises_when_strict(tiny_ckpt, monkeypatch):
+def test_a_bad_step_graph_raises_at_start_up_when_strict(tiny_ckpt, monkeypatch):
     whole = make_runner(tiny_ckpt, "on", strict_cuda_graphs=True)
-    fake_cuda(monkeypatch, whole, {(16, 256, False): "empty"})
     with pytest.raises(RuntimeError, match="differs from the eager step"):
-        drive(whole, script(whole))
+        fake_cuda(monkeypatch, whole, {(16, 256, False): "empty"})
 
 
 @pytest.mark.parametrize("step_graphs, trunk_graphs", [("on", False), ("off", True)])

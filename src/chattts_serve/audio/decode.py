@@ -22,8 +22,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..device import pinned_copy
 from ..model.checkpoint import LoadedModel
 from ..model.config import N_FFT, SAMPLES_PER_TOKEN, ModelConfig
+from ..tf32 import fp32_scope, tf32_scope
 from .stream import Window
 
 logger = logging.getLogger(__name__)
@@ -239,9 +241,7 @@ def _decode_batch(model: LoadedModel, h: torch.Tensor, dtype: str, steps: list[i
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> device without a sync: through pinned memory on CUDA (torch keeps the pinned block
     until the copy is done)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return pinned_copy(t, device)
 
 
 @contextmanager
@@ -274,21 +274,14 @@ def _padding_masked(modules: tuple[nn.Module, ...], drop: torch.Tensor) -> Itera
 
 @contextmanager
 def _precision(dtype: str, device_type: str) -> Iterator[None]:
-    """bf16: autocast. tf32 on CUDA: TF32 matmuls for the duration (a process-wide switch, set and
-    restored around the launch of this decode's kernels by the engine's one thread; cuDNN convolutions
-    already use TF32 by default). fp32: strict."""
+    """bf16: autocast. On CUDA, tf32: TF32 matmuls and convolutions for the launches of this decode;
+    fp32: strict IEEE fp32, convolutions included (cuDNN's default is TF32). Both scoped (``tf32``)."""
     if dtype == "bf16":
         with torch.autocast(device_type, dtype=torch.bfloat16):
             yield
         return
-    if dtype != "tf32" or device_type != "cuda":
+    if device_type != "cuda":
         yield
         return
-    matmul = torch.backends.cuda.matmul
-    name, value = ("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision") else ("allow_tf32", True)
-    before = getattr(matmul, name)
-    setattr(matmul, name, value)
-    try:
+    with tf32_scope() if dtype == "tf32" else fp32_scope():
         yield
-    finally:
-        setattr(matmul, name, before)

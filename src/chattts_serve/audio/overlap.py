@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..device import current_stream, host_empty, new_stream
 from ..model.checkpoint import LoadedModel
 from .decode import DecodedBatch, decode_on_device
 from .stream import AudioStream, Window
@@ -99,10 +100,10 @@ class CudaStreams:
         self.device = device
 
     def current(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+        return current_stream(self.device)
 
     def new(self) -> torch.cuda.Stream:
-        return torch.cuda.Stream(self.device)
+        return new_stream(self.device)
 
     def use(self, stream: torch.cuda.Stream) -> AbstractContextManager:
         return torch.cuda.stream(stream)
@@ -149,6 +150,7 @@ class AudioDecoder:
         (on CUDA: the decode runs on its own stream). ``buckets``: pad windows to fixed lengths.
         ``max_in_flight``: submissions not yet collected before ``submit`` waits for the oldest."""
         self.model, self.dtype, self.overlap, self.buckets = model, dtype, overlap, buckets
+        self.device = device
         self.streams = streams or (CudaStreams(device) if device.type == "cuda" else InlineStreams())
         self.stream = self.streams.new() if overlap else self.streams.current()
         self.max_in_flight = max(1, max_in_flight)
@@ -206,7 +208,7 @@ class AudioDecoder:
     def _to_host(self, wav: torch.Tensor) -> torch.Tensor:
         if not self.streams.pinned():
             return wav.cpu()
-        host = torch.empty(wav.shape, dtype=wav.dtype, pin_memory=True)
+        host = host_empty(tuple(wav.shape), wav.dtype, self.device)
         host.copy_(wav, non_blocking=True)
         return host
 

@@ -48,14 +48,13 @@ def _device_worker(
 ) -> list[ManifestEntry]:
     import torch
 
+    from ..device import bind_thread
     from ..engine.engine import Engine
 
     if threads:
         torch.set_num_threads(threads)
-    if device.startswith("cuda"):
-        # This process's current device (per thread; 0 unless set): what library calls that take no
-        # device use. The engine's CUDA graphs enter their own device anyway (engine.cuda_graph).
-        torch.cuda.set_device(torch.device(device))
+    # This thread's current device (0 unless set) is what calls that take no device use: the engine's.
+    bind_thread(torch.device(device))
     engine = Engine.from_pretrained(model, device=device, config=config)
     return synthesize_items(engine, items, base, Path(out_dir))
 

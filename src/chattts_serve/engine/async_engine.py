@@ -14,6 +14,7 @@ slot is free at the next step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import ctypes.util
 import logging
@@ -21,14 +22,16 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..audio.policy import StreamPolicy
+from ..device import bind_thread
 from ..model.config import DEFAULT_MODEL, SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from .config import EngineConfig
@@ -68,6 +71,15 @@ class _AbortRequest:
     """To the engine loop: stop this request."""
 
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _DeviceCall:
+    """To the engine loop: run ``fn`` there (device work that is not a request, such as a voice encode)
+    and put its result or error into ``future``."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
 
 
 @dataclass(eq=False)
@@ -299,6 +311,7 @@ class AsyncEngine:
     def _run(self) -> None:
         busy = False
         try:
+            bind_thread(self.engine.device)  # once: this thread makes every device call of the engine
             while not self._stop.is_set():
                 self._drain_inbox()
                 if self.core.has_unfinished():
@@ -314,9 +327,11 @@ class AsyncEngine:
             self._drain_inbox()
             while self.core.has_unfinished():
                 self._deliver(self._step())
+            self._fail_device_calls(EngineDeadError("engine is shutting down"))
         except BaseException as exc:  # the loop must never die silently
             logger.exception("engine loop crashed")
             self.dead_error = exc
+            self._fail_device_calls(EngineDeadError(f"engine loop crashed: {exc}"))
             for c in list(self._collectors.values()):
                 c.fail(EngineDeadError(f"engine loop crashed: {exc}"))
 
@@ -341,6 +356,16 @@ class AsyncEngine:
                 seconds = self.max_buffered_samples / SAMPLE_RATE
                 c.fail(SlowConsumerError(f"the client read no audio while {seconds:g} s waited; request aborted"))
 
+    def _fail_device_calls(self, error: BaseException) -> None:
+        """The loop is gone: fail every device call still waiting in the inbox (requests fail by collector)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _DeviceCall) and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(error)
+
     def _drain_inbox(self) -> None:
         while True:
             try:
@@ -350,6 +375,12 @@ class AsyncEngine:
             match item:
                 case _AbortRequest(rid):
                     self.core.abort(rid)
+                case _DeviceCall(fn, future):
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn())
+                        except Exception as exc:  # this call's caller gets it; the loop serves on
+                            future.set_exception(exc)
                 case _AddRequest(rid, prepared, policy, priority):
                     with self._lock:
                         self._pending_adds -= len(prepared.segments)
@@ -389,9 +420,22 @@ class AsyncEngine:
         return self.engine.sample_speaker(seed)
 
     async def speaker_from_audio(self, wav: np.ndarray) -> str:
-        """``Engine.speaker_from_audio`` in a worker thread (the DVAE encoder is not the GPT: it runs
-        beside the engine loop without touching its state)."""
-        return await asyncio.to_thread(self.engine.speaker_from_audio, wav)
+        """``Engine.speaker_from_audio`` on the engine loop's thread, between two steps: every device
+        call of the engine is made by that one thread (a DVAE encode on another thread would allocate
+        and copy while a step graph is being captured or replayed, on whatever device that thread has
+        current)."""
+        return await self._on_loop(lambda: self.engine.speaker_from_audio(wav))
+
+    async def _on_loop(self, fn: Callable[[], Any]) -> Any:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine loop stopped: {self.dead_error}")
+        if self._stop.is_set():
+            raise EngineDeadError("engine is shutting down")
+        self.start()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_DeviceCall(fn, future))
+        self._wakeup.set()
+        return await asyncio.wrap_future(future)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -97,9 +97,10 @@ class EngineConfig:
     request whose ``min_new_tokens`` alone would pass it is refused; otherwise each sentence's
     ``max_new_tokens`` is capped at its share, so no request can hold the engine for longer."""
     audio_dtype: str = "auto"
-    """Decoder + Vocos: "fp32" (reference-exact waveform), "tf32" (TF32 matmuls on CUDA; fp32
-    elsewhere) or "bf16" (autocast; 1.6-2.4x faster where the CPU has AVX-512 BF16 or AMX, ~36 dB SNR
-    against fp32; slower elsewhere, see ``cpu.CpuInfo.bf16``). "auto": bf16 on CUDA, fp32 elsewhere."""
+    """Decoder + Vocos: "fp32" (reference-exact waveform; strict IEEE fp32 on CUDA too, convolutions
+    included), "tf32" (TF32 matmuls and convolutions on CUDA, scoped to the decode; fp32 elsewhere)
+    or "bf16" (autocast; 1.6-2.4x faster where the CPU has AVX-512 BF16 or AMX, ~36 dB SNR against
+    fp32; slower elsewhere, see ``cpu.CpuInfo.bf16``). "auto": bf16 on CUDA, fp32 elsewhere."""
     audio_overlap: str = "auto"
     """"on": the audio decode runs on a CUDA stream of its own, overlapping the next GPT step, and its
     audio is taken at a later step (``audio.overlap``); "off": inside the step, as on a CPU. "auto": on
@@ -180,7 +181,7 @@ _HELP = {
     "step_graphs": "a step's decode rows as one CUDA graph: embed, trunk, heads and sampling (auto: with CUDA "
     "graphs and counter noise; on: also eagerly on a CPU)",
     "max_audio_seconds": "audio one request may generate in all (its sentences x max_new_tokens are capped to fit)",
-    "audio_dtype": "Decoder + Vocos dtype: fp32 (reference-exact), tf32 (CUDA) or bf16 (faster on CPUs with "
+    "audio_dtype": "Decoder + Vocos dtype: fp32 (reference-exact, no TF32), tf32 (CUDA) or bf16 (faster on CPUs with "
     "AVX-512 BF16 / AMX); auto: bf16 on CUDA, fp32 elsewhere",
     "audio_overlap": "audio decode on its own CUDA stream, overlapping the next GPT step (auto: on for CUDA)",
     "audio_buckets": "pad audio windows to a few fixed lengths so shapes repeat (auto: on for CUDA)",

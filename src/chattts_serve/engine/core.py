@@ -23,6 +23,7 @@ from ..model.prepare import ModelLayout
 from ..model.speaker import MIN_VOICE_SAMPLES
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
+from ..tf32 import fp32_scope
 from .config import EngineConfig
 from .input_processor import InputProcessor, PreparedRequest
 from .outputs import RequestOutput, SchedulerOutput, StepOutput
@@ -240,7 +241,7 @@ class EngineCore:
 
     def voice_codes(self, wav: torch.Tensor) -> torch.Tensor:
         """A 1-D 24 kHz waveform -> DVAE codes [4, T_s] on the CPU (a voice sample)."""
-        with torch.inference_mode():
+        with torch.inference_mode(), fp32_scope():  # the DVAE is fp32: no TF32 convolutions
             return self.model.dvae.encode(wav.to(self.device)).cpu()
 
     def reset(self, message: str) -> list[RequestOutput]:

@@ -7,11 +7,13 @@ through a view (no gather); a batch bucket covers slots ``0..bs-1`` and rows who
 nothing this step point at a scratch cache position (``max_len``) that nothing reads. The context
 bucket bounds how many cache positions attention scans (256, 512, 1024, ... max_len), so short
 sequences do not pay for the longest possible one. Graphs are captured at start-up, largest first,
-into one shared memory pool; a shape without a graph (or no CUDA) runs the same function eagerly.
+into one shared memory pool on one capture stream (``GraphStore``, the engine's one owner of its graphs);
+a shape without a graph (or no CUDA) runs the same function eagerly.
 
 Device: torch captures on a stream of the *current* device and replays on the current device's
 stream, and the current device is per thread (0 unless set). So capture and replay both run inside
-``torch.cuda.device(self.device)``, capture on a side stream of that device: an engine on ``cuda:1``
+``torch.cuda.device(self.device)``, capture on the engine's capture stream of that device (``GraphStore``;
+every torch.cuda call names the device, see ``chattts_serve.device``): an engine on ``cuda:1``
 (or any worker after the first of ``--devices``) would otherwise record on the wrong card, and an
 empty graph replays its capture-time output: garbage codes, no error. Every captured graph is checked
 once against an eager step (``graph_matches_eager``); one that differs is not used.
@@ -27,19 +29,24 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
+from ..device import current_stream, host_zeros, new_stream, on_device, record_event
 from ..model.gpt import GPT, KVCache
 
 logger = logging.getLogger(__name__)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 (as nano-vllm), always ending at ``max_batch``."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    """Powers of two below ``max_batch``, then ``max_batch``: few enough (10 at 512 slots) to capture
+    every bucket at start-up, at the cost of padding a batch up to twice its rows."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
     return sizes + [max_batch]
 
 
@@ -66,14 +73,13 @@ def compile_step(fn: Callable, backend: str | Callable = "inductor") -> Callable
 
 
 def capture_graph(
-    fn: Callable[[], Any], device: torch.device, pool: Any, between: Callable[[], None] | None = None
+    fn: Callable[[], Any], side: torch.cuda.Stream, pool: Any, between: Callable[[], None] | None = None
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """Warm ``fn`` up twice on a side stream of ``device`` (lazy init, cuBLAS handles, compile;
+    """Warm ``fn`` up twice on the capture stream ``side`` (lazy init, cuBLAS handles, compile;
     ``between`` runs after each warm-up), then capture it on that stream into ``pool``: the graph and
-    what the captured call returned (its static outputs). Call it under ``torch.cuda.device(device)``:
-    torch captures and replays on the current device."""
-    main = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
+    what the captured call returned (its static outputs). Call it under ``torch.cuda.device`` of the
+    stream's device: torch captures and replays on the current device."""
+    main = current_stream(side.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         for _ in range(2):
@@ -82,10 +88,62 @@ def capture_graph(
                 between()
     main.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=side):
+    # Thread-local capture mode: only this thread's unsafe calls (a sync, a cudaMalloc) break the capture,
+    # not another thread's (the process-wide default would let any thread's call invalidate it).
+    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
         out = fn()
     main.wait_stream(side)
     return graph, out
+
+
+class GraphStore:
+    """Every CUDA graph of one engine, the memory pool they share and the one stream they are captured on.
+
+    Why one owner: a graph replays the cuBLAS workspace of the stream it was captured on (cuBLAS keys
+    workspaces by (handle, stream)), so captures on streams drawn from torch's pool (32, handed out
+    round robin) end up on the audio decode's stream, and a replay then shares its workspace with the
+    audio matmuls running beside it. Here the capture stream is drawn once per engine
+    (``device.new_stream``: never a stream another holder has, the audio stream included), the pool
+    is made once, and graphs, refused ones included, live until ``close`` (or the store's end): a
+    refused graph is not destroyed mid-serving. ``tables`` keeps each user's graphs by its own keys
+    (the trunk's, the whole step's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tables: dict[str, dict[Any, tuple[torch.cuda.CUDAGraph, Any]]] = {}
+        self.retired: list[torch.cuda.CUDAGraph] = []
+        """Graphs that failed their self-check: never replayed, kept until ``close``."""
+        self._stream: torch.cuda.Stream | None = None
+        self._pool: Any = None
+
+    def table(self, name: str) -> dict[Any, tuple[torch.cuda.CUDAGraph, Any]]:
+        return self.tables.setdefault(name, {})
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        """The engine's capture stream (drawn at the first use)."""
+        if self._stream is None:
+            self._stream = new_stream(self.device)
+        return self._stream
+
+    def capture(
+        self, fn: Callable[[], Any], between: Callable[[], None] | None = None
+    ) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """``capture_graph`` on the engine's capture stream, into the engine's pool (under ``on_device``)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return capture_graph(fn, self.stream, self._pool, between)
+
+    def retire(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.retired.append(graph)
+
+    def close(self) -> None:
+        """Free every graph (their pool goes with the last of them); the engine captures no more."""
+        for table in self.tables.values():
+            table.clear()
+        self.retired.clear()
+        self._pool = None
+        self._stream = None
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str:
@@ -120,12 +178,19 @@ def graph_matches_eager(
 
 class StaticDecoder:
     def __init__(
-        self, gpt: GPT, cache: KVCache, use_graphs: bool, compile: bool = False, strict_graphs: bool = False
+        self,
+        gpt: GPT,
+        cache: KVCache,
+        use_graphs: bool,
+        compile: bool = False,
+        strict_graphs: bool = False,
+        store: GraphStore | None = None,
     ) -> None:
         """``strict_graphs``: a captured graph that fails its self-check raises (default: it is dropped,
-        with one warning, and its shape runs eagerly)."""
+        with one warning, and its shape runs eagerly). ``store``: the engine's graphs (its own if None)."""
         self.gpt, self.cache = gpt, cache
         self.device = cache.k.device
+        self.store = store if store is not None else GraphStore(self.device)
         self.scratch = cache.max_len - 1  # the cache has one position more than any sequence uses
         slots = cache.num_slots
         hidden = gpt.cfg.hidden_size
@@ -139,13 +204,13 @@ class StaticDecoder:
         # Slots and positions reach the device through persistent pinned buffers (CUDA), not a
         # freshly pinned tensor per call; ``_copied`` orders a rewrite after the previous copy.
         self._pin = self.device.type == "cuda"
-        self._host_idx = torch.zeros(slots, dtype=torch.long, pin_memory=self._pin)
-        self._host_pos = torch.zeros(slots, dtype=torch.long, pin_memory=self._pin)
+        self._host_idx = host_zeros(slots, torch.long, self.device)
+        self._host_pos = host_zeros(slots, torch.long, self.device)
         self._dev_idx = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._dev_pos = torch.zeros(slots, dtype=torch.long, device=self.device)
         self._copied: torch.cuda.Event | None = None
         self.attention_backend = self._log_attention_backend(gpt, cache)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = self.store.table("trunk")
         self.strict_graphs = strict_graphs
         self.graph_replays = 0
         """Steps run by replaying a graph."""
@@ -188,7 +253,7 @@ class StaticDecoder:
 
     def _on_device(self) -> AbstractContextManager:
         """The engine's CUDA device as the current one (capture and replay use the current device)."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+        return on_device(self.device)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -198,12 +263,9 @@ class StaticDecoder:
         t0 = time.perf_counter()
         with self._on_device():
             self.pos.fill_(self.scratch)
-            pool = None
             for bs in reversed(self.batch_sizes):
                 for ctx in reversed(self.ctx_sizes):
-                    graph, out = self._capture(bs, ctx, pool)
-                    pool = graph.pool()
-                    self.graphs[(bs, ctx)] = (graph, out)
+                    self.graphs[(bs, ctx)] = self._capture(bs, ctx)
             torch.cuda.synchronize(self.device)
             self.check_graphs()
         logger.info(
@@ -214,10 +276,10 @@ class StaticDecoder:
             ", torch.compile included (one symbolic-shape compile, plus batch 1)" if self.compiled else "",
         )
 
-    def _capture(self, bs: int, ctx: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up, then capture one bucket on a side stream of the engine's device (under ``_on_device``)."""
+    def _capture(self, bs: int, ctx: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up, then capture one bucket on the engine's capture stream (under ``_on_device``)."""
         args = (self.emb[:bs], self.cache, self.pos[:bs], ctx)
-        return capture_graph(lambda: self.fn(*args), self.device, pool)
+        return self.store.capture(lambda: self.fn(*args))
 
     @torch.inference_mode()
     def check_graphs(self) -> None:
@@ -232,7 +294,7 @@ class StaticDecoder:
             ok, diff = graph_matches_eager(graph.replay, out, lambda bs=bs, ctx=ctx: self._eager(bs, ctx))
             if not ok:
                 bad.append(f"batch {bs} ctx {ctx} (max diff {diff:.3g})")
-                del self.graphs[(bs, ctx)]
+                self.store.retire(self.graphs.pop((bs, ctx))[0])
         self.emb.zero_()
         self.graphs_refused += len(bad)
         if bad:
@@ -289,5 +351,5 @@ class StaticDecoder:
         pos = self._dev_pos[:n]
         idx.copy_(self._host_idx[:n], non_blocking=True)
         pos.copy_(self._host_pos[:n], non_blocking=True)
-        self._copied = torch.cuda.current_stream(self.device).record_event()
+        self._copied = record_event(self.device)
         return idx, pos

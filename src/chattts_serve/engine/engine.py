@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..audio.policy import StreamPolicy
+from ..device import bind_thread
 from ..model import checkpoint
 from ..model.checkpoint import LoadedModel
 from ..model.config import DEFAULT_MODEL
@@ -31,6 +32,7 @@ from ..model.quant import check_supported, parse_precision
 from ..model.speaker import MIN_VOICE_SAMPLES, SpeakerStats, encode_prompt_codes, encode_speaker
 from ..model.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
+from ..tf32 import strict_fp32
 from .calibrate import calibrate
 from .config import EngineConfig
 from .core import EngineCore
@@ -82,6 +84,9 @@ class Engine:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but CUDA is not available")
         check_supported(spec, device)
+        bind_thread(device)  # this thread drives the engine offline: its current device is the engine's
+        if device.type == "cuda":
+            strict_fp32()  # fp32 means fp32: TF32 only inside a tf32 scope (chattts_serve.tf32)
         # Every mode starts from the fp32 weights (int8 scales are taken from them, not from bf16).
         model = checkpoint.load(path_or_repo, device=device, dtype=torch.float32)
         kv_dtype = KVCache.dtype_for(config.runner.kv_cache_dtype, spec.trunk_dtype)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..device import pinned_copy
 from ..model.checkpoint import LoadedModel
 from ..model.prefill import prefill_prompts
 from .request import Sequence
@@ -75,15 +76,12 @@ class Prefiller:
         self.device = model.embed.emb_text.weight.device
         self.dtype = model.gpt.norm.weight.dtype
         self.num_vq = model.config.gpt.num_vq
-        self._pin = self.device.type == "cuda"
         self.last_rows_heads = model.embed.heads_packed or self.device.type != "cpu"
         """The heads see only each prompt's last row, all prompts of a kind at once (module docstring)."""
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device; on CUDA through pinned memory without blocking the host."""
-        if self._pin:
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return pinned_copy(t, self.device)
 
     def run(self, seqs: list[Sequence]) -> dict[str, KindPrefill]:
         """Prefill ``seqs`` (their slots assigned): per kind present, their last hidden states and logits."""

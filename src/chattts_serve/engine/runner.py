@@ -29,7 +29,7 @@ from ..model.config import AUDIO_EOS, GPTConfig
 from ..model.gpt import KVCache
 from ..model.prepare import ModelLayout
 from .config import RunnerConfig
-from .cuda_graph import StaticDecoder
+from .cuda_graph import GraphStore, StaticDecoder
 from .hidden_store import HiddenStore
 from .noise import CounterNoise, GeneratorNoise, resolve_noise, seed_value
 from .outputs import RunnerOutput, SchedulerOutput
@@ -51,8 +51,8 @@ class StageTimer(Protocol):
 
 MAX_AUTO_SLOTS = 512
 """Most KV slots ``auto_num_slots`` gives (500 concurrent streams fit): beyond it the static step's
-buckets (captured graphs: 36 batch x 5 context buckets at 512) and the per-step host work grow with
-no one to serve. Set ``max_num_seqs`` to go further."""
+buckets (captured graphs: 10 batch x 5 context buckets at 512 slots and 2304 positions, two step
+graphs each) and the per-step host work grow with no one to serve. Set ``max_num_seqs`` to go further."""
 
 AUTO_SLOTS_FRACTION = {"cuda": 0.75, "cpu": 0.5}
 """Share of the free memory the KV cache may take: on CUDA all but the quarter
@@ -176,12 +176,16 @@ class ModelRunner:
         step_graphs = step_graphs_apply(
             cfg.step_graphs, self.device.type, self.decode_mode, self.noise_source, cfg.cuda_graphs
         )
+        self.graph_store = GraphStore(self.device)
+        """Every CUDA graph of this engine, their pool and their one capture stream (``cuda_graph``)."""
         self.static: StaticDecoder | None = None
         if self.decode_mode == "static":
             # With step graphs every decode step replays one of them: the trunk's own graphs (one per
             # bucket, captured at start-up) would never replay, so they are not captured.
             trunk_graphs = cfg.cuda_graphs and not step_graphs
-            self.static = StaticDecoder(model.gpt, self.cache, trunk_graphs, cfg.compile, cfg.strict_cuda_graphs)
+            self.static = StaticDecoder(
+                model.gpt, self.cache, trunk_graphs, cfg.compile, cfg.strict_cuda_graphs, self.graph_store
+            )
         self.step_graph: StepGraph | None = None
         """Decode rows as one graph (the CUDA defaults; ``engine.step_graph``)."""
         if step_graphs:

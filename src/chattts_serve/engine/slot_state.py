@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..device import host_zeros, record_event
 from .sampler import PENALTY_WINDOW
 
 
@@ -52,8 +53,7 @@ class HostStaging:
     """One persistent int64 host buffer (pinned on CUDA) and its device twin: numpy writes, one copy."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pin)
+        self.host = host_zeros(capacity, torch.int64, device)
         self._np = self.host.numpy()
         self.dev = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.used = 0
@@ -83,17 +83,18 @@ class TokenReadback:
     """The step's one device-to-host copy: sampled tokens into a persistent host buffer, one wait."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=self._cuda)
-        self._event = torch.cuda.Event() if self._cuda else None
+        self.device = device
+        self.host = host_zeros(capacity, torch.int64, device)
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
 
     def read(self, tokens: torch.Tensor) -> np.ndarray:
         """tokens ``[n]`` int64 on the device -> a numpy view of the host copy (valid until the next read)."""
         n = tokens.shape[0]
         self.host[:n].copy_(tokens, non_blocking=True)
         if self._event is not None:
-            self._event.record()
-            self._event.synchronize()
+            # On the engine's device's stream, where the copy was queued (a bare ``record()`` records on
+            # the thread's current device: cuda:0 for an engine on cuda:1, and the wait would not wait).
+            record_event(self.device, self._event).synchronize()
         return self.host[:n].numpy()
 
 

@@ -20,26 +20,32 @@ row that is not active sends its keys to the scratch position and writes its sam
 unchanged (``SlotState.record_active``). Top-k reads its k-th value from a ``topk`` as wide as the
 vocabulary: the same value as the eager step's narrower one, with no host value in a shape.
 
-One graph per (batch, context, text rows or not) bucket, captured the first time a step needs it (most
-of the buckets of 512 slots never occur under a given load; capturing them all would double the trunk
-graphs' start-up), then checked at once on that live step: the mutable slot state is saved, the eager
-function runs, the state is put back, the graph replays, and the tokens and state must equal the
-eager step's (the hidden state within ``cuda_graph._TOLERANCE``) before the replay's result is used.
-Keys written twice are the same keys (same inputs, same position). A graph that fails is dropped (or,
-``strict_cuda_graphs``, raises) and its bucket runs eagerly from then on, with the eager result used.
-All step graphs share one memory pool: they replay one at a time on one stream, and every graph's
-outputs stay alive, so no capture reuses another graph's output memory.
+One graph per (batch, context, text rows or not) bucket, every bucket captured at start-up
+(``capture_all``; batch buckets are powers of two: 512 slots of 2304 positions make 10 x 5 x 2) and never on
+the live path: a capture syncs the device, warms up twice and checks, 50-200 ms that would stall every
+stream in flight. Each is checked at once on a probe step (every row of the bucket active, code rows
+and, in the text variant, text rows, from random last tokens at position 0 of the still empty cache):
+the mutable slot state is saved, the eager function runs, the state is put back, the graph replays,
+and the tokens and state must equal the eager step's (the hidden state within
+``cuda_graph._TOLERANCE``). A graph that fails is kept unused by the ``GraphStore`` (or,
+``strict_cuda_graphs``, raises) and its bucket runs eagerly. The time and memory the capture took are
+logged (``capture_s``, ``capture_bytes``). Captures use the thread-local capture mode: another
+thread's CUDA call cannot invalidate them.
+All step graphs share one memory pool and one capture stream (the engine's ``GraphStore``, which owns
+them, refused ones included, until the engine goes): they replay one at a time on one stream, and every
+graph's outputs stay alive, so no capture reuses another graph's output memory.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
-from .cuda_graph import _TOLERANCE, _bucket, capture_graph
+from .cuda_graph import _TOLERANCE, _bucket
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -64,12 +70,15 @@ def step_graphs_apply(mode: str, device_type: str, decode_mode: str, noise_sourc
 
 
 class StepGraph:
-    """See the module docstring. ``runner`` owns the model, the static trunk step and the slot state."""
+    """See the module docstring. ``runner`` owns the model, the static trunk step, the slot state and
+    this object; it is held weakly (no reference cycle: an engine and its graphs go when it is dropped,
+    not at a later garbage collection)."""
 
     def __init__(self, runner: ModelRunner, use_graphs: bool, strict: bool = False) -> None:
         static = runner.static
         assert static is not None, "the step graph needs the static decode step"
-        self.runner, self.static = runner, static
+        self.runner: ModelRunner = weakref.proxy(runner)
+        self.static = static
         self.device = static.device
         slots = runner.cache.num_slots
         self.code_active = torch.zeros(slots, dtype=torch.bool, device=self.device)
@@ -77,17 +86,23 @@ class StepGraph:
         self.rows = torch.arange(slots, device=self.device)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.strict = strict
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.store = static.store
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = (
+            self.store.table("step")
+        )
         """(batch bucket, context bucket, any text row) -> the graph and its outputs."""
         self.refused: set[tuple[int, int, bool]] = set()
-        self._pool = None
         self._active_for: StepPlan | None = None
         self.graph_replays = 0
         """Steps run by replaying a step graph."""
         self.eager_steps = 0
         """Steps run by the same function eagerly (no CUDA, a refused bucket)."""
         self.capture_s = 0.0
-        """Time spent capturing and checking graphs, in all (each bucket once, at its first step)."""
+        """Time spent capturing and checking every bucket's graph at start-up."""
+        self.capture_bytes = 0
+        """Device memory the capture took (the graphs' pool and outputs; CUDA's reserved bytes)."""
+        if self.use_graphs:
+            self.capture_all()
 
     # ------------------------------------------------------------------ the function
 
@@ -142,9 +157,7 @@ class StepGraph:
                 graph, out = self.graphs[key]
                 graph.replay()
                 self.graph_replays += 1
-            elif self.use_graphs and key not in self.refused:
-                out = self._capture_and_check(key)
-            else:
+            else:  # no graphs, or a refused bucket: never a capture here (they all happen at start-up)
                 out = self.step_fn(*key)
                 self.eager_steps += 1
         tokens: dict[str, torch.Tensor] = {}
@@ -159,6 +172,58 @@ class StepGraph:
 
     # ------------------------------------------------------------------ capture
 
+    def buckets(self) -> list[tuple[int, int, bool]]:
+        """Every (batch, context, text rows) bucket a step can fall in, largest first (one memory pool:
+        the largest capture's blocks serve the smaller ones)."""
+        return [
+            (bs, ctx, text)
+            for bs in reversed(self.static.batch_sizes)
+            for ctx in reversed(self.static.ctx_sizes)
+            for text in (True, False)
+        ]
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture and check every bucket's graph on a probe step (module docstring), then put the
+        slot state and the masks back as they were (no sequence is running yet)."""
+        st, r = self.runner.slot_state, self.runner
+        t0 = time.perf_counter()
+        saved = {name: getattr(st, name).clone() for name in (*_MUTABLE, "prompt_len")}
+        cuda = self.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        vocab = min(r._vocab.values())
+        st.last.copy_(torch.randint(0, vocab, st.last.shape, generator=gen))
+        st.prompt_len.fill_(1)  # position 0: nothing is cached yet, and the next prefill overwrites it
+        probe = self._save()
+        with self.static._on_device():
+            for key in self.buckets():
+                bs, _, text = key
+                self.code_active.zero_(), self.text_active.zero_()
+                self.code_active[:bs] = True
+                if text:  # odd rows text, even rows code
+                    self.code_active[1:bs:2] = False
+                    self.text_active[1:bs:2] = True
+                self._capture_and_check(key)
+                self._restore(probe)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        for name, value in saved.items():
+            getattr(st, name).copy_(value)
+        self.code_active.zero_(), self.text_active.zero_()
+        self._active_for = None
+        self.graph_replays = self.eager_steps = 0
+        self.capture_s = time.perf_counter() - t0
+        logger.info(
+            "captured %d decode step graphs (%d refused) on %s in %.1f s, %.0f MiB",
+            len(self.graphs),
+            len(self.refused),
+            self.device,
+            self.capture_s,
+            self.capture_bytes / 2**20,
+        )
+
     def _save(self) -> dict[str, torch.Tensor]:
         st = self.runner.slot_state
         return {name: getattr(st, name).clone() for name in _MUTABLE}
@@ -169,15 +234,12 @@ class StepGraph:
             getattr(st, name).copy_(value)
 
     def _capture_and_check(self, key: tuple[int, int, bool]) -> tuple[torch.Tensor, ...]:
-        """Capture bucket ``key`` on this live step, check it against the eager function, and return
-        this step's result (the replay's, or the eager one's if the graph is refused). The step's state
+        """Capture bucket ``key`` on the probe step, check it against the eager function, and return
+        the step's result (the replay's, or the eager one's if the graph is refused). The step's state
         advances exactly once."""
-        t0 = time.perf_counter()
         before = self._save()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         # The warm-ups run the step for real: the state is put back after each.
-        graph, out = capture_graph(lambda: self.step_fn(*key), self.device, self._pool, lambda: self._restore(before))
+        graph, out = self.store.capture(lambda: self.step_fn(*key), lambda: self._restore(before))
         self._restore(before)  # a capture runs nothing on CUDA; a stand-in graph (tests) may have
 
         want = tuple(t.clone() for t in self.step_fn(*key))
@@ -190,13 +252,13 @@ class StepGraph:
         state_ok = all(torch.equal(getattr(self.runner.slot_state, n), after[n]) for n in _MUTABLE)
         tokens_ok = all(torch.equal(o, w) for o, w in zip(out, want, strict=True) if not o.is_floating_point())
         hidden_ok = bool(torch.allclose(out[1], want[1], rtol=rtol, atol=atol))
-        self.capture_s += time.perf_counter() - t0
         if state_ok and tokens_ok and hidden_ok:
             self.graphs[key] = (graph, out)
             self.graph_replays += 1
             logger.debug("captured the decode step graph for batch %d ctx %d text %s", *key)
             return out
         self.refused.add(key)
+        self.store.retire(graph)
         # The failed replay may have written wrong keys at this step's positions: the eager step again
         # (from the saved state) writes the right ones and leaves the state one step on.
         self._restore(before)
