@@ -302,7 +302,7 @@ def run_requests(core: EngineCore, reqs: dict[str, tuple[SamplingParams, StreamP
             if o.finished:
                 finals[o.request_id] = o
         for rid in reqs:
-            req = core.pipeline.requests.get(rid)
+            req = core.stage.pipeline.requests.get(rid)
             if req is not None and req.segments[0].stream is not None:
                 streams[rid] = req.segments[0].stream
     assert all(finals[rid].finish_reason == "length" for rid in reqs)

@@ -54,7 +54,7 @@ def test_bf16_cache_stays_close_to_fp32(tiny_ckpt, step):
 
 def test_engine_with_bf16_cache_is_repeatable_and_batch_invariant(tiny_ckpt):
     engine = Engine.from_pretrained(tiny_ckpt, config=_bf16(4))
-    assert engine.core.runner.cache.k.dtype == torch.bfloat16
+    assert engine.core.stage.runner.cache.k.dtype == torch.bfloat16
     batched = engine.synthesize(TEXTS, PARAMS)
     again = engine.synthesize(TEXTS, PARAMS)
     alone = engine.synthesize(TEXTS[1:2], PARAMS)[0]

@@ -79,7 +79,7 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
     engine = Engine.from_pretrained(ckpt, device="cpu", config=EngineConfig.with_slots(1))
     model = engine.model
     captured: list = []
-    update = engine.core.pipeline.update
+    update = engine.core.stage.pipeline.update
 
     def recording_update(outputs, hidden=None):
         for o in outputs:  # each output with its own hidden state (the step's tensor is shared)
@@ -87,7 +87,7 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
             captured.append(SimpleNamespace(seq=o.seq, token=o.token, hidden=h))
         return update(outputs, hidden)
 
-    engine.core.pipeline.update = recording_update
+    engine.core.stage.pipeline.update = recording_update
     report = {"cases": 0, "steps_compared": 0, "long_cases": 0, "eos_cases": 0, "max_abs": {}}
     worst = report["max_abs"]
 

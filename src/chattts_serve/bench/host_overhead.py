@@ -296,7 +296,7 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
         ),
     )
     core = Engine.from_pretrained(path, "cpu", config).core
-    _stub_device_work(core.runner, n, core.runner.model.gpt.norm.weight.shape[0])
+    _stub_device_work(core.stage.runner, n, core.stage.runner.model.gpt.norm.weight.shape[0])
     for i in range(n):
         params = SamplingParams(
             seed=i if i % 2 else None,
@@ -323,7 +323,10 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
 
         return call
 
-    core.audio.submit, core.audio.collect = untimed(core.audio.submit), untimed(core.audio.collect)
+    core.stage.decoder.submit, core.stage.decoder.collect = (
+        untimed(core.stage.decoder.submit),
+        untimed(core.stage.decoder.collect),
+    )
     rows = []
     for _ in range(steps):
         audio[0] = 0.0

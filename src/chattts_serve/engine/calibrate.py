@@ -12,6 +12,7 @@ from ..model.prepare import ModelLayout
 from ..model.quant import SPECS, record_absmax
 from ..model.speaker import SpeakerStats, encode_speaker
 from ..model.tokenizer import Tokenizer
+from ..models.chattts.stage import ChatTTSStage
 from ..sampling_params import RefineParams, SamplingParams
 from .config import EngineConfig
 from .core import EngineCore
@@ -37,7 +38,7 @@ def calibrate(
     import torch
 
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=1024))
-    core = EngineCore(model, tokenizer, config, ModelLayout(SPECS["fp32"]))
+    core = EngineCore(ChatTTSStage(model, tokenizer, config, ModelLayout(SPECS["fp32"])), config)
     speaker = None
     if speaker_stats is not None:
         speaker = encode_speaker(speaker_stats.sample(torch.Generator().manual_seed(seed)))
