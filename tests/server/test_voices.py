@@ -502,13 +502,13 @@ def test_decode_stops_at_the_limit():
     data = silent_flac(600)
     tracemalloc.start()
     try:
-        wav = decode_upload(data, LIMIT_S)
+        wav = decode_upload(data, LIMIT_S, SR)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert wav.dtype == np.float32 and len(wav) == int(LIMIT_S * SR)
     assert peak < 8 << 20, f"decoding kept {peak / 1e6:.0f} MB"
-    assert len(decode_upload(sine_wav(1.0), LIMIT_S)) == SR  # a shorter file is kept whole
+    assert len(decode_upload(sine_wav(1.0), LIMIT_S, SR)) == SR  # a shorter file is kept whole
 
 
 @pytest.fixture(scope="module")
@@ -682,10 +682,10 @@ def test_uploads_hold_the_servers_requests_in_flight(inproc, monkeypatch):
     app, client, _ = inproc
     decoding, release = threading.Event(), threading.Event()
 
-    def slow_decode(data: bytes, max_seconds: float) -> np.ndarray:
+    def slow_decode(data: bytes, max_seconds: float, rate: int) -> np.ndarray:
         decoding.set()
         assert release.wait(30)
-        return decode_upload(data, max_seconds)
+        return decode_upload(data, max_seconds, rate)
 
     def upload(name: str):
         files = {"file": ("s.wav", sine_wav(), "audio/wav")}

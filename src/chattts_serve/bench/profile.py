@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             one_pass()
         prof.export_chrome_trace(args.trace)
         top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-    audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / 24000
+    audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / engine.sample_rate
     trunk = engine.layout.trunk  # ort-* modes: the weights live in the ONNX export
     # ort-auto: the export a decode step of this many rows reads (the other one's bytes sit idle).
     nbytes = trunk.for_rows(args.streams).weight_bytes if trunk is not None else weight_bytes(engine.model.gpt)

@@ -13,7 +13,7 @@ import importlib
 import re
 from pathlib import Path
 
-from .family import ModelFamily
+from .family import ModelFamily, foreign_options
 
 _BUILTIN: dict[str, str] = {
     "chattts": "chattts_serve.models.chattts.family:ChatTTSFamily",
@@ -71,6 +71,18 @@ def option_owners() -> dict[str, str]:
     return {option: f.name for f in families() for option in f.owned_options}
 
 
+def check_foreign(params, family: str) -> None:
+    """Raise ValueError naming the first field of ``params`` (a ``SamplingParams``), set away from its default,
+    that a family other than ``family`` owns: what a family's ``check_options`` does first."""
+    from ..sampling_params import flat_options, option_defaults
+
+    defaults = option_defaults()
+    given = {k: v for k, v in flat_options(params).items() if k in defaults and v != defaults[k]}
+    message = foreign_options(family, given, option_owners())
+    if message is not None:
+        raise ValueError(message)
+
+
 def detect(path_or_repo: str | Path, family: str | None = None) -> ModelFamily:
     """The family of a checkpoint. ``family`` (``--family``) wins. Otherwise a local directory is
     recognised by its files (``ModelFamily.is_checkpoint``) and a hub id by the families' known repos
@@ -101,4 +113,14 @@ def detect(path_or_repo: str | Path, family: str | None = None) -> ModelFamily:
     )
 
 
-__all__ = ["ModelFamily", "UnknownFamilyError", "detect", "families", "get", "names", "option_owners", "register"]
+__all__ = [
+    "ModelFamily",
+    "UnknownFamilyError",
+    "check_foreign",
+    "detect",
+    "families",
+    "get",
+    "names",
+    "option_owners",
+    "register",
+]

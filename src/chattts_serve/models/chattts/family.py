@@ -136,12 +136,21 @@ class ChatTTSModel(FamilyModel):
         return [str(self.root.resolve()), *files]
 
     def check_options(self, params: SamplingParams) -> SamplingParams:
-        return params  # validated by SamplingParams itself, and by the input processor
+        """``params`` itself (validated by ``SamplingParams`` and the input processor); ChatTTS has no options
+        beyond its fields, so ``params.options`` must be None."""
+        check_no_options(params)
+        return params
 
     def stage(self, config):
         from .stage import ChatTTSStage
 
         return ChatTTSStage(self.model, self.tokenizer, config, self.layout)
+
+
+def check_no_options(params: SamplingParams) -> None:
+    if params.options:
+        names = ", ".join(sorted(map(str, params.options)))
+        raise ValueError(f"option(s) {names} are not ChatTTS's; this model is a chattts model")
 
 
 def _speaker_stats(model):

@@ -83,6 +83,10 @@ class ChatTTSStage:
     def prepare(
         self, text: str, params: SamplingParams, max_audio_seconds: float | None = None
     ) -> PreparedRequest:
+        from .family import check_no_options
+
+        if isinstance(params, SamplingParams):
+            check_no_options(params)
         return self.inputs.prepare(text, params, max_audio_seconds)
 
     def start(

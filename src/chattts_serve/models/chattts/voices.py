@@ -74,13 +74,34 @@ class ChatTTSVoices(Voices):
         decode_speaker(voice, expected_dim=self.hidden_size)
 
     def blend(self, voices: Sequence[str], weights: Sequence[float]) -> str:
-        parts = tuple(decode_speaker(v, expected_dim=self.hidden_size).tobytes() for v in voices)
-        return _mixed(self.stats, parts, tuple(float(w) for w in weights))
+        parts = [decode_speaker(v, expected_dim=self.hidden_size).tobytes() for v in voices]
+        return _mixed_speaker(self.stats, *canonical_blend(parts, [float(w) for w in weights]))
+
+
+BLEND_WEIGHT_DIGITS = 4
+"""A blend's weights count to 1/10,000 of their sum: finer differences are far below what the float16
+embedding can hold, and each distinct blend costs a mix."""
+
+
+def canonical_blend(parts: list[bytes], weights: list[float]) -> tuple[tuple[bytes, ...], tuple[float, ...]]:
+    """A blend as it is mixed, and its cache key: one term per distinct embedding (a voice named twice, or by
+    name and by speaker string, adds its weights), in a fixed order, with the weights normalised to sum 1 and
+    rounded to ``BLEND_WEIGHT_DIGITS`` (a term that rounds to 0 adds nothing and is left out). So blends that
+    cannot sound different are one entry, and a request of many near-equal blends buys one mix, not many.
+    ``weights``: positive and finite (``server.blend``)."""
+    merged: dict[bytes, float] = {}
+    top = max(weights)  # first to (0, 1]: the sum of a few huge weights cannot overflow
+    for part, weight in zip(parts, weights, strict=True):
+        merged[part] = merged.get(part, 0.0) + weight / top
+    total = sum(merged.values())
+    rounded = {p: round(w / total, BLEND_WEIGHT_DIGITS) for p, w in sorted(merged.items())}
+    kept = {p: w for p, w in rounded.items() if w > 0}  # the largest is >= 1/8 (server.blend.MAX_BLEND_TERMS)
+    return tuple(kept), tuple(kept.values())
 
 
 @functools.lru_cache(maxsize=256)
-def _mixed(stats, parts: tuple[bytes, ...], weights: tuple[float, ...]) -> str:
-    """The speaker string of a blend (``parts``: float16 embeddings' bytes, a cache key; ``stats`` is hashed by
-    identity): the same blend again costs nothing."""
+def _mixed_speaker(stats, parts: tuple[bytes, ...], weights: tuple[float, ...]) -> str:
+    """The speaker string of a blend (``canonical_blend``): ``parts`` are float16 embeddings' bytes (a cache
+    key; ``stats`` is hashed by identity): the same blend again costs nothing."""
     embeddings = [np.frombuffer(p, dtype=np.float16) for p in parts]
     return encode_speaker(blend_speakers(embeddings, weights, stats))
