@@ -168,6 +168,8 @@ def test_stored_audio_is_read_only():
 class ScriptedEngine:
     """An engine whose stream yields the given outputs, then raises ``fail`` (if any); counts its requests."""
 
+    sample_rate = 24000
+
     def __init__(self, outputs, fail: BaseException | None = None) -> None:
         self.outputs, self.fail, self.calls = outputs, fail, 0
 

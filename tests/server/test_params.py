@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from chattts_serve.audio.policy import StreamPolicy
-from chattts_serve.model.speaker import blend_speakers, decode_speaker, default_speaker_stats, encode_speaker
+from chattts_serve.model.speaker import blend_speakers, decode_speaker, default_speaker_stats
+from chattts_serve.models.chattts.voices import ChatTTSVoices
 from chattts_serve.sampling_params import RefineParams, speed_prompt
 from chattts_serve.server import params as params_module
 from chattts_serve.server.errors import APIError
@@ -24,16 +24,18 @@ from chattts_serve.server.voices import BUILTIN_VOICES, VoiceStore
 SPEAKER = "\u4e00" * 16  # base16384-looking: taken as a speaker string
 
 
+class FakeVoices(ChatTTSVoices):
+    """ChatTTS's voices with a made-up speaker per built-in voice's seed."""
+
+    def sample(self, seed: int | None = None) -> str:
+        return f"speaker-{seed}"
+
+
 class FakeEngine:
-    """Only what resolve_voice asks of the engine: a speaker per built-in voice's seed."""
+    """Only what resolve_voice asks of the engine: its family's voices."""
 
     def __init__(self, has_stats: bool = True) -> None:
-        self.has_stats = has_stats
-
-    def sample_speaker(self, seed: int) -> str:
-        if not self.has_stats:
-            raise ValueError("no speaker statistics")
-        return f"speaker-{seed}"
+        self.voices = FakeVoices(object() if has_stats else None, 768)
 
 
 @pytest.fixture
@@ -137,11 +139,10 @@ class BlendEngine:
 
     def __init__(self, has_stats: bool = True) -> None:
         self.speaker_stats = default_speaker_stats() if has_stats else None
+        self.voices = ChatTTSVoices(self.speaker_stats, self.hidden_size)
 
     def sample_speaker(self, seed: int) -> str:
-        if self.speaker_stats is None:
-            raise ValueError("no speaker statistics")
-        return encode_speaker(self.speaker_stats.sample(torch.Generator().manual_seed(seed)))
+        return self.voices.sample(seed)
 
 
 def speaker_of(engine, name: str) -> np.ndarray:

@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     first = time.perf_counter() - t0
                 audio[out.request_id].append(out.audio)
         for chunks in audio.values():
-            response.encode(np.concatenate(chunks), args.format)
+            response.encode(np.concatenate(chunks), args.format, model_rate=engine.sample_rate)
         return time.perf_counter() - t0, first, steps, audio
 
     # The timed pass runs without torch.profiler (its per-op bookkeeping would inflate every stage);

@@ -11,15 +11,19 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
-from ...model import checkpoint
 from ...model.config import DEFAULT_MODEL, SAMPLE_RATE
 from ...sampling_params import SamplingParams
 from ..family import Capabilities, FamilyModel, ModelFamily, Size
-from .voices import ChatTTSVoices
+
+if TYPE_CHECKING:
+    import torch
+
+    from .voices import ChatTTSVoices
+
+# torch, the checkpoint reader and the modules are imported where a model is loaded: the registry, the CLI
+# and the server's config describe families without them.
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,8 @@ class ChatTTSFamily(ModelFamily):
         return (root / "asset").is_dir()
 
     def resolve(self, path_or_repo: str | Path) -> Path:
+        from ...model import checkpoint
+
         return checkpoint.resolve(path_or_repo)
 
     def write_random(self, directory: str | Path, size: Size = "tiny", seed: int = 0) -> Path:
@@ -61,9 +67,12 @@ class ChatTTSFamily(ModelFamily):
     def load(self, root: Path, device: torch.device, config) -> ChatTTSModel:
         """Every precision starts from the fp32 weights (int8 scales are taken from them, not from bf16);
         ``config.auto_slots`` sizes the KV slots from free memory; ``int8-static`` calibrates first."""
+        import torch
+
         from ...engine.calibrate import calibrate
         from ...engine.onednn import bound_kernel_caches
         from ...engine.runner import auto_num_slots, fitted_model_len
+        from ...model import checkpoint
         from ...model.gpt import KVCache
         from ...model.prepare import prepare_model
         from ...model.quant import check_supported, parse_precision
@@ -116,6 +125,8 @@ class ChatTTSModel(FamilyModel):
         self.speaker_stats = speaker_stats
         self.config = config
         self.layout = layout
+        from .voices import ChatTTSVoices
+
         self._voices = ChatTTSVoices(speaker_stats, model.config.gpt.hidden_size)
 
     @property
@@ -127,6 +138,8 @@ class ChatTTSModel(FamilyModel):
         return self._voices
 
     def identity(self) -> list[str]:
+        from ...model import checkpoint
+
         files = []
         for rel in (*checkpoint.REQUIRED_FILES, checkpoint.SPK_STAT):
             path = self.root / rel
@@ -154,6 +167,8 @@ def check_no_options(params: SamplingParams) -> None:
 
 
 def _speaker_stats(model):
+    from ...model import checkpoint
+
     stats = checkpoint.read_speaker_stats(model.root, model.config.gpt.hidden_size)
     if stats is None:
         logger.warning(
