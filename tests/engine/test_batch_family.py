@@ -138,7 +138,7 @@ def test_a_cancelled_stream_leaves_before_its_utterances_run_and_the_others_comp
     runs, the first request completes, and nothing is left running."""
     engine = AsyncEngine(engine_on(sine_dir, max_num_seqs=1))
     model = engine.engine.family_model
-    model.gate = threading.Event()
+    model.gate = threading.Semaphore(0)
 
     async def main():
         kept = asyncio.create_task(engine.generate(TEXT, SamplingParams()))
@@ -148,7 +148,7 @@ def test_a_cancelled_stream_leaves_before_its_utterances_run_and_the_others_comp
         while len(engine._collectors) < 2:  # submitted: in the engine loop's inbox behind the held step
             await asyncio.sleep(0.01)
         gone.cancel()  # its abort follows it into the inbox
-        model.gate.set()
+        model.gate.release(10)
         result = await asyncio.wait_for(kept, 30)
         while engine.core.has_unfinished():
             await asyncio.sleep(0.01)

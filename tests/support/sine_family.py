@@ -8,7 +8,7 @@ timestamps counted from the durations) at its own sample rate (16 kHz). Voices a
 ``speed``, travels in ``SamplingParams.options``.
 
 ``SineFamily`` is registered by the tests that use it (``registered``); ``SineModel.batches`` records the
-size of every batch it ran, and ``gate`` (an Event) holds ``synthesize`` until it is set.
+size of every batch it ran, and ``gate`` (a Semaphore) holds each ``synthesize`` until a permit is released.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class SineModel(BatchModel):
         self.settings = json.loads((root / CONFIG).read_text())
         self._voices = SineVoices()
         self.batches: list[int] = []
-        self.gate: threading.Event | None = None
+        self.gate: threading.Semaphore | None = None
 
     @property
     def sample_rate(self) -> int:
@@ -121,7 +121,7 @@ class SineModel(BatchModel):
 
     def synthesize(self, batch: Sequence[Utterance]) -> list[Speech]:
         if self.gate is not None:
-            assert self.gate.wait(30), "the test never opened the gate"
+            assert self.gate.acquire(timeout=30), "the test never let this batch run"
         self.batches.append(len(batch))
         return [self._one(u.inputs) for u in batch]
 

@@ -146,6 +146,7 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "max_model_len": ("scheduler", "max_model_len"),
     "max_waiting": ("scheduler", "max_waiting"),
     "max_prefill_tokens": ("scheduler", "max_prefill_tokens"),
+    "max_batch_work": ("scheduler", "max_batch_work"),
     "decode": ("runner", "decode"),
     "cuda_graphs": ("runner", "cuda_graphs"),
     "compile": ("runner", "compile"),
@@ -169,6 +170,8 @@ _HELP = {
     "max_position_embeddings; fixed slots are shortened at load where memory does not hold them)",
     "max_waiting": "sequences that may wait for a slot; beyond it submissions are refused",
     "max_prefill_tokens": "prompt tokens prefilled per step, in one batched call (caps how long running streams wait)",
+    "max_batch_work": "batch families (whole utterances, no KV slots): input tokens one step's batch may hold "
+    "(--max-num-seqs caps its rows)",
     "decode": "decode step: rows (batch-invariant; CPU default) or static (fixed shapes, CUDA graphs; CUDA default)",
     "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only)",
     "compile": "torch.compile the static decode step",
