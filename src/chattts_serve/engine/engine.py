@@ -27,9 +27,10 @@ from .. import models
 from ..audio.policy import StreamPolicy
 from ..device import bind_thread
 from ..model.config import DEFAULT_MODEL
-from ..models.family import FamilyModel, ModelFamily
+from ..models.family import BatchModel, FamilyModel, ModelFamily
 from ..sampling_params import SamplingParams
 from ..tf32 import strict_fp32
+from .batch import BatchStage
 from .config import EngineConfig
 from .core import EngineCore
 from .outputs import Result, build_result
@@ -46,7 +47,8 @@ class Engine:
             config = replace(config, scheduler=replace(config.scheduler, admission="work"))
         self.family_model = model
         self.config = config
-        self.core = EngineCore(model.stage(config), config)
+        stage = BatchStage(model, config) if isinstance(model, BatchModel) else model.stage(config)
+        self.core = EngineCore(stage, config)
         self._ids = itertools.count()
 
     @classmethod

@@ -120,10 +120,10 @@ class FamilyModel(ABC):
         ``SamplingParams`` itself). Raises ValueError naming the field, and, for a field another family
         owns, that family (``foreign_options``). Thread-safe, host-only: called as a request is prepared."""
 
-    @abstractmethod
     def stage(self, config: EngineConfig) -> Stage:
-        """The engine's execution for this model (``engine.stage.Stage``): for "batch" families
-        ``engine.batch.BatchStage(self, config)``; a "slots" family builds its own."""
+        """A "slots" family's execution on the engine (``engine.stage.Stage``), which it builds itself. A "batch"
+        family has none of its own: the engine runs every ``BatchModel`` through ``engine.batch.BatchStage``."""
+        raise NotImplementedError(f"the {self.family.name} family runs in slots and must build its own stage")
 
 
 class BatchModel(FamilyModel):
@@ -142,11 +142,6 @@ class BatchModel(FamilyModel):
         """One forward for the batch (any mix of lengths and requests), one ``Speech`` per utterance in
         order. A row's result must not depend on the others (batch invariance: durations exact, waveform
         within the family's stated bound). Raising fails the step's requests, never the engine."""
-
-    def stage(self, config: EngineConfig) -> Stage:
-        from ..engine.batch import BatchStage
-
-        return BatchStage(self, config)
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,8 @@ class ChatTTSModel(FamilyModel):
     def check_options(self, params: SamplingParams) -> SamplingParams:
         """``params`` itself (validated by ``SamplingParams`` and the input processor); ChatTTS has no options
         beyond its fields, so ``params.options`` must be None."""
+        from .stage import check_no_options
+
         check_no_options(params)
         return params
 
@@ -158,12 +160,6 @@ class ChatTTSModel(FamilyModel):
         from .stage import ChatTTSStage
 
         return ChatTTSStage(self.model, self.tokenizer, config, self.layout)
-
-
-def check_no_options(params: SamplingParams) -> None:
-    if params.options:
-        names = ", ".join(sorted(map(str, params.options)))
-        raise ValueError(f"option(s) {names} are not ChatTTS's; this model is a chattts model")
 
 
 def _speaker_stats(model):

@@ -34,6 +34,13 @@ from ...tf32 import fp32_scope
 logger = logging.getLogger(__name__)
 
 
+def check_no_options(params: SamplingParams) -> None:
+    """ChatTTS has no options beyond ``SamplingParams``' fields: another family's (``options``) is an error."""
+    if params.options:
+        names = ", ".join(sorted(map(str, params.options)))
+        raise ValueError(f"option(s) {names} are not ChatTTS's; this model is a chattts model")
+
+
 class ChatTTSStage:
     sample_rate = SAMPLE_RATE
 
@@ -83,8 +90,6 @@ class ChatTTSStage:
     def prepare(
         self, text: str, params: SamplingParams, max_audio_seconds: float | None = None
     ) -> PreparedRequest:
-        from .family import check_no_options
-
         if isinstance(params, SamplingParams):
             check_no_options(params)
         return self.inputs.prepare(text, params, max_audio_seconds)
