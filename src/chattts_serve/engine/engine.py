@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: FamilyModel) -> None:
-        """``model``: a loaded checkpoint of any family (``ModelFamily.load``), prepared for ``model.config``;
+        """``model``: a loaded checkpoint of any family (``ModelFamily.load``), prepared for its ``config``;
         ``from_pretrained`` does all of it. A "batch" family's scheduler admits by work budget."""
         config = model.config
         if model.family.execution == "batch":
