@@ -161,3 +161,16 @@ def test_a_cancelled_stream_leaves_before_its_utterances_run_and_the_others_comp
     assert len(result.audio) == samples(WORDS) and result.sample_rate == RATE
     assert model.batches == [1, 1]  # kept's two sentences; none of gone's
     assert engine.stats().num_waiting == 0 and engine.stats().num_running == 0
+
+
+def test_every_streamed_delta_says_the_models_rate(sine_dir):
+    engine = AsyncEngine(engine_on(sine_dir, max_num_seqs=1))
+
+    async def main():
+        return [c async for c in engine.stream(TEXT, SamplingParams())]
+
+    try:
+        chunks = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        engine.shutdown()
+    assert len(chunks) == 2 and {c.sample_rate for c in chunks} == {RATE}  # one delta per sentence

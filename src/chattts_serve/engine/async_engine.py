@@ -253,6 +253,7 @@ class AsyncEngine:
                         "start_sample": position,
                         "elapsed_s": time.monotonic() - t0,
                         "spans": spans,
+                        "sample_rate": self.engine.sample_rate,
                     }
                     if done:
                         chunk = replace(final, audio=audio, **fields)

@@ -134,7 +134,9 @@ async def spoken(
         await _first_turn_started(firsts)
         for i, (stream, first) in enumerate(zip(streams, firsts, strict=True)):
             if i and pause:
-                yield RequestOutput(request_id, np.zeros(pause, np.float32), index=index, start_sample=position)
+                silence = np.zeros(pause, np.float32)
+                rate = engine.sample_rate
+                yield RequestOutput(request_id, silence, index=index, start_sample=position, sample_rate=rate)
                 index, position = index + 1, position + pause
             try:
                 chunk = await first
