@@ -164,13 +164,20 @@ def test_a_cancelled_stream_leaves_before_its_utterances_run_and_the_others_comp
 
 
 def test_every_streamed_delta_says_the_models_rate(sine_dir):
+    """One sentence per batch, the second held until the first delta is read: a delta before the last."""
     engine = AsyncEngine(engine_on(sine_dir, max_num_seqs=1))
+    model = engine.engine.family_model
+    model.gate = threading.Semaphore(1)
 
     async def main():
-        return [c async for c in engine.stream(TEXT, SamplingParams())]
+        chunks = []
+        async for chunk in engine.stream(TEXT, SamplingParams()):
+            chunks.append(chunk)
+            model.gate.release()
+        return chunks
 
     try:
         chunks = asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         engine.shutdown()
-    assert len(chunks) == 2 and {c.sample_rate for c in chunks} == {RATE}  # one delta per sentence
+    assert len(chunks) == 2 and not chunks[0].finished and {c.sample_rate for c in chunks} == {RATE}
