@@ -6,6 +6,7 @@ name, requests batched together, and a client that leaves."""
 from __future__ import annotations
 
 import io
+import json
 import threading
 import wave
 
@@ -65,6 +66,13 @@ def test_models_name_the_family_and_its_rate(live):
     assert {(m["family"], m["sample_rate"]) for m in data} == {("sine", RATE)}
     metrics = httpx.get(live[0] + "/metrics", timeout=TIMEOUT).text
     assert 'chattts_model_info{family="sine",sample_rate="16000"} 1.0' in metrics
+
+
+def test_the_result_cache_key_names_the_family_and_its_checkpoint(live):
+    from chattts_serve.server.cache import engine_identity
+
+    family, checkpoint, config, device = json.loads(engine_identity(live[1]))
+    assert family == "sine" and '"sample_rate": 16000' in checkpoint[1] and device == "cpu"
 
 
 def test_openai_sdk_speech_at_the_familys_rate(client):
