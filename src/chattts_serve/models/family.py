@@ -189,8 +189,6 @@ class ModelFamily(ABC):
     owned_options: ClassVar[frozenset[str]] = frozenset()
     """Request options (flat names, as the HTTP API and ``SamplingParams.from_options`` spell them) that
     only this family reads: another family refuses them with a 400 that names this one."""
-    default_repo: ClassVar[str | None] = None
-    """What ``--model`` means when only ``--family`` is given."""
 
     @abstractmethod
     def is_checkpoint(self, root: Path) -> bool:
@@ -199,7 +197,8 @@ class ModelFamily(ABC):
     @abstractmethod
     def resolve(self, path_or_repo: str | Path) -> Path:
         """A complete local checkpoint directory: ``path_or_repo`` itself, or the repo downloaded (and
-        cached) from the hub. Raises an error that says what is missing (the CLI shows it without a traceback)."""
+        cached) from the hub. Raises ValueError (or ``CheckpointError``: the CLI shows either without a
+        traceback) saying what is missing."""
 
     @abstractmethod
     def write_random(self, directory: str | Path, size: Size = "tiny", seed: int = 0) -> Path:

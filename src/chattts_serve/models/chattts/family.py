@@ -47,7 +47,6 @@ class ChatTTSFamily(ModelFamily):
     execution = "slots"
     capabilities = Capabilities(streaming="window", timestamps="sentence", refine=True, control_tokens=True)
     hub_repos: ClassVar[tuple[str, ...]] = (DEFAULT_MODEL,)
-    default_repo = DEFAULT_MODEL
     owned_options = OWNED_OPTIONS
 
     def is_checkpoint(self, root: Path) -> bool:
