@@ -64,6 +64,8 @@ def test_models_name_the_family_and_its_rate(live):
     data = httpx.get(live[0] + "/v1/models", timeout=TIMEOUT).json()["data"]
     assert [m["id"] for m in data] == ["sine", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
     assert {(m["family"], m["sample_rate"]) for m in data} == {("sine", RATE)}
+    caps = {"streaming": "sentence", "timestamps": "word", "refine": False, "control_tokens": False}
+    assert all(m["capabilities"] == caps for m in data)
     metrics = httpx.get(live[0] + "/metrics", timeout=TIMEOUT).text
     assert 'chattts_model_info{family="sine",sample_rate="16000"} 1.0' in metrics
 

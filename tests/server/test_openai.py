@@ -353,3 +353,15 @@ def test_ssml_and_a_lexicon_through_the_sdk(client):
         speech("<speak>今天<audio src='a.wav'/>天气。</speak>")
     assert info.value.status_code == 400
     assert "<audio> at line 1, column 10" in info.value.body["message"]
+
+
+def test_models_name_the_family_its_rate_and_capabilities(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
+    caps = {"streaming": "window", "timestamps": "sentence", "refine": True, "control_tokens": True}
+    for m in models:
+        assert (m.model_extra["family"], m.model_extra["sample_rate"], m.model_extra["capabilities"]) == (
+            "chattts",
+            24000,
+            caps,
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -40,8 +41,8 @@ async def models(request: Request) -> ModelList:
     eng = getattr(request.app.state, "engine", None)
     if eng is None:  # still loading: the ids alone
         return ModelList(data=[ModelCard(id=m, created=_CREATED) for m in MODEL_IDS])
-    family, rate = eng.family.name, eng.sample_rate
-    return ModelList(data=[ModelCard(id=m, created=_CREATED, family=family, sample_rate=rate) for m in model_ids(eng)])
+    facts = {"family": eng.family.name, "sample_rate": eng.sample_rate, "capabilities": asdict(eng.family.capabilities)}
+    return ModelList(data=[ModelCard(id=m, created=_CREATED, **facts) for m in model_ids(eng)])
 
 
 @router.post("/v1/audio/speech", response_class=Response, responses={**audio_responses(sse=True), **errors(429)})

@@ -264,6 +264,9 @@ class ModelCard(BaseModel):
     """Not OpenAI's: the served model's family (``chattts``, ``kokoro``, ...)."""
     sample_rate: int | None = None
     """Not OpenAI's: the rate of the model's audio in Hz (the default of pcm, wav and flac)."""
+    capabilities: dict[str, str | bool] | None = None
+    """Not OpenAI's: what the family can do (``models.family.Capabilities``): ``streaming`` ("window" or
+    "sentence"), ``timestamps`` ("sentence" or "word"), ``refine``, ``control_tokens``."""
 
 
 class ModelList(BaseModel):
