@@ -328,7 +328,9 @@ def check_audio_overlap(model: str, device: str, precision: str, n_streams: int,
     params = SamplingParams(seed=7, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
     runs = {}
     for overlap in (False, True, False, True):  # the first pair warms up (shapes, allocator)
-        core.stage.decoder = AudioDecoder(core.stage.model, core.device, core.stage.audio_dtype, overlap=overlap, buckets=True)
+        core.stage.decoder = AudioDecoder(
+            core.stage.model, core.device, core.stage.audio_dtype, overlap=overlap, buckets=True
+        )
         for i in range(n_streams):
             core.add_request(f"s{i}", core.prepare(texts[i % 2], params), StreamPolicy())
         codes: dict[str, list] = {}

@@ -82,7 +82,8 @@ class SamplingParams:
     One class for every model family, so that the public API stays what ChatTTS users have always called
     (``SamplingParams(seed=7, speaker=...)``, every CLI flag and HTTP option, the result cache's keys). Its
     fields are of two kinds: the common part, which every family reads (``seed``, ``speaker``: the family's
-    voice string, ``lang``, ``text_cleanup``, ``lexicon``, ``split_text``, ``do_text_normalization``), and
+    voice string, ``lang``, ``text_cleanup``, ``lexicon``, ``split_text``, ``do_text_normalization``,
+    ``max_text_chars``), and
     the fields one family owns (ChatTTS's sampler, prompt, refine pass, voice step and voice sample:
     ``models.chattts.family.OWNED_OPTIONS``), which another family refuses by name
     (``FamilyModel.check_options``). A family's options that ChatTTS does not have travel in ``options``."""

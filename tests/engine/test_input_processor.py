@@ -175,11 +175,11 @@ def test_the_slow_runs_sequence_is_prompted_with_its_speed(tiny_engine):
 
     core, tok = tiny_engine.core, tiny_engine.tokenizer
     prep = core.prepare(MIXED, p(first_sentence_voice=False))
-    seqs = core.pipeline.start("mixed-rates", prep, StreamPolicy.one_shot(), 0, 0.0)
+    seqs = core.stage.pipeline.start("mixed-rates", prep, StreamPolicy.one_shot(), 0, 0.0)
     try:
         ids = [s.payload.ids for s in seqs]
     finally:
-        core.pipeline.drop("mixed-rates")
+        core.stage.pipeline.drop("mixed-rates")
     assert [tok.token_id("[speed_5]") in i for i in ids] == [True, False]
     assert [tok.token_id("[speed_4]") in i for i in ids] == [False, True]
 

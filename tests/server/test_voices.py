@@ -258,10 +258,10 @@ def test_blends_are_mixed_off_the_event_loop(http, blend_parts, monkeypatch, rou
     a request's blends are being mixed, the server answers /health (issue 29, item 4: 32 unique blends once
     froze every client for 1.5 s). The first mix is held until /health has answered: on the event loop it would
     hold the loop, and /health would wait for it."""
-    from chattts_serve.server import params
+    from chattts_serve.models.chattts import voices as chattts_voices  # where ChatTTS mixes blends
 
     started, release, on_loop = threading.Event(), threading.Event(), []
-    real = params.blend_speakers
+    real = chattts_voices.blend_speakers
 
     def held_mix(*args):
         try:
@@ -273,7 +273,7 @@ def test_blends_are_mixed_off_the_event_loop(http, blend_parts, monkeypatch, rou
         release.wait(10)
         return real(*args)
 
-    monkeypatch.setattr(params, "blend_speakers", held_mix)
+    monkeypatch.setattr(chattts_voices, "blend_speakers", held_mix)
     blends = _unique_blends(*blend_parts, 4)
     voices = "".join(f'<voice name="{b}">第{i}句。</voice>' for i, b in enumerate(blends))
     request = {

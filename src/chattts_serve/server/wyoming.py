@@ -341,7 +341,9 @@ class Connection(AsyncEventHandler):
             if self.stream is not None:
                 raise _bad("synthesize-start while a stream is open")
             params = await asyncio.to_thread(self._params, data)  # voices: store reads, blends
-            self.stream = self.session.stream(params, policy, _AudioOut(self, streaming=True, rate=self.st.engine.sample_rate))
+            self.stream = self.session.stream(
+                params, policy, _AudioOut(self, streaming=True, rate=self.st.engine.sample_rate)
+            )
         elif SynthesizeChunk.is_type(kind):
             stream, text = self._open_stream("synthesize-chunk"), data.get("text")
             if not isinstance(text, str):

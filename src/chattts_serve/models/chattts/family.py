@@ -39,7 +39,7 @@ OWNED_OPTIONS = frozenset(
 """The flat options (``SamplingParams.from_options``' names) only ChatTTS reads: its sampler's, the refine
 pass's, its prompt ([speed_N], control tokens), its voice step and its zero-shot voice sample (DVAE codes).
 The rest of ``SamplingParams`` is common to every family: seed, speaker (the voice string), lang,
-text_cleanup, lexicon, split_text, do_text_normalization."""
+text_cleanup, lexicon, split_text, do_text_normalization, max_text_chars, options."""
 
 
 class ChatTTSFamily(ModelFamily):

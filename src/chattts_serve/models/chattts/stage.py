@@ -87,9 +87,7 @@ class ChatTTSStage:
 
     # ------------------------------------------------------------------ requests
 
-    def prepare(
-        self, text: str, params: SamplingParams, max_audio_seconds: float | None = None
-    ) -> PreparedRequest:
+    def prepare(self, text: str, params: SamplingParams, max_audio_seconds: float | None = None) -> PreparedRequest:
         if isinstance(params, SamplingParams):
             check_no_options(params)
         return self.inputs.prepare(text, params, max_audio_seconds)
