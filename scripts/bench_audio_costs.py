@@ -28,7 +28,7 @@ from chattts_serve.audio.resample import StreamingResampler
 from chattts_serve.audio.stretch import StreamingStretcher
 from chattts_serve.bench.common import wait_ready
 from chattts_serve.cpu import probe
-from chattts_serve.model.config import SAMPLE_RATE
+from chattts_serve.models.chattts.config import SAMPLE_RATE
 
 CHUNK_S = 0.5
 

@@ -61,7 +61,7 @@ from chattts_serve.bench import offline, streams
 from chattts_serve.bench import profile as profile_tool
 from chattts_serve.engine.config import EngineConfig, RunnerConfig
 from chattts_serve.engine.engine import Engine
-from chattts_serve.model.random_checkpoint import write_random
+from chattts_serve.models.chattts.random_checkpoint import write_random
 from chattts_serve.sampling_params import SamplingParams
 
 

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from chattts_serve.cpu import probe
-from chattts_serve.model import checkpoint
-from chattts_serve.model.onnx_export import cached_export
-from chattts_serve.model.onnx_trunk import OnnxTrunk
+from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts.onnx_export import cached_export
+from chattts_serve.models.chattts.onnx_trunk import OnnxTrunk
 
 
 def step_medians(trunks: dict[str, OnnxTrunk], width: int, context: int, pairs: int) -> dict[str, float]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from chattts_serve.model.speaker import decode_speaker
+from chattts_serve.models.chattts.speaker import decode_speaker
 
 pytestmark = pytest.mark.integration
 

@@ -133,7 +133,7 @@ def test_a_voice_encode_runs_on_the_engine_loop_thread(tiny_engine, monkeypatch)
     import asyncio
 
     from chattts_serve.engine.async_engine import AsyncEngine
-    from chattts_serve.model.speaker import MIN_VOICE_SAMPLES
+    from chattts_serve.models.chattts.speaker import MIN_VOICE_SAMPLES
 
     threads: list[str] = []
     real = tiny_engine.core.stage.voice_codes

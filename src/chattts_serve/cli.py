@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import models
 from .engine.config import add_engine_arguments, add_max_num_seqs_argument
-from .model.config import DEFAULT_MODEL
+from .models.chattts.config import DEFAULT_MODEL
 from .models.family import SIZES
 from .sampling_params import SAMPLING_FLAGS, SamplingParams, add_sampling_arguments
 
@@ -223,8 +223,8 @@ def _synthesize(args: argparse.Namespace) -> int:
 def _speaker_new(args: argparse.Namespace) -> int:
     import torch
 
-    from .model import checkpoint
-    from .model.speaker import default_speaker_stats, encode_speaker
+    from .models.chattts import checkpoint
+    from .models.chattts.speaker import default_speaker_stats, encode_speaker
 
     # The official statistics ship with the package, so the default model needs no download; a local
     # checkpoint may carry its own (random test checkpoints of other sizes do).
@@ -245,9 +245,9 @@ def _checkpoint_random(args: argparse.Namespace) -> int:
 
 
 def _export_onnx(args: argparse.Namespace) -> int:
-    from .model import checkpoint
-    from .model.onnx_export import export
-    from .model.onnx_trunk import check_export
+    from .models.chattts import checkpoint
+    from .models.chattts.onnx_export import export
+    from .models.chattts.onnx_trunk import check_export
 
     model = checkpoint.load(args.model)
     reduce_range = {"auto": None, "on": True, "off": False}[args.reduce_range]
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from .model.checkpoint import CheckpointError
+    from .models.chattts.checkpoint import CheckpointError
 
     try:
         return args.func(args)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .model.config import NUM_VQ
+from .models.chattts.config import NUM_VQ
 from .text.cleanup import TEXT_CLEANUPS
 
 LANGS = ("zh", "en")

@@ -68,7 +68,7 @@ class FakeStreams(InlineStreams):
 
 @pytest.fixture(scope="module")
 def model(tiny_ckpt):
-    from chattts_serve.model import checkpoint
+    from chattts_serve.models.chattts import checkpoint
 
     return checkpoint.load(tiny_ckpt)
 

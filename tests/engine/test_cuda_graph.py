@@ -11,7 +11,7 @@ from chattts_serve.engine.config import EngineConfig, RunnerConfig
 from chattts_serve.engine.cuda_graph import StaticDecoder, batch_buckets, ctx_buckets, graph_matches_eager
 from chattts_serve.engine.engine import Engine
 from chattts_serve.engine.scheduler import SchedulerConfig
-from chattts_serve.model.checkpoint import load
+from chattts_serve.models.chattts.checkpoint import load
 from chattts_serve.sampling_params import SamplingParams
 
 from ..cuda_stub import FakeCuda

@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from chattts_serve import RefineParams, Result, SamplingParams
-from chattts_serve.model.config import SAMPLE_RATE
-from chattts_serve.model.speaker import decode_prompt_codes, decode_speaker, encode_prompt_codes, encode_speaker
+from chattts_serve.models.chattts.config import SAMPLE_RATE
+from chattts_serve.models.chattts.speaker import (
+    decode_prompt_codes,
+    decode_speaker,
+    encode_prompt_codes,
+    encode_speaker,
+)
 
 SHORT = 24  # max_new_tokens for most runs
 FAST_REFINE = RefineParams(max_new_tokens=8)

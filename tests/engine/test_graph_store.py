@@ -75,7 +75,7 @@ def test_step_graphs_are_captured_at_start_up_on_one_stream_and_never_during_a_s
 
 
 def test_the_capture_stream_is_never_the_audio_stream(tiny_ckpt, pooled_streams):
-    from chattts_serve.model.checkpoint import load
+    from chattts_serve.models.chattts.checkpoint import load
 
     audio = AudioDecoder(load(tiny_ckpt), CUDA1, "fp32", overlap=True, buckets=False)
     others = [torch.cuda.Stream(device=CUDA1) for _ in range(31)]  # someone else's: the pool wraps next

@@ -6,7 +6,7 @@ import pytest
 
 from chattts_serve import SamplingParams
 from chattts_serve.engine.input_processor import InputProcessor
-from chattts_serve.model.config import TOKENS_PER_SECOND
+from chattts_serve.models.chattts.config import TOKENS_PER_SECOND
 
 TEXT = "今天天气很好。我们去公园散步吧。明天见。"  # three sentences
 
@@ -69,7 +69,7 @@ def test_markdown_cleanup_is_opt_in(inputs):
 
 def code_prompt_ids(inputs: InputProcessor, text: str, params: SamplingParams) -> list[list[int]]:
     """The infer_code prompt ids of each sentence, as the pipeline builds them (no speaker, no sample)."""
-    from chattts_serve.model.tokenizer import code_prompt
+    from chattts_serve.models.chattts.tokenizer import code_prompt
 
     prep = inputs.prepare(text, params)
     return [inputs.tokenizer.encode(code_prompt(s, prep.params.prompt, has_speaker=False)) for s in prep.segments]

@@ -14,7 +14,7 @@ from chattts_serve import Engine, RefineParams, SamplingParams
 from chattts_serve.engine import runner
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.scheduler import SchedulerConfig
-from chattts_serve.model.tokenizer import code_prompt
+from chattts_serve.models.chattts.tokenizer import code_prompt
 
 VOICE_TEXT = "今天天气不错。我们去公园。"
 REFINE_TEXT = "第一句。第二句。Third one."

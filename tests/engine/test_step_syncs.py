@@ -20,7 +20,7 @@ from chattts_serve.engine.outputs import SchedulerOutput
 from chattts_serve.engine.request import Sequence
 from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
 from chattts_serve.engine.scheduler import SchedulerConfig
-from chattts_serve.model.config import AUDIO_EOS
+from chattts_serve.models.chattts.config import AUDIO_EOS
 
 from .sync_counter import SyncCounter
 

@@ -11,7 +11,12 @@ import torch
 from chattts_serve import Engine, RefineParams, SamplingParams
 from chattts_serve.audio.decode import codes_to_mel, hidden_to_mel, mel_to_wav
 from chattts_serve.engine.config import EngineConfig
-from chattts_serve.model.speaker import SpeakerStats, default_speaker_stats, encode_prompt_codes, encode_speaker
+from chattts_serve.models.chattts.speaker import (
+    SpeakerStats,
+    default_speaker_stats,
+    encode_prompt_codes,
+    encode_speaker,
+)
 
 TOL = 1e-4
 # An encoder code may differ from the reference's only where the value it rounds lies this close to a

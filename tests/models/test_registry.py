@@ -99,7 +99,7 @@ def test_the_registry_imports_no_model_code():
         import sys
         from chattts_serve import models
         models.families()
-        watched = ("torch", "chattts_serve.engine.core", "chattts_serve.model.gpt")
+        watched = ("torch", "chattts_serve.engine.core", "chattts_serve.models.chattts.gpt")
         print([m for m in watched if m in sys.modules])
         """
     )

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from chattts_serve.audio.policy import StreamPolicy
-from chattts_serve.model.speaker import blend_speakers, decode_speaker, default_speaker_stats
 from chattts_serve.models.chattts import voices as voices_module
+from chattts_serve.models.chattts.speaker import blend_speakers, decode_speaker, default_speaker_stats
 from chattts_serve.models.chattts.voices import ChatTTSVoices
 from chattts_serve.sampling_params import RefineParams, speed_prompt
 from chattts_serve.server.errors import APIError

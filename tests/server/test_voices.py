@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from chattts_serve.model.speaker import decode_prompt_codes
+from chattts_serve.models.chattts.speaker import decode_prompt_codes
 from chattts_serve.server.voices import BUILTIN_VOICES, VoiceStore
 from chattts_serve.server.voices_routes import decode_upload
 

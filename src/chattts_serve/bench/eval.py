@@ -28,7 +28,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from ..model.config import PRECISIONS
+from ..kernels.precisions import PRECISIONS
 from . import stats
 from .common import TEXTS, run_tool, set_threads
 
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _prompt_ids(engine, text: str) -> list[int]:
-    from ..model.tokenizer import code_prompt
+    from ..models.chattts.tokenizer import code_prompt
 
     return engine.tokenizer.encode(code_prompt(text, "[speed_5]", has_speaker=False))
 
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..engine.config import EngineConfig, RunnerConfig
     from ..engine.engine import Engine
-    from ..model.quant import check_supported, parse_precision
+    from ..kernels.quant import check_supported, parse_precision
 
     set_threads(args)
     device = torch.device(args.device)

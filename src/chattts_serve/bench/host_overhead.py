@@ -215,7 +215,7 @@ def _summary(rows: list[tuple], n: int) -> dict[str, Any]:
 def _sequences(runner, n: int, seed: int, mix: str = "mixed") -> list:
     from ..engine.request import Sequence
     from ..engine.runner import SeqInputs, StepSampling
-    from ..model.config import AUDIO_EOS
+    from ..models.chattts.config import AUDIO_EOS
 
     rng = random.Random(seed)
     seqs = []
@@ -343,11 +343,11 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ..model import checkpoint
-    from ..model.prepare import prepare_model
-    from ..model.quant import parse_precision
-    from ..model.random_checkpoint import write_random
-    from ..model.tokenizer import Tokenizer
+    from ..kernels.quant import parse_precision
+    from ..models.chattts import checkpoint
+    from ..models.chattts.prepare import prepare_model
+    from ..models.chattts.random_checkpoint import write_random
+    from ..models.chattts.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
     caching = caching_malloc() if args.allocator == "caching" else False

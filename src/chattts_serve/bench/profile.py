@@ -127,8 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..audio.encode import FORMATS, encode_whole
     from ..audio.policy import StreamPolicy
     from ..engine.engine import Engine
-    from ..model.config import TOKENS_PER_SECOND
-    from ..model.quant import parse_precision
+    from ..kernels.quant import parse_precision
+    from ..models.chattts.config import TOKENS_PER_SECOND
     from ..sampling_params import SamplingParams
 
     set_threads(args)

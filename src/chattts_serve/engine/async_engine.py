@@ -32,7 +32,7 @@ import torch
 
 from ..audio.policy import StreamPolicy
 from ..device import bind_thread
-from ..model.config import DEFAULT_MODEL
+from ..models.chattts.config import DEFAULT_MODEL
 from ..sampling_params import SamplingParams
 from .config import EngineConfig
 from .core import EngineStats

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..audio.policy import StreamPolicy
-from ..model.config import PRECISIONS
+from ..kernels.precisions import PRECISIONS
 from .scheduler import SchedulerConfig
 
 DECODE_MODES = ("auto", "rows", "static")
@@ -84,7 +84,7 @@ class RunnerConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     precision: str = "fp32"
-    """GPT precision (see ``model.quant``); every mode loads the official fp32 files."""
+    """GPT precision (see ``kernels.quant``); every mode loads the official fp32 files."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """``max_waiting`` below ``max_num_seqs`` is raised to it."""
     runner: RunnerConfig = field(default_factory=RunnerConfig)

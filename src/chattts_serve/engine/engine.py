@@ -26,7 +26,7 @@ from tqdm import tqdm
 from .. import models
 from ..audio.policy import StreamPolicy
 from ..device import bind_thread
-from ..model.config import DEFAULT_MODEL
+from ..models.chattts.config import DEFAULT_MODEL
 from ..models.family import BatchModel, FamilyModel, ModelFamily
 from ..sampling_params import SamplingParams
 from ..tf32 import strict_fp32
@@ -144,7 +144,7 @@ class Engine:
 
     def speaker_from_audio(self, wav: np.ndarray | torch.Tensor) -> str:
         """A 24 kHz mono waveform -> prompt-codes string (the reference's ``sample_audio_speaker``)."""
-        from ..model.speaker import MIN_VOICE_SAMPLES, encode_prompt_codes
+        from ..models.chattts.speaker import MIN_VOICE_SAMPLES, encode_prompt_codes
 
         self._chattts("a voice sample")
         wav_t = torch.as_tensor(np.asarray(wav, dtype=np.float32))

@@ -23,9 +23,9 @@ import torch
 
 from ..audio.policy import StreamPolicy
 from ..audio.stream import AudioStream, Window
-from ..model.config import AUDIO_EOS, SAMPLE_RATE
-from ..model.speaker import encode_prompt_codes, normalized_speaker_embedding
-from ..model.tokenizer import Tokenizer, code_prompt, refine_prompt
+from ..models.chattts.config import AUDIO_EOS, SAMPLE_RATE
+from ..models.chattts.speaker import encode_prompt_codes, normalized_speaker_embedding
+from ..models.chattts.tokenizer import Tokenizer, code_prompt, refine_prompt
 from .hidden_store import HiddenStore
 from .input_processor import PreparedRequest
 from .outputs import RequestOutput, SegmentResult, SegmentSpan, StepOutput

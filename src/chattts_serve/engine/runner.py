@@ -23,11 +23,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..model import decode_attention
-from ..model.checkpoint import LoadedModel
-from ..model.config import AUDIO_EOS, GPTConfig
-from ..model.gpt import KVCache
-from ..model.prepare import ModelLayout
+from ..kernels import decode_attention
+from ..models.chattts.checkpoint import LoadedModel
+from ..models.chattts.config import AUDIO_EOS, GPTConfig
+from ..models.chattts.gpt import KVCache
+from ..models.chattts.prepare import ModelLayout
 from .config import RunnerConfig
 from .cuda_graph import GraphStore, StaticDecoder
 from .hidden_store import HiddenStore

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 from ..engine.config import FLAT_OPTIONS, EngineConfig
 from ..engine.config import flat_defaults as engine_flat_defaults
 from ..engine.config import from_flat as engine_from_flat
-from ..model.config import DEFAULT_MODEL
+from ..models.chattts.config import DEFAULT_MODEL
 from ..text.lexicon import load_lexicon
 from .logs import LOG_FORMATS
 

@@ -1,4 +1,4 @@
-"""ChatTTS as a model family: its checkpoint (``model.checkpoint``), its random checkpoint, its voices
+"""ChatTTS as a model family: its checkpoint (``models.chattts.checkpoint``), its random checkpoint, its voices
 (speaker strings), its options (``SamplingParams``' ChatTTS fields) and its stage (``stage.ChatTTSStage``).
 
 ``SamplingParams`` stays the one options object of ChatTTS users (every field, flag and HTTP option as before),
@@ -13,9 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from ...model.config import DEFAULT_MODEL, SAMPLE_RATE
 from ...sampling_params import SamplingParams
 from ..family import Capabilities, FamilyModel, ModelFamily, Size
+from .config import DEFAULT_MODEL, SAMPLE_RATE
 
 if TYPE_CHECKING:
     import torch
@@ -54,12 +54,12 @@ class ChatTTSFamily(ModelFamily):
         return (root / "asset").is_dir()
 
     def resolve(self, path_or_repo: str | Path) -> Path:
-        from ...model import checkpoint
+        from . import checkpoint
 
         return checkpoint.resolve(path_or_repo)
 
     def write_random(self, directory: str | Path, size: Size = "tiny", seed: int = 0) -> Path:
-        from ...model.random_checkpoint import write_random
+        from .random_checkpoint import write_random
 
         return write_random(directory, size, seed=seed)
 
@@ -71,11 +71,11 @@ class ChatTTSFamily(ModelFamily):
         from ...engine.calibrate import calibrate
         from ...engine.onednn import bound_kernel_caches
         from ...engine.runner import auto_num_slots, fitted_model_len
-        from ...model import checkpoint
-        from ...model.gpt import KVCache
-        from ...model.prepare import prepare_model
-        from ...model.quant import check_supported, parse_precision
-        from ...model.tokenizer import Tokenizer
+        from ...kernels.quant import check_supported, parse_precision
+        from . import checkpoint
+        from .gpt import KVCache
+        from .prepare import prepare_model
+        from .tokenizer import Tokenizer
 
         bound_kernel_caches()  # before any weights are packed: oneDNN reads it once (see engine.onednn)
         spec = parse_precision(config.precision)
@@ -137,7 +137,7 @@ class ChatTTSModel(FamilyModel):
         return self._voices
 
     def identity(self) -> list[str]:
-        from ...model import checkpoint
+        from . import checkpoint
 
         files = []
         for rel in (*checkpoint.REQUIRED_FILES, checkpoint.SPK_STAT):
@@ -162,7 +162,7 @@ class ChatTTSModel(FamilyModel):
 
 
 def _speaker_stats(model):
-    from ...model import checkpoint
+    from . import checkpoint
 
     stats = checkpoint.read_speaker_stats(model.root, model.config.gpt.hidden_size)
     if stats is None:

@@ -23,13 +23,13 @@ from ...engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, Step
 from ...engine.pipeline import RequestPipeline
 from ...engine.request import FinishReason, Sequence
 from ...engine.runner import ModelRunner
-from ...model.checkpoint import LoadedModel
-from ...model.config import SAMPLE_RATE
-from ...model.prepare import ModelLayout
-from ...model.speaker import MIN_VOICE_SAMPLES
-from ...model.tokenizer import Tokenizer
 from ...sampling_params import SamplingParams
 from ...tf32 import fp32_scope
+from .checkpoint import LoadedModel
+from .config import SAMPLE_RATE
+from .prepare import ModelLayout
+from .speaker import MIN_VOICE_SAMPLES
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""ChatTTS's voices on the model-family seam: a voice is a speaker string (``model.speaker``: a float16
+"""ChatTTS's voices on the model-family seam: a voice is a speaker string (``models.chattts.speaker``: a float16
 embedding, LZMA + base16384); a built-in name is a speaker sampled from a fixed seed; a blend mixes the
 embeddings where speakers are sampled (``blend_speakers``)."""
 
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ...model.speaker import SpeakerStats, blend_speakers, decode_speaker, encode_speaker
 from ..family import Voices
+from .speaker import SpeakerStats, blend_speakers, decode_speaker, encode_speaker
 
 # OpenAI's voice names, so unmodified clients work (Pipecat refuses any other name): each is a fixed random
 # speaker (seeded sample from the checkpoint's speaker statistics), unless a saved voice of that name exists.

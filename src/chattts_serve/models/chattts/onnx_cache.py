@@ -1,8 +1,8 @@
 """What an ONNX export of the GPT trunk is on disk, and the key it is cached under.
 
-An export is one directory: ``model.onnx`` (the graph, ``model.onnx_graph``), ``model.onnx.data`` (its
-weights, fp32 or quantised by ``model.onnx_quant``) and ``manifest.json`` (``Manifest``: what it holds,
-checked against the model when ``model.onnx_trunk`` loads it). ``model.onnx_export`` writes one, and
+An export is one directory: ``model.onnx`` (the graph, ``models.chattts.onnx_graph``), ``model.onnx.data`` (its
+weights, fp32 or quantised by ``kernels.onnx_quant``) and ``manifest.json`` (``Manifest``: what it holds,
+checked against the model when ``models.chattts.onnx_trunk`` loads it). ``models.chattts.onnx_export`` writes one, and
 keeps one per ``cache_key`` in the user cache so that an engine start re-exports only when the
 checkpoint, the weight kind, the graph format or ONNX Runtime changed.
 """
@@ -19,9 +19,6 @@ from .config import GPTConfig
 
 FORMAT_VERSION = 2
 """Bump when the graph changes: cached exports of older versions are then ignored."""
-WEIGHT_KINDS = ("fp32", "int8", "int4")
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
 MANIFEST = "manifest.json"
 
 
@@ -68,31 +65,6 @@ class Manifest:
         diff = {k: (got[k], v) for k, v in want.items() if got[k] != v}
         if diff:
             raise ValueError(f"ONNX export does not fit this model: {diff} (found, wanted)")
-
-
-def require_onnxruntime() -> None:
-    """Raise ValueError with the install hint when ONNX Runtime (or onnx) is missing."""
-    try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(
-            f"the ort-* precisions need ONNX Runtime ({exc.name} is not installed): pip install 'chattts-serve[onnx]'"
-        ) from None
-
-
-def save_model(model, directory: Path) -> None:
-    """Write an ``onnx.ModelProto`` as an export's graph and data files in ``directory``."""
-    import onnx
-
-    onnx.save_model(
-        model,
-        str(directory / MODEL_FILE),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=DATA_FILE,
-        size_threshold=1024,
-    )
 
 
 def checkpoint_digest(root: Path) -> str:

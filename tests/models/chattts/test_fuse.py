@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from chattts_serve.model.checkpoint import load
-from chattts_serve.model.gpt import fuse_projections_
+from chattts_serve.models.chattts.checkpoint import load
+from chattts_serve.models.chattts.gpt import fuse_projections_
 
 
 @torch.inference_mode()

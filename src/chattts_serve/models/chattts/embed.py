@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...kernels.linear import linear, pack_weight
 from .config import GPTConfig
-from .linear import linear, pack_weight
 
 
 def fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ class Embed(nn.Module):
         return torch.where(text_mask[..., None], text, codes)
 
     def pack_heads(self) -> None:
-        """Use oneDNN-packed head weights from now on (see ``model.linear``)."""
+        """Use oneDNN-packed head weights from now on (see ``kernels.linear``)."""
         self._packed_text = pack_weight(self.head_text)
         self._packed_code = [pack_weight(self.head_code[q]) for q in range(self.num_vq)]
 

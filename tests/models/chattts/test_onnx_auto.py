@@ -1,4 +1,4 @@
-"""ort-auto (model/onnx_auto.py): the int4 and int8 ORT sessions of the tiny checkpoint over one KV
+"""ort-auto (models/chattts/onnx_auto.py): the int4 and int8 ORT sessions of the tiny checkpoint over one KV
 cache, each call sent to one of them by its width; checked against the same calls made directly on
 the session the dispatch should have chosen, over a cache of their own."""
 
@@ -11,13 +11,13 @@ import torch
 pytest.importorskip("onnxruntime", reason="the ort-* precisions need the [onnx] extra")
 
 from chattts_serve.cpu import parse_cpuinfo  # noqa: E402
-from chattts_serve.model import checkpoint  # noqa: E402
-from chattts_serve.model.onnx_auto import CROSSOVER_TABLE, AutoTrunk, resolve_crossover  # noqa: E402
-from chattts_serve.model.onnx_export import cached_export  # noqa: E402
-from chattts_serve.model.onnx_trunk import OnnxTrunk  # noqa: E402
+from chattts_serve.models.chattts import checkpoint  # noqa: E402
+from chattts_serve.models.chattts.onnx_auto import CROSSOVER_TABLE, AutoTrunk, resolve_crossover  # noqa: E402
+from chattts_serve.models.chattts.onnx_export import cached_export  # noqa: E402
+from chattts_serve.models.chattts.onnx_trunk import OnnxTrunk  # noqa: E402
 
 SLOTS, MAX_LEN, CROSSOVER = 4, 48, 3
-# Bound of a 4-bit step's hidden state vs torch fp32 on the tiny random checkpoint (tests/model/test_onnx.py).
+# Bound of a 4-bit step's hidden state vs torch fp32 on the tiny random checkpoint (tests/models/chattts/test_onnx.py).
 INT4_BOUND = 0.3
 
 

@@ -1,4 +1,5 @@
-"""model/random_checkpoint.py: the random-weight checkpoint generator writes the official layout, deterministically."""
+"""models/chattts/random_checkpoint.py: the random-weight checkpoint generator writes the official layout,
+deterministically."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from chattts_serve.model import checkpoint
-from chattts_serve.model.checkpoint import read_config
-from chattts_serve.model.config import ConvStackConfig, DecoderConfig, GPTConfig, ModelConfig
-from chattts_serve.model.random_checkpoint import write_random
+from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts.checkpoint import read_config
+from chattts_serve.models.chattts.config import ConvStackConfig, DecoderConfig, GPTConfig, ModelConfig
+from chattts_serve.models.chattts.random_checkpoint import write_random
 
 from .test_checkpoint import OFFICIAL_FILES, SAFETENSORS
 

@@ -1,4 +1,4 @@
-"""model/gpt.py: RMSNorm, RoPE and the GPT trunk with its static KV cache."""
+"""models/chattts/gpt.py: RMSNorm, RoPE and the GPT trunk with its static KV cache."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from chattts_serve.model.config import GPTConfig
-from chattts_serve.model.gpt import GPT, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from chattts_serve.models.chattts.config import GPTConfig
+from chattts_serve.models.chattts.gpt import GPT, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 ATOL = 1e-5
 

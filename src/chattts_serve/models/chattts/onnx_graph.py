@@ -1,6 +1,6 @@
 """The GPT trunk as an ONNX graph for ONNX Runtime (the ``ort-*`` precisions), written from the weights.
 
-The graph is built node by node from the loaded fp32 weights instead of traced from ``model.gpt``:
+The graph is built node by node from the loaded fp32 weights instead of traced from ``models.chattts.gpt``:
 the step we want is not one torch can trace. Attention is ORT's ``GroupQueryAttention`` contrib op,
 which reads and writes the engine's KV slot cache **in place** (past and present bound to the same
 buffer), scores only each row's own ``seqlens_k + 1`` keys, applies the rotary embedding itself and
@@ -20,8 +20,8 @@ Graph (names are the ONNX input/output names)::
 
 Per layer: RMSNorm (``SimplifiedLayerNormalization``; later ones fused with the residual add as
 ``SkipSimplifiedLayerNormalization``), one q/k/v MatMul, GQA (rotate-half RoPE from fp32 cos/sin
-tables, the same values ``model.gpt`` uses), o_proj MatMul, SwiGLU with one gate/up MatMul. The
-weights are the only thing ``model.onnx_quant`` changes.
+tables, the same values ``models.chattts.gpt`` uses), o_proj MatMul, SwiGLU with one gate/up MatMul. The
+weights are the only thing ``kernels.onnx_quant`` changes.
 """
 
 from __future__ import annotations

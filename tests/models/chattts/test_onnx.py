@@ -1,5 +1,5 @@
-"""The ONNX export of the GPT trunk (model/onnx_export.py with onnx_graph.py, onnx_quant.py and
-onnx_cache.py) and its ORT step over the KV slot cache (model/onnx_trunk.py), against the torch trunk
+"""The ONNX export of the GPT trunk (models/chattts/onnx_export.py with onnx_graph.py, onnx_quant.py and
+onnx_cache.py) and its ORT step over the KV slot cache (models/chattts/onnx_trunk.py), against the torch trunk
 on the tiny checkpoint."""
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import torch
 pytest.importorskip("onnxruntime", reason="the ort-* precisions need the [onnx] extra")
 
 from chattts_serve.bench.ort_ops import op_seconds  # noqa: E402
-from chattts_serve.model import checkpoint, onnx_cache, onnx_export  # noqa: E402
-from chattts_serve.model.onnx_cache import Manifest  # noqa: E402
-from chattts_serve.model.onnx_export import cached_export, export  # noqa: E402
-from chattts_serve.model.onnx_quant import int8_reduce_range  # noqa: E402
-from chattts_serve.model.onnx_trunk import OnnxTrunk, check_export, gqa_providers  # noqa: E402
-from chattts_serve.model.quant import check_supported, parse_precision  # noqa: E402
+from chattts_serve.kernels import onnx_runtime  # noqa: E402
+from chattts_serve.kernels.onnx_quant import int8_reduce_range  # noqa: E402
+from chattts_serve.kernels.quant import check_supported, parse_precision  # noqa: E402
+from chattts_serve.models.chattts import checkpoint, onnx_cache, onnx_export  # noqa: E402
+from chattts_serve.models.chattts.onnx_cache import Manifest  # noqa: E402
+from chattts_serve.models.chattts.onnx_export import cached_export, export  # noqa: E402
+from chattts_serve.models.chattts.onnx_trunk import OnnxTrunk, check_export, gqa_providers  # noqa: E402
 
 NUM_SLOTS, MAX_LEN = 6, 64
 PROMPTS = {0: 5, 1: 9, 2: 3, 3: 12, 5: 7}  # slot -> prompt length (slot 4 stays empty)
@@ -47,7 +48,7 @@ def exports(model, onnx_cache_dir):
             export(model, out, weights, digest, reduce_range)
         return out
 
-    out = {w: build(w, False) for w in onnx_cache.WEIGHT_KINDS}
+    out = {w: build(w, False) for w in onnx_runtime.WEIGHT_KINDS}
     out["int8r7"] = build("int8", True)  # as on x86 without VNNI
     return out
 
@@ -136,7 +137,7 @@ def test_idle_rows_leave_their_cache_alone(model, exports):
     assert changed[:, 0].sum() == changed[:, 0, :, 10].sum()  # nothing else of slot 0 either
 
 
-@pytest.mark.parametrize("weights", onnx_cache.WEIGHT_KINDS)
+@pytest.mark.parametrize("weights", onnx_runtime.WEIGHT_KINDS)
 def test_batch_invariance_per_mode(model, exports, weights):
     """What each mode promises: fp32 and 4-bit compute a row the same whatever else is in the call
     (MLAS's GEMMs and the 4-bit kernel's per-row activation blocks); int8 quantises the activations with
@@ -164,7 +165,7 @@ def test_batch_invariance_per_mode(model, exports, weights):
         assert all(torch.equal(alone, h) for h in with_neighbours)
 
 
-@pytest.mark.parametrize("weights", onnx_cache.WEIGHT_KINDS)
+@pytest.mark.parametrize("weights", onnx_runtime.WEIGHT_KINDS)
 def test_batched_prefill_right_padded(model, exports, weights):
     """Prompts of consecutive slots prefilled in one call (the runner's burst of admissions): each row's
     hidden states and cache are what it gets alone (fp32, 4-bit: exactly; int8, whose activation scale
@@ -261,7 +262,7 @@ def test_export_is_checked_against_the_model(model, exports, tmp_path):
 
 def test_cache_reuses_an_export_and_keys_it_by_checkpoint_and_mode(model, tmp_path, monkeypatch):
     first = cached_export(model, "fp32", tmp_path)
-    assert (first / onnx_cache.MODEL_FILE).exists()
+    assert (first / onnx_runtime.MODEL_FILE).exists()
 
     def no_export(*_a, **_k):
         raise AssertionError("exported again")
@@ -319,9 +320,9 @@ def test_export_cli_writes_a_checked_export(tiny_ckpt, tmp_path, capsys):
     assert main([*argv, "--reduce-range", "on"]) == 0
     assert "checked on ORT's cpu" in capsys.readouterr().out
     assert Manifest.read(out).weights == "int8" and Manifest.read(out).int8_reduce_range
-    size = (out / onnx_cache.DATA_FILE).stat().st_size
+    size = (out / onnx_runtime.DATA_FILE).stat().st_size
     assert main(argv) == 0  # again into the same directory: replaced, not appended to
-    assert (out / onnx_cache.DATA_FILE).stat().st_size == size
+    assert (out / onnx_runtime.DATA_FILE).stat().st_size == size
     capsys.readouterr()
     for provider in ("cuda", "tensorrt"):  # this ONNX Runtime build has no GPU provider: refused, exit 2
         assert main([*argv, "--provider", provider]) == 2
@@ -339,7 +340,7 @@ def test_gqa_placement_is_read_from_the_profiler(model, exports):
 def _pretend_gpu(monkeypatch, placed: set[str]) -> None:
     import onnxruntime
 
-    import chattts_serve.model.onnx_trunk as onnx_trunk
+    import chattts_serve.models.chattts.onnx_trunk as onnx_trunk
 
     names = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: names)

@@ -1,4 +1,4 @@
-"""model/checkpoint.py: official parameter counts, config reading, load errors (the random-weight
+"""models/chattts/checkpoint.py: official parameter counts, config reading, load errors (the random-weight
 generator that writes ``tiny_ckpt`` is tested in test_random_checkpoint.py)."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from chattts_serve.model import checkpoint
-from chattts_serve.model.checkpoint import CheckpointError, load, read_config
-from chattts_serve.model.config import GPTConfig, ModelConfig
-from chattts_serve.model.dvae import DVAE, Decoder
-from chattts_serve.model.embed import Embed
-from chattts_serve.model.gpt import GPT
-from chattts_serve.model.vocos import Vocos
+from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts.checkpoint import CheckpointError, load, read_config
+from chattts_serve.models.chattts.config import GPTConfig, ModelConfig
+from chattts_serve.models.chattts.dvae import DVAE, Decoder
+from chattts_serve.models.chattts.embed import Embed
+from chattts_serve.models.chattts.gpt import GPT
+from chattts_serve.models.chattts.vocos import Vocos
 
 OFFICIAL_FILES = {
     "asset/gpt/config.json",

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from chattts_serve.model.linear import swap_linears_
-from chattts_serve.model.quant import (
+from chattts_serve.kernels.linear import swap_linears_
+from chattts_serve.kernels.quant import (
     DynamicInt8Linear,
     Int8Linear,
     StaticInt8Linear,
@@ -116,7 +116,7 @@ def test_record_absmax_and_swap():
 
 
 def test_apply_precision_to_a_trunk(tiny_ckpt):
-    from chattts_serve.model.checkpoint import load
+    from chattts_serve.models.chattts.checkpoint import load
 
     m = load(tiny_ckpt)
     apply_precision_(m.gpt, parse_precision("int8"), CPU)

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.linear import pack_linears_, packing_available
+from ...kernels.quant import PrecisionSpec, apply_precision_, check_supported
 from .checkpoint import LoadedModel
 from .gpt import fuse_projections_
-from .linear import pack_linears_, packing_available
 from .onnx_auto import AutoTrunk, resolve_crossover
 from .onnx_trunk import OnnxTrunk
-from .quant import PrecisionSpec, apply_precision_, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class ModelLayout:
     pad_rows_to: int = 1
     """Run fp32 matmuls on a multiple of this many rows (batch invariance where packing is missing)."""
     trunk: OnnxTrunk | AutoTrunk | None = None
-    """``ort-*``: the GPT trunk runs in this ONNX Runtime session (``model.gpt`` holds no weights);
+    """``ort-*``: the GPT trunk runs in this ONNX Runtime session (``models.chattts.gpt`` holds no weights);
     ``ort-auto``: in one of two, by the width of each call."""
 
 

@@ -12,22 +12,6 @@ from dataclasses import dataclass, field
 DEFAULT_MODEL = "2Noise/ChatTTS"
 """The official checkpoint (Hugging Face hub repo id), used when no ``--model`` is given."""
 
-# GPT precision modes (see ``model.quant``); here so that torch-free code (the CLI) can list them.
-# ``ort-*``: the trunk runs in ONNX Runtime (``model.onnx_export``), weights fp32 / int8 / 4-bit, or
-# (ort-auto) 4-bit or int8 by the rows of each call (``model.onnx_auto``).
-PRECISIONS: tuple[str, ...] = (
-    "fp32",
-    "bf16",
-    "fp16",
-    "int8",
-    "int8-dynamic",
-    "int8-static",
-    "ort-fp32",
-    "ort-int8",
-    "ort-int4",
-    "ort-auto",
-)
-
 # Fixed by the audio format and the tokenizer; the same for every ChatTTS checkpoint.
 SAMPLE_RATE = 24_000
 N_FFT = 1024

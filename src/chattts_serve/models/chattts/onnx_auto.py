@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cpu import CpuInfo, probe
+from ...cpu import CpuInfo, probe
 from .gpt import KVCache
 from .onnx_trunk import OnnxTrunk, OpProfile
 

@@ -1,5 +1,5 @@
-"""model/prefill.py: several whole prompts packed into one trunk call. In every layout that
-keeps a matmul row's result independent of the row count (model/prepare.py), each prompt's hidden states
+"""models/chattts/prefill.py: several whole prompts packed into one trunk call. In every layout that
+keeps a matmul row's result independent of the row count (models/chattts/prepare.py), each prompt's hidden states
 and cache are bit-identical to its prefill alone; padding and neighbours never reach a prompt's keys."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chattts_serve.model import checkpoint
-from chattts_serve.model.prefill import prefill_prompts
-from chattts_serve.model.prepare import ModelLayout, prepare_model
-from chattts_serve.model.quant import parse_precision, record_absmax
+from chattts_serve.kernels.quant import parse_precision, record_absmax
+from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts.prefill import prefill_prompts
+from chattts_serve.models.chattts.prepare import ModelLayout, prepare_model
 
 LENGTHS = [9, 23, 2, 40, 5]  # mixed, one shorter than the 4 rows the padded layout rounds to
 SLOTS = [4, 0, 3, 1, 2]  # not in order: each prompt goes to its own slot wherever it is

@@ -14,7 +14,7 @@ import pybase16384 as b14
 import pytest
 import torch
 
-from chattts_serve.model.speaker import (
+from chattts_serve.models.chattts.speaker import (
     DEFAULT_SPEAKER_STATS_STRING,
     SpeakerStats,
     blend_speakers,

@@ -1,5 +1,5 @@
-"""Writing an ONNX export of the GPT trunk (the ``ort-*`` precisions): the graph (``model.onnx_graph``),
-its weights quantised (``model.onnx_quant``), saved with its manifest (``model.onnx_cache``), either
+"""Writing an ONNX export of the GPT trunk (the ``ort-*`` precisions): the graph (``models.chattts.onnx_graph``),
+its weights quantised (``kernels.onnx_quant``), saved with its manifest (``models.chattts.onnx_cache``), either
 into a given directory (``export``, the ``export onnx`` command) or into the user cache, once per key
 (``cached_export``, what an engine start uses).
 """
@@ -15,22 +15,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ...kernels.onnx_quant import int8_reduce_range, quantize
+from ...kernels.onnx_runtime import DATA_FILE, MODEL_FILE, WEIGHT_KINDS, require_onnxruntime, save_model
 from .checkpoint import LoadedModel
-from .onnx_cache import (
-    DATA_FILE,
-    FORMAT_VERSION,
-    MANIFEST,
-    MODEL_FILE,
-    WEIGHT_KINDS,
-    Manifest,
-    cache_key,
-    checkpoint_digest,
-    default_cache_dir,
-    require_onnxruntime,
-    save_model,
-)
+from .onnx_cache import FORMAT_VERSION, MANIFEST, Manifest, cache_key, checkpoint_digest, default_cache_dir
 from .onnx_graph import build_graph
-from .onnx_quant import int8_reduce_range, quantize
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,13 @@
-"""model/embed.py: weight-norm folding, prompt embedding and head row order."""
+"""models/chattts/embed.py: weight-norm folding, prompt embedding and head row order."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from chattts_serve.model.config import GPTConfig
-from chattts_serve.model.embed import Embed, fold_weight_norm
-
-from ..host_syncs import host_syncs
+from chattts_serve.models.chattts.config import GPTConfig
+from chattts_serve.models.chattts.embed import Embed, fold_weight_norm
+from tests.support.host_syncs import host_syncs
 
 # Text vocab larger than the audio vocab, so text ids that are out of range for the code
 # embeddings prove that text positions never reach them.

@@ -1,4 +1,4 @@
-"""model/decode_attention.py: the C++ decode attention over a bf16 slot cache against plain attention,
+"""kernels/decode_attention.py: the C++ decode attention over a bf16 slot cache against plain attention,
 its batch invariance, and the fallback to torch's SDPA where it cannot be built."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-from chattts_serve.model import decode_attention as da
-from chattts_serve.model.config import GPTConfig
-from chattts_serve.model.gpt import GPT
+from chattts_serve.kernels import decode_attention as da
+from chattts_serve.models.chattts.config import GPTConfig
+from chattts_serve.models.chattts.gpt import GPT
 
 # The reference reads the same bf16 keys and values and the same fp32 query, in float64; what is left
 # is fp32 rounding in the kernel: dots of head_dim products, a sum of up to ~1000 weights and weighted

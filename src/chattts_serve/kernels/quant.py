@@ -25,12 +25,13 @@ weights at nearly the bandwidth floor. fbgemm needs int8 activations: "dynamic" 
 call from the whole batch (so a row's result depends on its neighbours: not batch-invariant),
 "static" fixes one scale per layer from calibration text (batch-invariant, and a little faster).
 
-The ``ort-*`` modes leave the torch trunk alone: ``model.prepare`` exports it to ONNX (cached) and the
-runner steps it in ONNX Runtime over the same KV slot cache (``model.onnx_export``, ``model.onnx_trunk``).
+The ``ort-*`` modes leave the torch trunk alone: ``models.chattts.prepare`` exports it to ONNX (cached) and the
+runner steps it in ONNX Runtime over the same KV slot cache (``models.chattts.onnx_export``,
+``models.chattts.onnx_trunk``).
 ort-int8's weights keep to 7 bits on x86 CPUs without VNNI (``onnx_quant.int8_reduce_range``).
 Batch invariance: ort-fp32 and ort-int4 keep it (MLAS computes each row the same at any row count;
 checked by the tests), ort-int8 does not (one activation scale per call, as int8-dynamic), nor does
-ort-auto (the kernel, hence a request's codes, follows the rows in each call: ``model.onnx_auto``).
+ort-auto (the kernel, hence a request's codes, follows the rows in each call: ``models.chattts.onnx_auto``).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import PRECISIONS
 from .linear import on_rows, swap_linears_
+from .precisions import PRECISIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +57,10 @@ class PrecisionSpec:
     int8: Literal["none", "weight", "dynamic", "static"]
     onnx: Literal["fp32", "int8", "int4", "auto"] | None = None
     """The trunk runs in ONNX Runtime with these weights (``ort-*``; "auto": int4 or int8 by the
-    width of each call, ``model.onnx_auto``); None: in torch."""
+    width of each call, ``models.chattts.onnx_auto``); None: in torch."""
 
 
-_MODES = {  # name -> (trunk dtype, int8 kind, ONNX weights); the names are model.config.PRECISIONS
+_MODES = {  # name -> (trunk dtype, int8 kind, ONNX weights); the names are kernels.precisions.PRECISIONS
     "fp32": (torch.float32, "none", None),
     "bf16": (torch.bfloat16, "none", None),
     "fp16": (torch.float16, "none", None),
@@ -85,7 +86,7 @@ def parse_precision(name: str) -> PrecisionSpec:
 def check_supported(spec: PrecisionSpec, device: torch.device) -> None:
     """Raise ValueError with the reason when ``spec`` cannot run on ``device``."""
     if spec.onnx is not None:
-        from .onnx_export import require_onnxruntime
+        from .onnx_runtime import require_onnxruntime
 
         require_onnxruntime()
         if device.type != "cpu":

@@ -1,4 +1,4 @@
-"""Run the exported GPT trunk (``model.onnx_export``) in ONNX Runtime over the engine's KV slot cache.
+"""Run the exported GPT trunk (``models.chattts.onnx_export``) in ONNX Runtime over the engine's KV slot cache.
 
 The cache is the same ``KVCache`` the torch path uses (``[layers, slots, kv_heads, capacity,
 head_dim]``, fp32). Slots ``lo..hi`` of one layer are one contiguous block, so a step binds that block
@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...kernels.onnx_runtime import DATA_FILE, MODEL_FILE, require_onnxruntime
 from .config import GPTConfig
 from .gpt import KVCache
-from .onnx_cache import DATA_FILE, MODEL_FILE, Manifest, require_onnxruntime
+from .onnx_cache import Manifest
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""model/vocos.py: the inverse STFT without a host sync, against ``torch.istft``."""
+"""models/chattts/vocos.py: the inverse STFT without a host sync, against ``torch.istft``."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chattts_serve.model.config import HOP_LENGTH, N_FFT, VocosConfig
-from chattts_serve.model.mel import hann_window
-from chattts_serve.model.vocos import ISTFTHead, istft, window_envelope
+from chattts_serve.models.chattts.config import HOP_LENGTH, N_FFT, VocosConfig
+from chattts_serve.models.chattts.mel import hann_window
+from chattts_serve.models.chattts.vocos import ISTFTHead, istft, window_envelope
 
 SYNCING_OPS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.equal.default", "aten.nonzero.default"}
 """Ops whose result the host reads: each one waits for the device on CUDA."""
@@ -70,7 +70,7 @@ def test_istft_reads_nothing_back_to_the_host():
 
 
 def test_head_keeps_a_bounded_number_of_envelopes():
-    from chattts_serve.model import vocos
+    from chattts_serve.models.chattts import vocos
 
     head = ISTFTHead(VocosConfig(dim=8, intermediate_dim=16, num_layers=1))
     for frames in range(2, 2 + vocos._ENVELOPES_KEPT + 5):

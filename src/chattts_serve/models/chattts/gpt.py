@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import decode_attention
+from ...kernels import decode_attention
 from .config import GPTConfig
 
 

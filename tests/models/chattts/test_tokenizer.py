@@ -1,4 +1,4 @@
-"""model/tokenizer.py with the tiny checkpoint's (synthetic, official-layout) tokenizer."""
+"""models/chattts/tokenizer.py with the tiny checkpoint's (synthetic, official-layout) tokenizer."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import unicodedata
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from chattts_serve.model.checkpoint import TOKENIZER_DIR
-from chattts_serve.model.synthetic_tokenizer import CONTROL_TOKENS
-from chattts_serve.model.tokenizer import Tokenizer, clean_up_tokenization, code_prompt, refine_prompt
+from chattts_serve.models.chattts.checkpoint import TOKENIZER_DIR
+from chattts_serve.models.chattts.synthetic_tokenizer import CONTROL_TOKENS
+from chattts_serve.models.chattts.tokenizer import Tokenizer, clean_up_tokenization, code_prompt, refine_prompt
 
 OFFICIAL_IDS = {
     "[Stts]": 21131,

@@ -1,5 +1,5 @@
 """Quantising an exported trunk's MatMul weights with ONNX Runtime's quantizers (the graph is
-``model.onnx_graph``'s; nothing else changes).
+``models.chattts.onnx_graph``'s; nothing else changes).
 
 ``int8`` is ``quantize_dynamic`` (QInt8 weights, per output channel, 7 bits on x86 CPUs without VNNI:
 see ``int8_reduce_range``; uint8 activations quantised per call), ``int4`` is ``MatMulNBits`` (4-bit,
@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from ..cpu import CpuInfo, probe
-from .onnx_cache import MODEL_FILE, WEIGHT_KINDS, save_model
+from .onnx_runtime import MODEL_FILE, WEIGHT_KINDS, save_model
 
 INT4_BLOCK_SIZE = 32
 
