@@ -48,7 +48,7 @@ class RunnerConfig:
     mode (None: ``onnx`` in the user cache directory)."""
     ort_auto_crossover: int = 0
     """``ort-auto``: trunk calls of this many rows or more run the int8 export, narrower ones the
-    4-bit one (0: from the table for this CPU, ``model.onnx_auto.CROSSOVER_TABLE``)."""
+    4-bit one (0: from the table for this CPU, ``models.chattts.onnx_auto.CROSSOVER_TABLE``)."""
     kv_cache_dtype: str = "auto"
     """"auto": the trunk's dtype; "bf16": half the cache bytes under an fp32 or int8 trunk (attention
     then runs in bf16; batched decode steps are cache-bound). Torch modes only."""

@@ -57,7 +57,7 @@ def _layer_weights(gpt: GPT, i: int) -> dict[str, torch.Tensor]:
 
 
 def rope_tables(cfg: GPTConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_positions, head_dim / 2]: the values ``model.gpt.rope_cos_sin`` computes (fp32)."""
+    """cos, sin [max_positions, head_dim / 2]: the values ``models.chattts.gpt.rope_cos_sin`` computes (fp32)."""
     freqs = torch.arange(max_positions).float()[:, None] * rope_inv_freq(cfg.head_dim, cfg.rope_theta).float()
     return freqs.cos(), freqs.sin()
 

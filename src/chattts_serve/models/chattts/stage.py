@@ -45,7 +45,7 @@ class ChatTTSStage:
     sample_rate = SAMPLE_RATE
 
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, layout: ModelLayout) -> None:
-        """``model`` prepared by ``model.prepare.prepare_model`` (which returned ``layout``)."""
+        """``model`` prepared by ``models.chattts.prepare.prepare_model`` (which returned ``layout``)."""
         self.model = model
         self._failed: list[str] = []
         sc = config.scheduler
