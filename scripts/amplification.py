@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from chattts_serve.audio.resample import MAX_RATE
-from chattts_serve.model.config import SAMPLE_RATE, TOKENS_PER_SECOND
+from chattts_serve.models.chattts.config import SAMPLE_RATE, TOKENS_PER_SECOND
 from chattts_serve.sampling_params import OPTION_BOUNDS
 from chattts_serve.server.budget import MAX_PAUSE_SECONDS
 from chattts_serve.server.config import ServerConfig
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_name)
         ckpt = args.model
         if ckpt is None:
-            from chattts_serve.model.random_checkpoint import write_random
+            from chattts_serve.models.chattts.random_checkpoint import write_random
 
             ckpt = write_random(tmp / "tiny", "tiny", seed=0)
         proc, base, wy = _serve(Path(ckpt), tmp, limit_s)

@@ -28,7 +28,7 @@ from chattts_serve.audio.resample import StreamingResampler
 from chattts_serve.audio.stretch import StreamingStretcher
 from chattts_serve.bench.common import wait_ready
 from chattts_serve.cpu import probe
-from chattts_serve.model.config import SAMPLE_RATE
+from chattts_serve.models.chattts.config import SAMPLE_RATE
 
 CHUNK_S = 0.5
 
@@ -67,14 +67,14 @@ def _streamed(make):
 
 def stretch_costs(pcm: np.ndarray, repeats: int) -> dict[str, float]:
     return {
-        f"x{f}": _median_ms_per_audio_s(_streamed(lambda f=f: StreamingStretcher(f)), pcm, repeats)
+        f"x{f}": _median_ms_per_audio_s(_streamed(lambda f=f: StreamingStretcher(f, SAMPLE_RATE)), pcm, repeats)
         for f in (0.5, 1.5, 2.0, 4.0)
     }
 
 
 def resample_costs(pcm: np.ndarray, repeats: int) -> dict[str, float]:
     return {
-        f"{r}Hz": _median_ms_per_audio_s(_streamed(lambda r=r: StreamingResampler(r)), pcm, repeats)
+        f"{r}Hz": _median_ms_per_audio_s(_streamed(lambda r=r: StreamingResampler(r, SAMPLE_RATE)), pcm, repeats)
         for r in (8000, 16000, 44100, 48000)
     }
 
@@ -84,7 +84,7 @@ def telephony_costs(pcm: np.ndarray, repeats: int) -> dict[str, float]:
 
     def run(fmt):
         def go(chunks):
-            enc = StreamingEncoder(fmt, sample_rate=8000)
+            enc = StreamingEncoder(fmt, sample_rate=8000, model_rate=SAMPLE_RATE)
             for c in chunks:
                 enc.write(c)
             enc.finish()

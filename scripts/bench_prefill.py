@@ -18,9 +18,9 @@ import torch
 from chattts_serve.engine.config import RunnerConfig
 from chattts_serve.engine.request import Sequence
 from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
-from chattts_serve.model import checkpoint
-from chattts_serve.model.prepare import prepare_model
-from chattts_serve.model.quant import parse_precision
+from chattts_serve.kernels.quant import parse_precision
+from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts.prepare import prepare_model
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from tests.fidelity.cases import build_cases  # noqa: E402
 from tests.fidelity.compare import compare_all  # noqa: E402
 from tests.fidelity.oracle import run_reference  # noqa: E402
 
-from chattts_serve.model.random_checkpoint import write_random  # noqa: E402
+from chattts_serve.models.chattts.random_checkpoint import write_random  # noqa: E402
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
-"""Regenerate tests/model/golden_speaker.json from the reference ``chattts==0.2.5``.
+"""Regenerate tests/models/chattts/golden_speaker.json from the reference ``chattts==0.2.5``.
 
 Run with the *reference* interpreter (it imports ``ChatTTS``, not ``chattts_serve``)::
 
-    /path/to/refvenv/bin/python scripts/golden_speaker.py [--out tests/model/golden_speaker.json]
+    /path/to/refvenv/bin/python scripts/golden_speaker.py [--out tests/models/chattts/golden_speaker.json]
 
 Records, on the CPU:
 * ``Speaker.sample_random()`` after ``torch.manual_seed(seed)`` (string + raw float16 bytes),

@@ -61,7 +61,7 @@ from chattts_serve.bench import offline, streams
 from chattts_serve.bench import profile as profile_tool
 from chattts_serve.engine.config import EngineConfig, RunnerConfig
 from chattts_serve.engine.engine import Engine
-from chattts_serve.model.random_checkpoint import write_random
+from chattts_serve.models.chattts.random_checkpoint import write_random
 from chattts_serve.sampling_params import SamplingParams
 
 
@@ -100,10 +100,10 @@ def check_graphs(model: str, device: str, steps: int) -> dict:
     runs = {}
     for name, runner in variants.items():
         eng = Engine.from_pretrained(model, device, EngineConfig.with_slots(4, runner=runner))
-        n_graphs = len(eng.core.runner.static.graphs)
+        n_graphs = len(eng.core.stage.runner.static.graphs)
         t0 = time.perf_counter()
         res = eng.synthesize(texts, params)
-        whole = eng.core.runner.step_graph
+        whole = eng.core.stage.runner.step_graph
         capture_s = whole.capture_s if whole is not None else 0.0
         runs[name] = (res, time.perf_counter() - t0, n_graphs, eng.core.stats(), capture_s)
         del eng
@@ -328,7 +328,9 @@ def check_audio_overlap(model: str, device: str, precision: str, n_streams: int,
     params = SamplingParams(seed=7, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
     runs = {}
     for overlap in (False, True, False, True):  # the first pair warms up (shapes, allocator)
-        core.audio = AudioDecoder(core.model, core.device, core.audio_dtype, overlap=overlap, buckets=True)
+        core.stage.decoder = AudioDecoder(
+            core.stage.model, core.device, core.stage.audio_dtype, overlap=overlap, buckets=True
+        )
         for i in range(n_streams):
             core.add_request(f"s{i}", core.prepare(texts[i % 2], params), StreamPolicy())
         codes: dict[str, list] = {}
@@ -347,7 +349,7 @@ def check_audio_overlap(model: str, device: str, precision: str, n_streams: int,
         "check": "audio_overlap",
         "streams": n_streams,
         "steps": steps,
-        "audio_dtype": core.audio_dtype,
+        "audio_dtype": core.stage.audio_dtype,
         "inline_wall_s": round(inline_s, 3),
         "overlap_wall_s": round(overlap_s, 3),
         "speedup": round(inline_s / overlap_s, 3) if overlap_s > 0 else None,

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from cases import GOLDEN_CHECKPOINT_SEED, build_cases  # noqa: E402
 from oracle import run_reference  # noqa: E402
 
-from chattts_serve.model.random_checkpoint import write_random  # noqa: E402
+from chattts_serve.models.chattts.random_checkpoint import write_random  # noqa: E402
 
 
 def main() -> None:

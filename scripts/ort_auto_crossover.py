@@ -1,7 +1,7 @@
 """Where ``ort-auto`` should switch from the 4-bit to the int8 trunk on this CPU: one decode step of
 each session at several row counts, the two calls alternating (drift on a shared box hits both),
 medians. Prints one JSON line: per width the two medians, and the smallest width from which int8 is
-ahead at every width measured, to put in ``model.onnx_auto.CROSSOVER_TABLE`` under this CPU's kind
+ahead at every width measured, to put in ``models.chattts.onnx_auto.CROSSOVER_TABLE`` under this CPU's kind
 (or pass as ``--ort-auto-crossover``).
 
     python scripts/ort_auto_crossover.py --model CKPT [--widths 1,2,3,4,6,8,16,32] [--pairs 21] [--context 100]
@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from chattts_serve.cpu import probe
-from chattts_serve.model import checkpoint
-from chattts_serve.model.onnx_export import cached_export
-from chattts_serve.model.onnx_trunk import OnnxTrunk
+from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts.onnx_export import cached_export
+from chattts_serve.models.chattts.onnx_trunk import OnnxTrunk
 
 
 def step_medians(trunks: dict[str, OnnxTrunk], width: int, context: int, pairs: int) -> dict[str, float]:

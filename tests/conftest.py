@@ -32,14 +32,14 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """The tiny random checkpoint (official layout), written once per test run."""
-    from chattts_serve.model.random_checkpoint import write_random
+    from chattts_serve.models.chattts.random_checkpoint import write_random
 
     return write_random(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=TINY_SEED)
 
 
 @pytest.fixture(scope="session")
 def onnx_cache_dir(tmp_path_factory) -> str:
-    """One ONNX export cache for the run: tests/model/test_onnx.py writes the tiny checkpoint's exports
+    """One ONNX export cache for the run: tests/models/chattts/test_onnx.py writes the tiny checkpoint's exports
     under their cache keys and the ort-* engines of later tests find them there (built once, not twice)."""
     return str(tmp_path_factory.mktemp("onnx-cache"))
 

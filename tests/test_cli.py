@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from chattts_serve.model.speaker import decode_speaker
+from chattts_serve.models.chattts.speaker import decode_speaker
 
 pytestmark = pytest.mark.integration
 
@@ -142,3 +142,19 @@ def test_errors_exit_2_with_one_line(runs, name, fragment):
     assert fragment in lines[0]
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+def test_checkpoint_random_for_each_registered_family(tmp_path, tiny_ckpt, capsys):
+    """``--family`` takes every registered family; chattts is the default and writes what it always wrote."""
+    from chattts_serve.cli import main
+    from tests.support.sine_family import CONFIG, registered
+
+    assert main(["checkpoint", "random", str(tmp_path / "c"), "--family", "chattts"]) == 0  # seed 0, as tiny_ckpt
+    rel = "asset/gpt/model.safetensors"
+    assert (tmp_path / "c" / rel).read_bytes() == (tiny_ckpt / rel).read_bytes()
+    with registered():
+        assert main(["checkpoint", "random", str(tmp_path / "s"), "--family", "sine", "--size", "full"]) == 0
+    assert (tmp_path / "s" / CONFIG).is_file() and "random full sine checkpoint" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["checkpoint", "random", str(tmp_path / "k"), "--family", "kokoro"])
+    assert "invalid choice: 'kokoro' (choose from 'chattts')" in capsys.readouterr().err

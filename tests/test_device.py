@@ -133,16 +133,16 @@ def test_a_voice_encode_runs_on_the_engine_loop_thread(tiny_engine, monkeypatch)
     import asyncio
 
     from chattts_serve.engine.async_engine import AsyncEngine
-    from chattts_serve.model.speaker import MIN_VOICE_SAMPLES
+    from chattts_serve.models.chattts.speaker import MIN_VOICE_SAMPLES
 
     threads: list[str] = []
-    real = tiny_engine.core.voice_codes
+    real = tiny_engine.core.stage.voice_codes
 
     def spy(wav):
         threads.append(threading.current_thread().name)
         return real(wav)
 
-    monkeypatch.setattr(tiny_engine.core, "voice_codes", spy)
+    monkeypatch.setattr(tiny_engine.core.stage, "voice_codes", spy)
     eng = AsyncEngine(tiny_engine)
     try:
         wav = np.random.default_rng(0).standard_normal(MIN_VOICE_SAMPLES).astype(np.float32) * 0.1

@@ -83,15 +83,15 @@ def test_another_threads_fp32_scope_never_runs_inside_a_tf32_scope():
 def test_the_dvae_encode_runs_without_tf32(tiny_engine, monkeypatch):
     core = tiny_engine.core
     seen = []
-    real = core.model.dvae.encode
+    real = core.stage.model.dvae.encode
 
     def spy(wav):
         seen.append(tf32.tf32_on())
         return real(wav)
 
-    monkeypatch.setattr(core.model.dvae, "encode", spy)
+    monkeypatch.setattr(core.stage.model.dvae, "encode", spy)
     before = tf32.state()
-    core.voice_codes(torch.zeros(24000))
+    core.stage.voice_codes(torch.zeros(24000))
     assert seen == [False] and tf32.state() == before
 
 

@@ -1,10 +1,10 @@
 """The ``chattts-serve`` command.
 
-chattts-serve synthesize "Hello." -o hello.wav [--model DIR|REPO] [--seed N] [--speaker STR]
+chattts-serve synthesize "Hello." -o hello.wav [--model DIR|REPO] [--family NAME] [--seed N] [--speaker STR]
 chattts-serve synthesize --input texts.txt --output-dir out/ [--max-num-seqs N] [--devices cuda:0,cuda:1]
 chattts-serve ray serve --model DIR --num-replicas N      chattts-serve ray batch --input F --output-dir D
 chattts-serve speaker new [--model DIR|REPO] [--seed N]
-chattts-serve checkpoint random DIR [--size tiny|full] [--seed N]
+chattts-serve checkpoint random DIR [--family chattts|...] [--size tiny|full] [--seed N]
 chattts-serve export onnx --out DIR [--model DIR|REPO] [--quant fp32|int8|int4] [--provider cpu|cuda|tensorrt]
 chattts-serve bench offline|streams|serve|host-overhead ...   chattts-serve profile ...   chattts-serve eval ...
 """
@@ -18,8 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from . import models
 from .engine.config import add_engine_arguments, add_max_num_seqs_argument
-from .model.config import DEFAULT_MODEL
+from .models.chattts.config import DEFAULT_MODEL
+from .models.family import SIZES
 from .sampling_params import SAMPLING_FLAGS, SamplingParams, add_sampling_arguments
 
 MODEL_ENV = "CHATTTS_SERVE_MODEL"
@@ -59,6 +61,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_max_num_seqs_argument(syn, default=16, auto=True)
     _add_model_args(syn)
+    syn.add_argument("--family", choices=models.names(), help="the model family (default: detected from --model)")
     add_sampling_arguments(syn)
     syn.set_defaults(func=_synthesize)
 
@@ -106,9 +109,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     ck = sub.add_parser("checkpoint", help="checkpoint tools")
     ck_sub = ck.add_subparsers(dest="checkpoint_command", required=True)
-    rnd = ck_sub.add_parser("random", help="write a random-weight checkpoint in the official layout")
+    rnd = ck_sub.add_parser("random", help="write a random-weight checkpoint in a family's official layout")
     rnd.add_argument("directory")
-    rnd.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    rnd.add_argument("--family", choices=models.names(), default="chattts", help="the model family (default: chattts)")
+    rnd.add_argument("--size", choices=SIZES, default="tiny", help="tiny (tests) or full (the official dimensions)")
     rnd.add_argument("--seed", type=int, default=0)
     rnd.set_defaults(func=_checkpoint_random)
 
@@ -200,7 +204,7 @@ def _synthesize(args: argparse.Namespace) -> int:
             raise ValueError(f"text {failed[0].id}: {failed[0].error}")
         paths, audio_s = [out_dir / e.file for e in entries], sum(e.duration for e in entries)
     else:
-        engine = Engine.from_pretrained(args.model, device=args.device, config=config)
+        engine = Engine.from_pretrained(args.model, device=args.device, config=config, family=args.family)
         start = time.perf_counter()
         texts = [it.text for it in items]
         results = engine.synthesize(texts, [item_params(params, it) for it in items], progress=True)
@@ -219,8 +223,8 @@ def _synthesize(args: argparse.Namespace) -> int:
 def _speaker_new(args: argparse.Namespace) -> int:
     import torch
 
-    from .model import checkpoint
-    from .model.speaker import default_speaker_stats, encode_speaker
+    from .models.chattts import checkpoint
+    from .models.chattts.speaker import default_speaker_stats, encode_speaker
 
     # The official statistics ship with the package, so the default model needs no download; a local
     # checkpoint may carry its own (random test checkpoints of other sizes do).
@@ -234,17 +238,16 @@ def _speaker_new(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_random(args: argparse.Namespace) -> int:
-    from .model.random_checkpoint import write_random
-
-    root = write_random(args.directory, args.size, seed=args.seed)
-    print(f"wrote a random {args.size} checkpoint (seed {args.seed}) to {root}")
+    root = models.get(args.family).write_random(args.directory, args.size, seed=args.seed)
+    family = "" if args.family == "chattts" else f"{args.family} "
+    print(f"wrote a random {args.size} {family}checkpoint (seed {args.seed}) to {root}")
     return 0
 
 
 def _export_onnx(args: argparse.Namespace) -> int:
-    from .model import checkpoint
-    from .model.onnx_export import export
-    from .model.onnx_trunk import check_export
+    from .models.chattts import checkpoint
+    from .models.chattts.onnx_export import export
+    from .models.chattts.onnx_trunk import check_export
 
     model = checkpoint.load(args.model)
     reduce_range = {"auto": None, "on": True, "off": False}[args.reduce_range]
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from .model.checkpoint import CheckpointError
+    from .models.chattts.checkpoint import CheckpointError
 
     try:
         return args.func(args)

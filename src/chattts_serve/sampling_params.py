@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .model.config import NUM_VQ
+from .models.chattts.config import NUM_VQ
 from .text.cleanup import TEXT_CLEANUPS
 
 LANGS = ("zh", "en")
@@ -76,7 +77,16 @@ class RefineParams:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Everything that shapes one utterance. Frozen: safe to share between requests."""
+    """Everything that shapes one utterance. Frozen: safe to share between requests.
+
+    One class for every model family, so that the public API stays what ChatTTS users have always called
+    (``SamplingParams(seed=7, speaker=...)``, every CLI flag and HTTP option, the result cache's keys). Its
+    fields are of two kinds: the common part, which every family reads (``seed``, ``speaker``: the family's
+    voice string, ``lang``, ``text_cleanup``, ``lexicon``, ``split_text``, ``do_text_normalization``,
+    ``max_text_chars``), and
+    the fields one family owns (ChatTTS's sampler, prompt, refine pass, voice step and voice sample:
+    ``models.chattts.family.OWNED_OPTIONS``), which another family refuses by name
+    (``FamilyModel.check_options``). A family's options that ChatTTS does not have travel in ``options``."""
 
     seed: int | None = None
     """With a seed the sampler's generator is re-seeded with it before every step (the reference's
@@ -124,6 +134,9 @@ class SamplingParams:
     ``<sub>`` and ``<say-as>``, markdown cleanup, normalisation): the input processor counts as it expands
     and refuses the request (``text.bound.TextTooLong``) as soon as the text passes it. The server sets its
     ``max_input_chars`` here."""
+    options: Any = None
+    """A model family's own options by name (a mapping, e.g. Kokoro's ``{"speed": 1.2}``), validated by the
+    family (``FamilyModel.check_options``); None: its defaults. ChatTTS has none."""
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, list):
@@ -145,6 +158,10 @@ class SamplingParams:
             raise ValueError(f"max_text_chars must be an int >= 1, got {self.max_text_chars!r}")
         if not isinstance(self.refine, RefineParams):
             raise ValueError(f"refine must be RefineParams, got {type(self.refine).__name__}")
+        if self.options is not None and not isinstance(self.options, Mapping):
+            raise ValueError(
+                f"options must be a mapping of a model family's options, got {type(self.options).__name__}"
+            )
 
     @property
     def temperatures(self) -> tuple[float, ...]:
@@ -174,9 +191,13 @@ class SamplingParams:
 
 def option_defaults() -> dict[str, Any]:
     """Each flat option (``SamplingParams.from_options``'s names) and its default."""
-    base = SamplingParams()
-    out = {f.name: getattr(base, f.name) for f in fields(SamplingParams) if f.name != "refine"}
-    return out | {f"refine_{f.name}": getattr(base.refine, f.name) for f in fields(RefineParams)}
+    return flat_options(SamplingParams())
+
+
+def flat_options(params: SamplingParams) -> dict[str, Any]:
+    """``params`` as flat options (``SamplingParams.from_options``'s names)."""
+    out = {f.name: getattr(params, f.name) for f in fields(SamplingParams) if f.name != "refine"}
+    return out | {f"refine_{f.name}": getattr(params.refine, f.name) for f in fields(RefineParams)}
 
 
 OPTION_BOUNDS: dict[str, dict[str, float]] = {

@@ -48,7 +48,7 @@ def test_tf32_on_a_cpu_is_fp32(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def model(tiny_ckpt):
-    from chattts_serve.model import checkpoint
+    from chattts_serve.models.chattts import checkpoint
 
     return checkpoint.load(tiny_ckpt)
 
@@ -100,7 +100,7 @@ def _same_audio(whole, split) -> None:
 
 
 def test_activation_estimate_of_the_full_model():
-    from chattts_serve.model.config import ModelConfig
+    from chattts_serve.models.chattts.config import ModelConfig
 
     per_step = decode_module.activation_bytes_per_step(ModelConfig())
     assert 40 * 2**10 <= per_step <= 64 * 2**10

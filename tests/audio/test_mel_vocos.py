@@ -1,4 +1,4 @@
-"""Mel features, the Vocos ISTFT head, frame expansion and the GFSQ quantizer (model/mel.py, vocos.py,
+"""Mel features, the Vocos ISTFT head, frame expansion and the GFSQ quantizer (models/chattts/mel.py, vocos.py,
 dvae.py)."""
 
 from __future__ import annotations
@@ -9,10 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from chattts_serve.model.config import HOP_LENGTH, N_FFT, NUM_MELS, SAMPLE_RATE, DVAEConfig, ModelConfig, VocosConfig
-from chattts_serve.model.dvae import DVAE, GFSQ, Decoder, expand_frames
-from chattts_serve.model.mel import hann_window, log_mel_spectrogram, mel_filterbank
-from chattts_serve.model.vocos import ISTFTHead, Vocos
+from chattts_serve.models.chattts.config import (
+    HOP_LENGTH,
+    N_FFT,
+    NUM_MELS,
+    SAMPLE_RATE,
+    DVAEConfig,
+    ModelConfig,
+    VocosConfig,
+)
+from chattts_serve.models.chattts.dvae import DVAE, GFSQ, Decoder, expand_frames
+from chattts_serve.models.chattts.mel import hann_window, log_mel_spectrogram, mel_filterbank
+from chattts_serve.models.chattts.vocos import ISTFTHead, Vocos
 
 # ---------------------------------------------------------------- mel filterbank
 

@@ -68,7 +68,7 @@ class FakeStreams(InlineStreams):
 
 @pytest.fixture(scope="module")
 def model(tiny_ckpt):
-    from chattts_serve.model import checkpoint
+    from chattts_serve.models.chattts import checkpoint
 
     return checkpoint.load(tiny_ckpt)
 
@@ -161,7 +161,7 @@ def _stream_run(engine, texts):
             audio[out.request_id].append(out.audio)
             if out.finished:
                 finals[out.request_id] = out
-        in_flight = max(in_flight, core.audio.in_flight)
+        in_flight = max(in_flight, core.stage.decoder.in_flight)
     assert not core.has_unfinished()
     return {rid: np.concatenate(a) for rid, a in audio.items()}, finals, in_flight
 
@@ -177,7 +177,9 @@ def test_overlapped_bucketed_decode_gives_every_stream_the_same_audio(tiny_ckpt)
     for mode in ("off", "on"):
         config = EngineConfig.with_slots(4, audio_overlap=mode, audio_buckets=mode)
         engine = Engine.from_pretrained(tiny_ckpt, config=config)
-        assert engine.core.audio.overlap is (mode == "on") and engine.core.audio.buckets is (mode == "on")
+        assert engine.core.stage.decoder.overlap is (mode == "on") and engine.core.stage.decoder.buckets is (
+            mode == "on"
+        )
         runs[mode] = _stream_run(engine, texts)
     (want, want_final, inline), (got, got_final, deferred) = runs["off"], runs["on"]
     assert inline == 0 and deferred >= 1  # the overlapped run did leave audio in flight across steps

@@ -11,7 +11,7 @@ from .streaming import SR, fed_in_chunks, sine
 
 
 def _chunked(pcm: np.ndarray, rate: int, sizes: np.ndarray) -> np.ndarray:
-    return fed_in_chunks(StreamingResampler(rate), pcm, sizes)
+    return fed_in_chunks(StreamingResampler(rate, SR), pcm, sizes)
 
 
 @pytest.mark.parametrize("rate", [8000, 16000, 22050, 44100, 48000])
@@ -21,7 +21,7 @@ def test_chunks_join_to_the_one_shot_output(rate):
     changed at a join."""
     rng = np.random.default_rng(0)
     pcm = (rng.standard_normal(3 * SR) * 0.2).astype(np.float32) + sine(440, 3)
-    whole = resample(pcm, rate)
+    whole = resample(pcm, rate, SR)
     chunked = _chunked(pcm, rate, rng.integers(1, 2000, size=100))
     assert abs(len(whole) - len(pcm) * rate / SR) <= 1
     assert len(chunked) == len(whole)
@@ -43,11 +43,11 @@ def test_a_sine_through_chunks_has_no_discontinuity(rate):
 
 def test_same_rate_is_untouched():
     pcm = sine(440, 0.1)
-    assert resample(pcm, SR) is pcm
+    assert resample(pcm, SR, SR) is pcm
 
 
 def test_nothing_after_flush():
-    resampler = StreamingResampler(8000)
+    resampler = StreamingResampler(8000, SR)
     resampler.process(sine(440, 0.1))
     resampler.flush()
     assert len(resampler.flush()) == 0

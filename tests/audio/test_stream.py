@@ -15,7 +15,7 @@ from chattts_serve.audio.policy import StreamPolicy
 from chattts_serve.audio.stream import AudioStream, Window
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.core import EngineCore
-from chattts_serve.model.config import ConvStackConfig, DecoderConfig, ModelConfig, VocosConfig
+from chattts_serve.models.chattts.config import ConvStackConfig, DecoderConfig, ModelConfig, VocosConfig
 
 SPT = 512  # samples per GPT step
 HALF = SPT // 2
@@ -273,7 +273,7 @@ def deep_config() -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def deep_engine(tmp_path_factory):
-    from chattts_serve.model.random_checkpoint import write_random
+    from chattts_serve.models.chattts.random_checkpoint import write_random
 
     root = write_random(tmp_path_factory.mktemp("deep") / "ckpt", deep_config(), seed=0)
     return Engine.from_pretrained(root, device="cpu", config=EngineConfig.with_slots(4))
@@ -302,7 +302,7 @@ def run_requests(core: EngineCore, reqs: dict[str, tuple[SamplingParams, StreamP
             if o.finished:
                 finals[o.request_id] = o
         for rid in reqs:
-            req = core.pipeline.requests.get(rid)
+            req = core.stage.pipeline.requests.get(rid)
             if req is not None and req.segments[0].stream is not None:
                 streams[rid] = req.segments[0].stream
     assert all(finals[rid].finish_reason == "length" for rid in reqs)

@@ -14,7 +14,7 @@ FACTORS = [0.25, 0.5, 0.8, 1.25, 1.5, 2.0, 3.0, 4.0]
 
 
 def _chunked(pcm: np.ndarray, factor: float, sizes: np.ndarray) -> np.ndarray:
-    return fed_in_chunks(StreamingStretcher(factor), pcm, sizes)
+    return fed_in_chunks(StreamingStretcher(factor, SR), pcm, sizes)
 
 
 def _peak_hz(pcm: np.ndarray) -> float:
@@ -31,7 +31,7 @@ def test_chunks_join_to_the_one_shot_output(factor):
     and phase across calls, so the joined stream is the one-shot output, sample for sample."""
     rng = np.random.default_rng(0)
     pcm = (rng.standard_normal(3 * SR) * 0.1).astype(np.float32) + sine(330, 3)
-    whole = stretch(pcm, factor)
+    whole = stretch(pcm, factor, SR)
     chunked = _chunked(pcm, factor, rng.integers(1, 2000, size=60))
     assert len(chunked) == len(whole)
     np.testing.assert_allclose(chunked, whole, atol=1e-6)
@@ -72,9 +72,10 @@ def test_atempo_chain_stays_in_range_and_multiplies_to_the_factor():
 
 
 def test_plan_speed():
-    assert plan_speed(1.5) == SpeedPlan(speed_prompt(1.5), 1.0)  # the default: today's prompt only
+    # the default: today's prompt only (a family with a speed of its own takes ``model`` instead)
+    assert plan_speed(1.5) == SpeedPlan(speed_prompt(1.5), 1.0, 1.5)
     assert plan_speed(1.5, "stretch") == SpeedPlan(None, 1.5)
-    assert plan_speed(0.5, "both") == SpeedPlan(speed_prompt(0.5), 0.5)
+    assert plan_speed(0.5, "both") == SpeedPlan(speed_prompt(0.5), 0.5, 0.5)
     assert plan_speed(1.0, "both") == SpeedPlan(None, 1.0)  # normal leaves the defaults' prompt
     with pytest.raises(ValueError, match="speed_mode"):
         plan_speed(1.5, "fast")
@@ -83,16 +84,16 @@ def test_plan_speed():
 
 
 def test_edges():
-    assert stretch(sine(440, 0.1), 1.0) is not None
+    assert stretch(sine(440, 0.1), 1.0, SR) is not None
     pcm = sine(440, 0.1)
-    assert stretch(pcm, 1.0) is pcm
-    empty = StreamingStretcher(2.0)
+    assert stretch(pcm, 1.0, SR) is pcm
+    empty = StreamingStretcher(2.0, SR)
     assert len(empty.process(np.zeros(0, np.float32))) == 0 and len(empty.flush()) == 0
-    s = StreamingStretcher(2.0)
+    s = StreamingStretcher(2.0, SR)
     s.process(pcm)
     s.flush()
     assert len(s.flush()) == 0
     with pytest.raises(RuntimeError):
         s.process(pcm)
     with pytest.raises(ValueError):
-        StreamingStretcher(8.0)
+        StreamingStretcher(8.0, SR)

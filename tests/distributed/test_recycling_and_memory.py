@@ -95,8 +95,8 @@ def test_budget_sizes_kv_slots_by_the_kv_cache_dtype(tiny_ckpt, monkeypatch):
     from chattts_serve.distributed.memory import budget_for
     from chattts_serve.engine.config import EngineConfig, RunnerConfig
     from chattts_serve.engine.hidden_store import HiddenStore
-    from chattts_serve.model import checkpoint
-    from chattts_serve.model.gpt import KVCache
+    from chattts_serve.models.chattts import checkpoint
+    from chattts_serve.models.chattts.gpt import KVCache
 
     _fake_cuda(monkeypatch, 80 * 2**30)
     g = checkpoint.read_config(tiny_ckpt).gpt

@@ -9,8 +9,8 @@ import torch
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.runner import AUTO_SLOTS_FRACTION, MAX_AUTO_SLOTS, auto_num_slots, slot_bytes, slots_that_fit
 from chattts_serve.engine.scheduler import SchedulerConfig
-from chattts_serve.model.config import ModelConfig
-from chattts_serve.model.gpt import KVCache
+from chattts_serve.models.chattts.config import ModelConfig
+from chattts_serve.models.chattts.gpt import KVCache
 
 GiB = 1 << 30
 
@@ -38,7 +38,7 @@ def test_slots_that_fit_is_bounded_both_ways():
 def test_auto_num_slots_on_a_cpu_uses_half_the_free_ram(tiny_ckpt, monkeypatch):
     import os
 
-    from chattts_serve.model import checkpoint
+    from chattts_serve.models.chattts import checkpoint
 
     model = checkpoint.load(tiny_ckpt)
     per_slot = slot_bytes(model.config.gpt, 512, torch.float32)

@@ -14,6 +14,7 @@ from chattts_serve.audio.policy import StreamPolicy
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.core import EngineCore, EngineStats, RequestOutput
 from chattts_serve.engine.scheduler import QueueFullError, SchedulerConfig
+from tests.support.engines import chattts_core
 
 TEXT = "今天天气真不错，我们一起去公园散步吧。"
 TEXTS = [
@@ -38,7 +39,7 @@ def leave_engine_idle(request):
     yield
     if "engine" in request.fixturenames:
         core = request.getfixturevalue("engine").core
-        for rid in list(core.pipeline.requests):
+        for rid in list(core.stage.pipeline.requests):
             core.abort(rid)
         for _ in range(5):
             core.step()
@@ -96,7 +97,7 @@ def assert_idle(core: EngineCore) -> None:
     then the runner holds no sequence state and every slot is free."""
     assert not core.has_unfinished()
     assert core.step() == []
-    assert not core.runner.states
+    assert not core.stage.runner.states
     assert core.scheduler.slots.num_free == core.scheduler.config.max_num_seqs
     assert core.scheduler.num_running == core.scheduler.num_waiting == 0
 
@@ -220,9 +221,7 @@ def test_streaming_does_not_change_codes(engine):
 
 
 def test_abort_frees_slot_and_leaves_others_alone(engine):
-    core = EngineCore(
-        engine.model, engine.tokenizer, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4)), engine.layout
-    )
+    core = chattts_core(engine, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4)))
     sched = core.scheduler
     reqs = {f"a{i}": (TEXTS[i % 2 * 3], base(seed=20 + i, min_new_tokens=30, max_new_tokens=50)) for i in range(4)}
     late = ("late", TEXTS[4], base(seed=30, max_new_tokens=30))
@@ -244,7 +243,7 @@ def test_abort_frees_slot_and_leaves_others_alone(engine):
     final = outs["a2"]
     assert final.finished and final.finish_reason == "aborted" and final.error is None
     assert len(final.audio) == 0 and final.segments is None
-    assert victim.seq_id not in core.runner.states
+    assert victim.seq_id not in core.stage.runner.states
     [newcomer] = [s for s in sched.running if s.request_id == "late"]
     assert newcomer.slot == slot  # the freed slot went to the waiting request in the same step
     assert sched.num_running == 4 and sched.num_waiting == 0
@@ -276,9 +275,7 @@ def test_abort_frees_slot_count_on_shared_engine(engine):
 
 
 def test_abort_waiting_and_refining_requests(engine):
-    core = EngineCore(
-        engine.model, engine.tokenizer, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1)), engine.layout
-    )
+    core = chattts_core(engine, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1)))
     run = Run(core)
     run.add("first", TEXT, base(seed=1, refine_text=True, refine=RefineParams(max_new_tokens=20, min_new_tokens=20)))
     run.add("queued", TEXT, base(seed=2))
@@ -295,12 +292,7 @@ def test_abort_waiting_and_refining_requests(engine):
 
 
 def test_queue_full(engine):
-    core = EngineCore(
-        engine.model,
-        engine.tokenizer,
-        EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=2)),
-        engine.layout,
-    )
+    core = chattts_core(engine, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=2)))
     run = Run(core)
     pa, pb, pc = base(seed=1, max_new_tokens=15), base(seed=2, max_new_tokens=15), base(seed=3, max_new_tokens=15)
     run.add("a", TEXT, pa)
@@ -323,12 +315,7 @@ def test_queue_full(engine):
 
 
 def test_accepted_refine_request_is_not_failed_by_queue_bound(engine):
-    core = EngineCore(
-        engine.model,
-        engine.tokenizer,
-        EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=1)),
-        engine.layout,
-    )
+    core = chattts_core(engine, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=1)))
     run = Run(core)
     run.add("a", "你好。", base(seed=1, max_new_tokens=10, refine_text=True, refine=RefineParams(max_new_tokens=3)))
     run.step()  # a's refine pass is running; the queue is empty again
@@ -365,7 +352,7 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeyp
     run.add("doomed", TEXT, p, StreamPolicy())
     for _ in range(3):
         run.step()
-    real = core.runner.execute
+    real = core.stage.runner.execute
     calls = []
 
     def boom(sched):
@@ -374,7 +361,7 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeyp
             raise RuntimeError("device on fire")
         return real(sched)
 
-    monkeypatch.setattr(core.runner, "execute", boom)
+    monkeypatch.setattr(core.stage.runner, "execute", boom)
     outs = run.step()
     [final] = [o for o in outs if o.request_id == "doomed"]
     assert final.finished and final.finish_reason == "error"
@@ -387,7 +374,7 @@ def test_failed_step_fails_its_requests_and_engine_keeps_serving(engine, monkeyp
     q = base(seed=7, max_new_tokens=30)
     later.add("later", TEXTS[3], q)
     later.drain()
-    monkeypatch.setattr(core.runner, "execute", real)
+    monkeypatch.setattr(core.stage.runner, "execute", real)
     want, _ = alone(core, TEXTS[3], q)
     assert_same_result(later.final("later"), want)
 
@@ -397,7 +384,7 @@ def test_failure_in_one_step_spares_requests_added_after(engine, monkeypatch):
     run = Run(core)
     run.add("x", TEXT, base(seed=8, min_new_tokens=20, max_new_tokens=20))
     run.step()
-    real = core.runner.execute
+    real = core.stage.runner.execute
     state = {"armed": True}
 
     def once(sched):
@@ -406,7 +393,7 @@ def test_failure_in_one_step_spares_requests_added_after(engine, monkeypatch):
             raise RuntimeError("transient")
         return real(sched)
 
-    monkeypatch.setattr(core.runner, "execute", once)
+    monkeypatch.setattr(core.stage.runner, "execute", once)
     run.step()
     assert run.final("x").finish_reason == "error"
     run.add("y", TEXT, base(seed=8, min_new_tokens=20, max_new_tokens=20))
@@ -423,7 +410,7 @@ def test_a_request_ended_by_its_pipeline_leaves_the_scheduler(engine, monkeypatc
 
     monkeypatch.setattr(pipeline, "fit", lambda *args: None)
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=48))
-    core = EngineCore(engine.model, engine.tokenizer, config, engine.layout)
+    core = chattts_core(engine, config)
     run = Run(core)
     params = base(
         refine_text=True,
@@ -517,7 +504,7 @@ def test_a_window_that_fails_alone_fails_only_its_request(engine, monkeypatch):
         run.add(f"r{i}", TEXTS[i], p, StreamPolicy())
     while not doomed_stream:  # the first audio stream of r0, once it exists
         run.step()
-        req = core.pipeline.requests.get("r0")
+        req = core.stage.pipeline.requests.get("r0")
         streams = [s.stream for s in getattr(req, "segments", []) if getattr(s, "stream", None) is not None]
         doomed_stream += streams[:1]
     run.drain()
@@ -529,9 +516,7 @@ def test_a_window_that_fails_alone_fails_only_its_request(engine, monkeypatch):
 def test_a_sequence_that_leaves_at_its_prefill_is_not_sampled_again(engine):
     """A request whose one token comes from its prefill step leaves before it ever decodes: the next
     step (same decode rows as the prefill step) must not reuse that step's rows, which sampled it."""
-    core = EngineCore(
-        engine.model, engine.tokenizer, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4)), engine.layout
-    )
+    core = chattts_core(engine, EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4)))
     long_p = base(seed=41, min_new_tokens=20, max_new_tokens=20)
     run = Run(core)
     run.add("long", TEXTS[0], long_p)

@@ -11,7 +11,7 @@ from chattts_serve.engine.config import EngineConfig, RunnerConfig
 from chattts_serve.engine.cuda_graph import StaticDecoder, batch_buckets, ctx_buckets, graph_matches_eager
 from chattts_serve.engine.engine import Engine
 from chattts_serve.engine.scheduler import SchedulerConfig
-from chattts_serve.model.checkpoint import load
+from chattts_serve.models.chattts.checkpoint import load
 from chattts_serve.sampling_params import SamplingParams
 
 from ..cuda_stub import FakeCuda
@@ -76,7 +76,7 @@ def test_engine_static_decode_gives_the_same_codes(tiny_ckpt, tiny_engine):
     params = SamplingParams(seed=3, max_new_tokens=40)
     want = tiny_engine.synthesize(TEXTS, params)
     static = Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(4, runner=RunnerConfig(decode="static")))
-    assert static.core.runner.static is not None and not static.core.runner.static.use_graphs  # no CUDA
+    assert static.core.stage.runner.static is not None and not static.core.stage.runner.static.use_graphs  # no CUDA
     got = static.synthesize(TEXTS, params)
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a.codes, b.codes)
@@ -106,7 +106,7 @@ def test_graph_replay_equals_eager_on_cuda(tiny_ckpt):
         tiny_ckpt, "cuda", EngineConfig.with_slots(4, runner=RunnerConfig(cuda_graphs=False))
     )
     graph = Engine.from_pretrained(tiny_ckpt, "cuda", EngineConfig.with_slots(4))
-    assert graph.core.runner.static.graphs
+    assert graph.core.stage.runner.static.graphs
     for a, b in zip(eager.synthesize(TEXTS, params), graph.synthesize(TEXTS, params), strict=True):
         np.testing.assert_array_equal(a.codes, b.codes)
 

@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from chattts_serve import RefineParams, Result, SamplingParams
-from chattts_serve.model.config import SAMPLE_RATE
-from chattts_serve.model.speaker import decode_prompt_codes, decode_speaker, encode_prompt_codes, encode_speaker
+from chattts_serve.models.chattts.config import SAMPLE_RATE
+from chattts_serve.models.chattts.speaker import (
+    decode_prompt_codes,
+    decode_speaker,
+    encode_prompt_codes,
+    encode_speaker,
+)
 
 SHORT = 24  # max_new_tokens for most runs
 FAST_REFINE = RefineParams(max_new_tokens=8)
@@ -340,7 +345,7 @@ def test_bad_speaker_sample(tiny_engine):
 def test_unknown_tags_in_the_text_are_spoken_as_text(tiny_engine):
     """As in the reference: a markdown link or a bracketed word in the text is text (LLM output is full of
     them); only the prompts must hold known control tokens (tests/fidelity has such a text too)."""
-    spoken = "".join(tiny_engine.core.inputs.prepare("你好[foo]。看 [Dapr](https://dapr.io/)", params()).segments)
+    spoken = "".join(tiny_engine.core.stage.inputs.prepare("你好[foo]。看 [Dapr](https://dapr.io/)", params()).segments)
     assert "[foo]" in spoken and "[Dapr]" in spoken
     [result] = tiny_engine.synthesize("你好[foo]。", params(max_new_tokens=8))
     assert result.codes.shape[0] > 0

@@ -53,10 +53,10 @@ def test_engine_windows_read_the_runners_hidden_states(tiny_ckpt):
     engine = Engine.from_pretrained(tiny_ckpt, device="cpu", config=EngineConfig.with_slots(3))
     core = engine.core
     produced: dict = {}  # stream (kept alive: ids are not reused) -> its steps' hidden states
-    update, submit = core.pipeline.update, core.audio.submit
+    update, submit = core.stage.pipeline.update, core.stage.decoder.submit
 
     def recording_update(outputs, hidden=None):
-        segs = {o.seq.seq_id: core.pipeline._by_seq.get(o.seq.seq_id) for o in outputs}
+        segs = {o.seq.seq_id: core.stage.pipeline._by_seq.get(o.seq.seq_id) for o in outputs}
         follow = update(outputs, hidden)
         for o in outputs:
             if o.hidden_row is not None and segs[o.seq.seq_id] is not None:
@@ -73,7 +73,7 @@ def test_engine_windows_read_the_runners_hidden_states(tiny_ckpt):
             checked.append(w.final)
         return submit(entries)
 
-    core.pipeline.update, core.audio.submit = recording_update, checking_submit
+    core.stage.pipeline.update, core.stage.decoder.submit = recording_update, checking_submit
     for i in range(5):
         p = SamplingParams(seed=i, min_new_tokens=30 + 7 * i, max_new_tokens=30 + 7 * i, refine_text=False)
         policy = StreamPolicy() if i % 2 else StreamPolicy.one_shot()
@@ -82,4 +82,4 @@ def test_engine_windows_read_the_runners_hidden_states(tiny_ckpt):
     while core.has_unfinished():
         finished += sum(o.finished for o in core.step())
     assert finished == 5 and sum(checked) == 5 and len(checked) > 5  # every final window, and chunks
-    assert core.pipeline.hidden_store.rows_free == core.pipeline.hidden_store.rows  # all given back
+    assert core.stage.pipeline.hidden_store.rows_free == core.stage.pipeline.hidden_store.rows  # all given back

@@ -6,7 +6,7 @@ import pytest
 
 from chattts_serve import SamplingParams
 from chattts_serve.engine.input_processor import InputProcessor
-from chattts_serve.model.config import TOKENS_PER_SECOND
+from chattts_serve.models.chattts.config import TOKENS_PER_SECOND
 
 TEXT = "今天天气很好。我们去公园散步吧。明天见。"  # three sentences
 
@@ -69,7 +69,7 @@ def test_markdown_cleanup_is_opt_in(inputs):
 
 def code_prompt_ids(inputs: InputProcessor, text: str, params: SamplingParams) -> list[list[int]]:
     """The infer_code prompt ids of each sentence, as the pipeline builds them (no speaker, no sample)."""
-    from chattts_serve.model.tokenizer import code_prompt
+    from chattts_serve.models.chattts.tokenizer import code_prompt
 
     prep = inputs.prepare(text, params)
     return [inputs.tokenizer.encode(code_prompt(s, prep.params.prompt, has_speaker=False)) for s in prep.segments]
@@ -175,11 +175,11 @@ def test_the_slow_runs_sequence_is_prompted_with_its_speed(tiny_engine):
 
     core, tok = tiny_engine.core, tiny_engine.tokenizer
     prep = core.prepare(MIXED, p(first_sentence_voice=False))
-    seqs = core.pipeline.start("mixed-rates", prep, StreamPolicy.one_shot(), 0, 0.0)
+    seqs = core.stage.pipeline.start("mixed-rates", prep, StreamPolicy.one_shot(), 0, 0.0)
     try:
         ids = [s.payload.ids for s in seqs]
     finally:
-        core.pipeline.drop("mixed-rates")
+        core.stage.pipeline.drop("mixed-rates")
     assert [tok.token_id("[speed_5]") in i for i in ids] == [True, False]
     assert [tok.token_id("[speed_4]") in i for i in ids] == [False, True]
 

@@ -1,4 +1,4 @@
-"""A bf16 KV cache under the torch trunk (``RunnerConfig.kv_cache_dtype``, model/gpt.py's casts): close
+"""A bf16 KV cache under the torch trunk (``RunnerConfig.kv_cache_dtype``, models/chattts/gpt.py's casts): close
 to the fp32 cache, half its bytes, batch-invariant, and refused where it does not apply."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 
 from chattts_serve import Engine, SamplingParams
 from chattts_serve.engine.config import EngineConfig, RunnerConfig, from_flat
-from chattts_serve.model import checkpoint
-from chattts_serve.model.gpt import KVCache
+from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts.gpt import KVCache
 
 PARAMS = SamplingParams(seed=5, max_new_tokens=24, refine_text=False)
 TEXTS = ["你好，世界。", "Hello there, my friend.", "Good morning."]
@@ -54,7 +54,7 @@ def test_bf16_cache_stays_close_to_fp32(tiny_ckpt, step):
 
 def test_engine_with_bf16_cache_is_repeatable_and_batch_invariant(tiny_ckpt):
     engine = Engine.from_pretrained(tiny_ckpt, config=_bf16(4))
-    assert engine.core.runner.cache.k.dtype == torch.bfloat16
+    assert engine.core.stage.runner.cache.k.dtype == torch.bfloat16
     batched = engine.synthesize(TEXTS, PARAMS)
     again = engine.synthesize(TEXTS, PARAMS)
     alone = engine.synthesize(TEXTS[1:2], PARAMS)[0]

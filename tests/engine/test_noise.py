@@ -87,7 +87,7 @@ def run_all(engine, reqs: dict[str, tuple[str, SamplingParams]]) -> dict[str, li
 
 
 def test_counter_codes_are_batch_invariant(counter_engine):
-    assert counter_engine.core.runner.noise_source == "counter"
+    assert counter_engine.core.stage.runner.noise_source == "counter"
     target = ("alone", (TEXTS[0], base(seed=21, max_new_tokens=40, refine_text=True)))
     others = {
         f"o{i}": (TEXTS[i % len(TEXTS)], base(seed=100 + i, max_new_tokens=20 + 5 * i, top_k=[0, 5, 20][i % 3]))
@@ -115,6 +115,6 @@ def test_counter_unseeded_runs_repeat_under_manual_seed(counter_engine):
 
 def test_counter_is_not_the_reference_stream(counter_engine, tiny_engine):
     """The reference-identical source is the generator one (the CPU default): same seed, other codes."""
-    assert tiny_engine.core.runner.noise_source == "generator"
+    assert tiny_engine.core.stage.runner.noise_source == "generator"
     req = {"s": (TEXTS[1], base(seed=3, max_new_tokens=15))}
     assert not np.array_equal(run_all(counter_engine, req)["s"][0], run_all(tiny_engine, req)["s"][0])

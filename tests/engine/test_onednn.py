@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 if sys.argv[1] == "bound":
     from chattts_serve.engine.onednn import bound_kernel_caches
     bound_kernel_caches(16)
-from chattts_serve.model.linear import pack_weight, packed_linear
+from chattts_serve.kernels.linear import pack_weight, packed_linear
 packed = pack_weight(torch.randn(256, 256))
 def rss():
     return next(float(l.split()[1]) / 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))

@@ -1,4 +1,4 @@
-"""The ort-* precisions through the whole engine (engine/runner.py with model/onnx_trunk.py): the same
+"""The ort-* precisions through the whole engine (engine/runner.py with models/chattts/onnx_trunk.py): the same
 tokens as torch fp32 for ort-fp32, offline and streamed synthesis, batch invariance where promised,
 and their rows in ``chattts-serve eval``. Exports are cached in a per-run directory, never the user's."""
 
@@ -67,9 +67,9 @@ def test_synthesize_repeats(engine):
 
 
 def test_batch_invariance_where_promised(engine):
-    if engine.precision.name == "ort-int8":  # one activation scale per call (tests/model/test_onnx.py)
+    if engine.precision.name == "ort-int8":  # one activation scale per call (tests/models/chattts/test_onnx.py)
         pytest.skip("ort-int8 does not promise batch invariance")
-    if engine.precision.name == "ort-auto":  # the kernel follows the rows in a call (model/onnx_auto.py)
+    if engine.precision.name == "ort-auto":  # the kernel follows the rows in a call (models/chattts/onnx_auto.py)
         pytest.skip("ort-auto does not promise batch invariance")
     batched = engine.synthesize(TEXTS, PARAMS)[1]
     alone = engine.synthesize(TEXTS[1:2], PARAMS)[0]

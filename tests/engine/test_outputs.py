@@ -4,7 +4,7 @@ back, each exactly as long as a one-shot decode of its codes (512 * steps - 256 
 from __future__ import annotations
 
 from chattts_serve import SamplingParams
-from chattts_serve.model.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
+from chattts_serve.models.chattts.config import SAMPLE_RATE, SAMPLES_PER_TOKEN
 
 
 def _params(**kw) -> SamplingParams:

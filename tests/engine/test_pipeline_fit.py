@@ -14,7 +14,7 @@ from chattts_serve import Engine, RefineParams, SamplingParams
 from chattts_serve.engine import runner
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.scheduler import SchedulerConfig
-from chattts_serve.model.tokenizer import code_prompt
+from chattts_serve.models.chattts.tokenizer import code_prompt
 
 VOICE_TEXT = "今天天气不错。我们去公园。"
 REFINE_TEXT = "第一句。第二句。Third one."
@@ -91,8 +91,8 @@ def test_max_model_len_defaults_to_the_checkpoint_positions_and_not_beyond(tiny_
 
 def test_fixed_slots_get_the_length_memory_holds(tiny_ckpt, monkeypatch):
     eng = engine(tiny_ckpt, 4096)
-    per_position = runner.slot_bytes(eng.model.config.gpt, 1, eng.core.runner.cache.k.dtype)
-    model, dtype = eng.model, eng.core.runner.cache.k.dtype
+    per_position = runner.slot_bytes(eng.model.config.gpt, 1, eng.core.stage.runner.cache.k.dtype)
+    model, dtype = eng.model, eng.core.stage.runner.cache.k.dtype
     monkeypatch.setattr(runner, "free_bytes", lambda device: 2 * 16 * 3000 * per_position)  # half: 16 x 3000
     assert runner.fitted_model_len(model, 16, 4096, eng.device, dtype, fraction=0.5) == 3000
     assert runner.fitted_model_len(model, 8, 4096, eng.device, dtype, fraction=0.5) == 4096

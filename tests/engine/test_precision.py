@@ -10,9 +10,9 @@ from torch import nn
 from chattts_serve.engine.calibrate import calibrate
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.engine import Engine
-from chattts_serve.model import checkpoint
-from chattts_serve.model.quant import StaticInt8Linear
-from chattts_serve.model.tokenizer import Tokenizer
+from chattts_serve.kernels.quant import StaticInt8Linear
+from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts.tokenizer import Tokenizer
 from chattts_serve.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(seed=5, max_new_tokens=24, refine_text=False)

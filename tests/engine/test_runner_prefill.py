@@ -1,5 +1,5 @@
 """engine/runner.py's batched prefill (torch precisions): the prompts admitted in one step go through
-the trunk in one call (``model.prefill``), each with its speaker embedding and voice-sample codes, and
+the trunk in one call (``models.chattts.prefill``), each with its speaker embedding and voice-sample codes, and
 every sequence gets what its prefill alone gives it; calls hold at most ``max_prefill_tokens``."""
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from chattts_serve.engine.config import RunnerConfig
 from chattts_serve.engine.outputs import SchedulerOutput
 from chattts_serve.engine.request import Sequence
 from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
-from chattts_serve.model import checkpoint
-from chattts_serve.model.prefill import prefill_prompts
-from chattts_serve.model.prepare import prepare_model
-from chattts_serve.model.quant import parse_precision, record_absmax
+from chattts_serve.kernels.quant import parse_precision, record_absmax
+from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts.prefill import prefill_prompts
+from chattts_serve.models.chattts.prepare import prepare_model
 from chattts_serve.sampling_params import SamplingParams
-
-from ..host_syncs import host_syncs
+from tests.support.host_syncs import host_syncs
 
 SPK_ID = 7  # the [spk_emb] token of these prompts
 TEXT_EOS = 3
@@ -88,7 +87,7 @@ MODES = [("fp32", False), ("fp32", True), ("bf16", False), ("int8", False), ("in
 def test_prompts_admitted_together_equal_each_alone(tiny_ckpt, precision, compile):
     """Hidden states, cache slots, first tokens and hidden of every sequence: bit-identical whether it
     is prefilled with the others or alone (fp32 packed or on padded rows, bf16, int8 weights and
-    int8-static are batch-invariant per row; see model/prepare.py)."""
+    int8-static are batch-invariant per row; see models/chattts/prepare.py)."""
     model, layout = _model(tiny_ckpt, precision, 6, compile)
     together = _runner(model, layout, 6)
     seqs = _sequences(model, SLOTS)

@@ -33,7 +33,7 @@ def make_runner(tiny_ckpt, step_graphs: str, noise: str = "counter", **kw) -> Mo
         scheduler=SchedulerConfig(max_num_seqs=SLOTS, max_model_len=256),
         runner=RunnerConfig(decode="static", sampling_noise=noise, step_graphs=step_graphs, **kw),
     )
-    runner = Engine.from_pretrained(tiny_ckpt, device="cpu", config=config).core.runner
+    runner = Engine.from_pretrained(tiny_ckpt, device="cpu", config=config).core.stage.runner
     runner.sync_free = True  # the device branches of the sampler, as on CUDA
     return runner
 

@@ -20,7 +20,7 @@ from chattts_serve.engine.outputs import SchedulerOutput
 from chattts_serve.engine.request import Sequence
 from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
 from chattts_serve.engine.scheduler import SchedulerConfig
-from chattts_serve.model.config import AUDIO_EOS
+from chattts_serve.models.chattts.config import AUDIO_EOS
 
 from .sync_counter import SyncCounter
 
@@ -33,7 +33,7 @@ def runner_for(tiny_ckpt, noise: str) -> ModelRunner:
         scheduler=SchedulerConfig(max_num_seqs=SLOTS, max_model_len=256),
         runner=RunnerConfig(decode="static", sampling_noise=noise),
     )
-    runner = Engine.from_pretrained(tiny_ckpt, device="cpu", config=config).core.runner
+    runner = Engine.from_pretrained(tiny_ckpt, device="cpu", config=config).core.stage.runner
     runner.sync_free = True  # the CUDA branches of the sampler
     return runner
 

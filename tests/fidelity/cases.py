@@ -7,8 +7,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chattts_serve.model.checkpoint import SPK_STAT
-from chattts_serve.model.speaker import SpeakerStats, default_speaker_stats, encode_prompt_codes, encode_speaker
+from chattts_serve.models.chattts.checkpoint import SPK_STAT
+from chattts_serve.models.chattts.speaker import (
+    SpeakerStats,
+    default_speaker_stats,
+    encode_prompt_codes,
+    encode_speaker,
+)
 
 GOLDEN_CHECKPOINT_SEED = 0
 

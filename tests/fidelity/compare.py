@@ -11,7 +11,12 @@ import torch
 from chattts_serve import Engine, RefineParams, SamplingParams
 from chattts_serve.audio.decode import codes_to_mel, hidden_to_mel, mel_to_wav
 from chattts_serve.engine.config import EngineConfig
-from chattts_serve.model.speaker import SpeakerStats, default_speaker_stats, encode_prompt_codes, encode_speaker
+from chattts_serve.models.chattts.speaker import (
+    SpeakerStats,
+    default_speaker_stats,
+    encode_prompt_codes,
+    encode_speaker,
+)
 
 TOL = 1e-4
 # An encoder code may differ from the reference's only where the value it rounds lies this close to a
@@ -79,7 +84,7 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
     engine = Engine.from_pretrained(ckpt, device="cpu", config=EngineConfig.with_slots(1))
     model = engine.model
     captured: list = []
-    update = engine.core.pipeline.update
+    update = engine.core.stage.pipeline.update
 
     def recording_update(outputs, hidden=None):
         for o in outputs:  # each output with its own hidden state (the step's tensor is shared)
@@ -87,7 +92,7 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
             captured.append(SimpleNamespace(seq=o.seq, token=o.token, hidden=h))
         return update(outputs, hidden)
 
-    engine.core.pipeline.update = recording_update
+    engine.core.stage.pipeline.update = recording_update
     report = {"cases": 0, "steps_compared": 0, "long_cases": 0, "eos_cases": 0, "max_abs": {}}
     worst = report["max_abs"]
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from chattts_serve.model.random_checkpoint import write_random
+from chattts_serve.models.chattts.random_checkpoint import write_random
 
 from .cases import GOLDEN_CHECKPOINT_SEED, build_cases
 from .compare import compare_all

@@ -14,8 +14,8 @@ import os
 import numpy as np
 import pytest
 
-from chattts_serve.model.config import ConvStackConfig, DecoderConfig, GPTConfig, ModelConfig
-from chattts_serve.model.random_checkpoint import write_random
+from chattts_serve.models.chattts.config import ConvStackConfig, DecoderConfig, GPTConfig, ModelConfig
+from chattts_serve.models.chattts.random_checkpoint import write_random
 
 from .cases import build_cases
 from .compare import compare_all

@@ -270,7 +270,7 @@ def test_livekit_reports_a_failure_mid_stream(tiny_ckpt, tmp_path, model):
             await tts.aclose()
 
     with in_process_server(engine, tmp_path, default_options=_defaults(200)) as base:
-        with fault(engine.core.runner, "execute", after=60):  # after the first audio (14 steps) left
+        with fault(engine.core.stage.runner, "execute", after=60):  # after the first audio (14 steps) left
             with pytest.raises(APIConnectionError):
                 asyncio.run(speak(base))
     assert frames, "the failure came before any audio: not the mid-stream case"

@@ -38,7 +38,7 @@ def test_the_codec_is_freed_only_once_its_worker_thread_is_done(monkeypatch):
     monkeypatch.setattr(StreamingEncoder, "close", close)
 
     async def main() -> None:
-        encoder = ThreadedEncoder("opus")
+        encoder = ThreadedEncoder("opus", model_rate=24000)
         writing = asyncio.ensure_future(encoder.write(np.zeros(4800, np.float32)))
         await asyncio.to_thread(entered.wait, 10)
         writing.cancel()
@@ -57,7 +57,7 @@ def test_the_codec_is_freed_only_once_its_worker_thread_is_done(monkeypatch):
 
 def test_a_finished_encoder_has_made_a_whole_file():
     async def main() -> bytes:
-        encoder = ThreadedEncoder("mp3")
+        encoder = ThreadedEncoder("mp3", model_rate=24000)
         try:
             return await encoder.write(np.zeros(24000, np.float32)) + await encoder.finish()
         finally:

@@ -59,7 +59,7 @@ def test_a_long_term_is_shortened_in_the_message():
 def test_the_request_fields_hold_a_blend_of_the_most_speaker_strings():
     import torch
 
-    from chattts_serve.model.speaker import encode_speaker
+    from chattts_serve.models.chattts.speaker import encode_speaker
     from chattts_serve.server.protocol import SpeechRequest, TTSRequest
 
     speaker = encode_speaker(torch.randn(768))  # the official hidden size: the longest speaker string

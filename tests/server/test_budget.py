@@ -13,7 +13,7 @@ import tempfile
 import httpx
 import pytest
 
-from chattts_serve.model.config import TOKENS_PER_SECOND
+from chattts_serve.models.chattts.config import TOKENS_PER_SECOND
 from chattts_serve.server import audio_response
 
 from .conftest import HTTP_TIMEOUT, SR, check_openai_error, decode_audio, running_server, ws_url

@@ -124,7 +124,7 @@ def test_the_bound_holds_in_the_bytes_entries_really_hold(count, audio_bytes, ma
 
     def put(into: ResultCache, i: int) -> bool:
         outputs = [
-            RequestOutput(f"req-{i}", np.ones(half, np.float32), spans=[SegmentSpan(0, "你好。", 0, half)]),
+            RequestOutput(f"req-{i}", np.ones(half, np.float32), spans=[SegmentSpan(0, "你好。", 0, half, 24000)]),
             RequestOutput(f"req-{i}", np.ones(half, np.float32), finished=True, finish_reason="stop"),
         ]
         return into.put(hashlib.sha256(str(i).encode()).hexdigest(), outputs)
@@ -167,6 +167,8 @@ def test_stored_audio_is_read_only():
 
 class ScriptedEngine:
     """An engine whose stream yields the given outputs, then raises ``fail`` (if any); counts its requests."""
+
+    sample_rate = 24000
 
     def __init__(self, outputs, fail: BaseException | None = None) -> None:
         self.outputs, self.fail, self.calls = outputs, fail, 0

@@ -152,7 +152,7 @@ def test_websocket_segment_events_count_across_parts(server):
 
 
 def _span(index: int, start: int, end: int, text: str = "句子。") -> SegmentSpan:
-    return SegmentSpan(index, text, start, end)
+    return SegmentSpan(index, text, start, end, 24000)
 
 
 def test_subtitle_times_are_rounded_alike_so_cues_meet():

@@ -109,6 +109,8 @@ def test_dialogue_is_documented(http):
 class _Engine:
     """Streams scripted per text: outputs, errors raised, events waited on. Records which streams closed."""
 
+    sample_rate = 24000
+
     def __init__(self, script: dict) -> None:
         self.script, self.closed = script, []
 

@@ -104,7 +104,11 @@ def _healthy_after(base: str) -> None:
 def test_whole_file_request_fails_with_500_json(served, where):
     base, engine = served
     owner, name, after = where
-    obj = {"runner": engine.core.runner, "pipeline": engine.core.pipeline, "model_decoder": engine.engine.model.decoder}
+    obj = {
+        "runner": engine.core.stage.runner,
+        "pipeline": engine.core.stage.pipeline,
+        "model_decoder": engine.engine.model.decoder,
+    }
     with fault(obj[owner], name, after=after):
         r = httpx.post(base + "/v1/tts", json={**BODY, "stream": False}, timeout=HTTP_TIMEOUT)
     err = check_openai_error(r, 500)
@@ -126,7 +130,7 @@ def test_sse_failure_is_an_error_event_not_done(served):
         "refine_text": False,
     }
     lines = []
-    with fault(engine.core.runner, "execute", after=40):  # after the first chunk (14 steps) left
+    with fault(engine.core.stage.runner, "execute", after=40):  # after the first chunk (14 steps) left
         with httpx.stream("POST", base + "/v1/audio/speech", json=body, timeout=HTTP_TIMEOUT) as r:
             # The error event, and then the body is cut: a client that ignores error events still fails.
             with pytest.raises(httpx.RemoteProtocolError):
@@ -140,7 +144,7 @@ def test_sse_failure_is_an_error_event_not_done(served):
 
 def test_streamed_body_is_cut_not_completed(served):
     base, engine = served
-    with fault(engine.core.runner, "execute", after=30):
+    with fault(engine.core.stage.runner, "execute", after=30):
         with pytest.raises(httpx.RemoteProtocolError):  # no terminating chunk: the client sees a broken body
             with httpx.stream(
                 "POST",
@@ -182,7 +186,7 @@ def test_other_requests_are_untouched(served):
     t = threading.Thread(target=long_one)
     t.start()
     # The long request's audio stream exists before the fault is installed (it must not hit it).
-    requests = engine.core.pipeline.requests
+    requests = engine.core.stage.pipeline.requests
     assert wait_until(lambda: any(r.segments[0].stream is not None for r in list(requests.values())), timeout=30)
     import chattts_serve.engine.pipeline as pipeline
 
@@ -199,7 +203,7 @@ def test_a_dead_engine_loop_fails_health(tiny_ckpt, tmp_path):
     restarts the process) and requests get 503, not a hang."""
     engine = AsyncEngine(Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(1)))
     with in_process_server(engine, tmp_path, log_level="critical") as base:
-        with fault(engine.core.pipeline, "update", times=10**6), fault(engine.core, "reset", times=10**6):
+        with fault(engine.core.stage.pipeline, "update", times=10**6), fault(engine.core, "reset", times=10**6):
             r = httpx.post(base + "/v1/tts", json={**BODY, "stream": False}, timeout=HTTP_TIMEOUT)
         assert r.status_code in (500, 503)
         assert wait_until(lambda: httpx.get(base + "/health", timeout=10).status_code == 503, timeout=30)

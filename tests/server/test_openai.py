@@ -248,7 +248,7 @@ def test_telephony_formats(client, fmt):
     from chattts_serve.audio.resample import resample
 
     pcm = np.frombuffer(_speech(client, "pcm"), "<i2").astype(np.float32) / 32767
-    reference = resample(pcm, 8000)
+    reference = resample(pcm, 8000, 24000)
     decoded = _g711(data, fmt).astype(np.float32) / 32768
     assert len(decoded) == len(reference)
     assert np.abs(decoded - reference).max() < 0.02 + np.abs(reference).max() / 16  # G.711's steps grow with level
@@ -353,3 +353,15 @@ def test_ssml_and_a_lexicon_through_the_sdk(client):
         speech("<speak>今天<audio src='a.wav'/>天气。</speak>")
     assert info.value.status_code == 400
     assert "<audio> at line 1, column 10" in info.value.body["message"]
+
+
+def test_models_name_the_family_its_rate_and_capabilities(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
+    caps = {"streaming": "window", "timestamps": "sentence", "refine": True, "control_tokens": True}
+    for m in models:
+        assert (m.model_extra["family"], m.model_extra["sample_rate"], m.model_extra["capabilities"]) == (
+            "chattts",
+            24000,
+            caps,
+        )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from chattts_serve.audio.policy import StreamPolicy
-from chattts_serve.model.speaker import blend_speakers, decode_speaker, default_speaker_stats, encode_speaker
+from chattts_serve.models.chattts import voices as voices_module
+from chattts_serve.models.chattts.speaker import blend_speakers, decode_speaker, default_speaker_stats
+from chattts_serve.models.chattts.voices import ChatTTSVoices
 from chattts_serve.sampling_params import RefineParams, speed_prompt
-from chattts_serve.server import params as params_module
 from chattts_serve.server.errors import APIError
 from chattts_serve.server.params import (
     ResolvedVoice,
@@ -24,16 +24,18 @@ from chattts_serve.server.voices import BUILTIN_VOICES, VoiceStore
 SPEAKER = "\u4e00" * 16  # base16384-looking: taken as a speaker string
 
 
+class FakeVoices(ChatTTSVoices):
+    """ChatTTS's voices with a made-up speaker per built-in voice's seed."""
+
+    def sample(self, seed: int | None = None) -> str:
+        return f"speaker-{seed}"
+
+
 class FakeEngine:
-    """Only what resolve_voice asks of the engine: a speaker per built-in voice's seed."""
+    """Only what resolve_voice asks of the engine: its family's voices."""
 
     def __init__(self, has_stats: bool = True) -> None:
-        self.has_stats = has_stats
-
-    def sample_speaker(self, seed: int) -> str:
-        if not self.has_stats:
-            raise ValueError("no speaker statistics")
-        return f"speaker-{seed}"
+        self.voices = FakeVoices(object() if has_stats else None, 768)
 
 
 @pytest.fixture
@@ -137,11 +139,10 @@ class BlendEngine:
 
     def __init__(self, has_stats: bool = True) -> None:
         self.speaker_stats = default_speaker_stats() if has_stats else None
+        self.voices = ChatTTSVoices(self.speaker_stats, self.hidden_size)
 
     def sample_speaker(self, seed: int) -> str:
-        if self.speaker_stats is None:
-            raise ValueError("no speaker statistics")
-        return encode_speaker(self.speaker_stats.sample(torch.Generator().manual_seed(seed)))
+        return self.voices.sample(seed)
 
 
 def speaker_of(engine, name: str) -> np.ndarray:
@@ -152,7 +153,7 @@ def test_a_blend_of_builtin_voices_is_their_mix(store):
     engine = BlendEngine()
     mixed = resolve_voice(store, engine, "alloy(2)+nova(1)", None, "voice")
     assert mixed.sample is None and mixed.speaker is not None
-    # the weights as mixed: normalised, to four decimals (params.canonical_blend)
+    # the weights as mixed: normalised, to four decimals (models.chattts.voices.canonical_blend)
     expected = blend_speakers(
         [speaker_of(engine, "alloy"), speaker_of(engine, "nova")], [0.6667, 0.3333], engine.speaker_stats
     )
@@ -171,9 +172,9 @@ def test_blends_that_cannot_sound_different_are_one_mix(store, monkeypatch):
     weights as written: many near-equal blends in one request buy one mix (issue 29, item 4)."""
     engine = BlendEngine()
     mixes = []
-    real = params_module.blend_speakers
-    monkeypatch.setattr(params_module, "blend_speakers", lambda *a: mixes.append(a) or real(*a))
-    params_module._mixed_speaker.cache_clear()
+    real = voices_module.blend_speakers
+    monkeypatch.setattr(voices_module, "blend_speakers", lambda *a: mixes.append(a) or real(*a))
+    voices_module._mixed_speaker.cache_clear()
     names = ["alloy", "nova", "echo", "onyx"]
     blends = ["+".join(f"{v}({1 + (i + k) * 1e-6:.6f})" for k, v in enumerate(names)) for i in range(20)]
     speakers = {resolve_voice(store, engine, b, None, "voice").speaker for b in blends}
@@ -182,7 +183,7 @@ def test_blends_that_cannot_sound_different_are_one_mix(store, monkeypatch):
         store, engine, "alloy(1.5)+nova(1)+alloy(1.5)", None, "voice"
     )  # order, scale and a repeated voice do not make another blend
     assert len(mixes) == 2
-    assert params_module.canonical_blend([b"a", b"b"], [1, 1e-9]) == ((b"a",), (1.0,))  # a term that adds nothing
+    assert voices_module.canonical_blend([b"a", b"b"], [1, 1e-9]) == ((b"a",), (1.0,))  # a term that adds nothing
 
 
 def test_a_blend_mixes_saved_voices_and_speaker_strings(store):

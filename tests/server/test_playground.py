@@ -239,7 +239,7 @@ def test_voice_from_recording(page, server, tmp_path):
     pg, name, transcript = page.pg, "pg-recording", "你好，这是一段测试录音。"
     path = tmp_path / "sample.wav"
     t = np.arange(SR) / SR
-    write_wav(path, 0.3 * np.sin(2 * np.pi * 220 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t)))
+    write_wav(path, 0.3 * np.sin(2 * np.pi * 220 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t)), 24000)
     pg.set_input_files("#voice-file", str(path))
     pg.fill("#voice-name", name)
     pg.fill("#voice-text", transcript)

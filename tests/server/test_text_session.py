@@ -27,6 +27,8 @@ class FakeEngine:
     """Two deltas per request (8 samples each); ``REFUSED`` is refused like text the engine cannot speak, ``FAILS``
     fails after its first delta. The last delta carries a voice sample, as the engine's voice step makes one."""
 
+    sample_rate = 24000
+
     def __init__(self) -> None:
         self.requests: list[tuple[str, SamplingParams]] = []
 

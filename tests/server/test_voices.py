@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from chattts_serve.model.speaker import decode_prompt_codes
+from chattts_serve.models.chattts.speaker import decode_prompt_codes
 from chattts_serve.server.voices import BUILTIN_VOICES, VoiceStore
 from chattts_serve.server.voices_routes import decode_upload
 
@@ -258,10 +258,10 @@ def test_blends_are_mixed_off_the_event_loop(http, blend_parts, monkeypatch, rou
     a request's blends are being mixed, the server answers /health (issue 29, item 4: 32 unique blends once
     froze every client for 1.5 s). The first mix is held until /health has answered: on the event loop it would
     hold the loop, and /health would wait for it."""
-    from chattts_serve.server import params
+    from chattts_serve.models.chattts import voices as chattts_voices  # where ChatTTS mixes blends
 
     started, release, on_loop = threading.Event(), threading.Event(), []
-    real = params.blend_speakers
+    real = chattts_voices.blend_speakers
 
     def held_mix(*args):
         try:
@@ -273,7 +273,7 @@ def test_blends_are_mixed_off_the_event_loop(http, blend_parts, monkeypatch, rou
         release.wait(10)
         return real(*args)
 
-    monkeypatch.setattr(params, "blend_speakers", held_mix)
+    monkeypatch.setattr(chattts_voices, "blend_speakers", held_mix)
     blends = _unique_blends(*blend_parts, 4)
     voices = "".join(f'<voice name="{b}">第{i}句。</voice>' for i, b in enumerate(blends))
     request = {
@@ -502,13 +502,13 @@ def test_decode_stops_at_the_limit():
     data = silent_flac(600)
     tracemalloc.start()
     try:
-        wav = decode_upload(data, LIMIT_S)
+        wav = decode_upload(data, LIMIT_S, SR)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert wav.dtype == np.float32 and len(wav) == int(LIMIT_S * SR)
     assert peak < 8 << 20, f"decoding kept {peak / 1e6:.0f} MB"
-    assert len(decode_upload(sine_wav(1.0), LIMIT_S)) == SR  # a shorter file is kept whole
+    assert len(decode_upload(sine_wav(1.0), LIMIT_S, SR)) == SR  # a shorter file is kept whole
 
 
 @pytest.fixture(scope="module")
@@ -682,10 +682,10 @@ def test_uploads_hold_the_servers_requests_in_flight(inproc, monkeypatch):
     app, client, _ = inproc
     decoding, release = threading.Event(), threading.Event()
 
-    def slow_decode(data: bytes, max_seconds: float) -> np.ndarray:
+    def slow_decode(data: bytes, max_seconds: float, rate: int) -> np.ndarray:
         decoding.set()
         assert release.wait(30)
-        return decode_upload(data, max_seconds)
+        return decode_upload(data, max_seconds, rate)
 
     def upload(name: str):
         files = {"file": ("s.wav", sine_wav(), "audio/wav")}

@@ -148,13 +148,13 @@ def test_describe_is_cached_capped_and_built_off_the_loop(wy, monkeypatch):
     builds: list[bool] = []  # per build: did it run on an event loop?
     build = wyoming._build_info
 
-    def counted(store):
+    def counted(store, builtin):
         try:
             asyncio.get_running_loop()
             builds.append(True)
         except RuntimeError:
             builds.append(False)
-        return build(store)
+        return build(store, builtin)
 
     monkeypatch.setattr(wyoming, "_build_info", counted)
     monkeypatch.setattr(wyoming, "DESCRIBED_SAVED_VOICES", 3)

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ..device import pinned_copy
-from ..model.checkpoint import LoadedModel
-from ..model.config import N_FFT, SAMPLES_PER_TOKEN, ModelConfig
+from ..models.chattts.checkpoint import LoadedModel
+from ..models.chattts.config import N_FFT, SAMPLES_PER_TOKEN, ModelConfig
 from ..tf32 import fp32_scope, tf32_scope
 from .stream import Window
 

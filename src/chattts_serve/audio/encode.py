@@ -9,7 +9,7 @@ exact sizes when the whole audio is known.
 mulaw and alaw are G.711 (ITU-T): one byte per sample, headerless, 8 kHz by default, what Twilio media
 streams and SIP gateways carry; PyAV's ``pcm_mulaw`` / ``pcm_alaw`` encoders make them. pcm, wav, flac,
 mulaw and alaw can be had at any ``sample_rate`` in 8000-48000 (``audio.resample``, one resampler per
-stream). mp3, opus and aac stay at the model's 24 kHz (``check_rate``): their decoders resample as they
+stream). mp3, opus and aac stay at the model's rate (``check_rate``; ChatTTS's 24 kHz): their decoders resample as they
 play, so another rate would only change what the codec spends its bits on.
 """
 
@@ -19,13 +19,12 @@ import struct
 
 import numpy as np
 
-from ..model.config import SAMPLE_RATE
 from .resample import MAX_RATE, MIN_RATE, StreamingResampler, resample
 from .wav import to_pcm16
 
 FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw")
 RESAMPLED = ("pcm", "wav", "flac", "mulaw", "alaw")
-"""The formats that take a ``sample_rate``; the others are encoded at ``SAMPLE_RATE``."""
+"""The formats that take a ``sample_rate``; the others are encoded at the model's rate."""
 _G711 = {"mulaw": "pcm_mulaw", "alaw": "pcm_alaw"}
 TELEPHONY_RATE = 8000
 """G.711's rate (narrowband telephony): mulaw's and alaw's default."""
@@ -42,7 +41,7 @@ ADTS stream): with no audio at all they carry the shortest silence their codec m
 (a header, no samples) opens as it is."""
 
 
-def wav_header(num_samples: int | None, sample_rate: int = SAMPLE_RATE) -> bytes:
+def wav_header(num_samples: int | None, sample_rate: int) -> bytes:
     """44-byte PCM16 mono header; ``None`` = unknown length (streaming)."""
     data = 0xFFFFFFFF if num_samples is None else 2 * num_samples
     riff = 0xFFFFFFFF if num_samples is None else 36 + data
@@ -56,22 +55,23 @@ def wav_header(num_samples: int | None, sample_rate: int = SAMPLE_RATE) -> bytes
     )
 
 
-def default_rate(fmt: str) -> int:
-    """The output rate of ``fmt`` when the request names none."""
-    return TELEPHONY_RATE if fmt in _G711 else SAMPLE_RATE
+def default_rate(fmt: str, model_rate: int) -> int:
+    """The output rate of ``fmt`` when the request names none (``model_rate``: the model's)."""
+    return TELEPHONY_RATE if fmt in _G711 else model_rate
 
 
-def check_rate(fmt: str, sample_rate: int | None) -> int:
-    """The output rate of ``fmt`` at ``sample_rate`` (None: its default); ValueError when it cannot be had."""
+def check_rate(fmt: str, sample_rate: int | None, model_rate: int) -> int:
+    """The output rate of ``fmt`` at ``sample_rate`` (None: its default) from audio at ``model_rate``; ValueError
+    when it cannot be had."""
     if fmt not in FORMATS:
         raise ValueError(f"unsupported format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if sample_rate is None:
-        return default_rate(fmt)
+        return default_rate(fmt, model_rate)
     if not MIN_RATE <= sample_rate <= MAX_RATE:
         raise ValueError(f"sample_rate must be between {MIN_RATE} and {MAX_RATE}, got {sample_rate}")
-    if fmt not in RESAMPLED and sample_rate != SAMPLE_RATE:
+    if fmt not in RESAMPLED and sample_rate != model_rate:
         raise ValueError(
-            f"sample_rate applies to {', '.join(RESAMPLED)}; {fmt} is always encoded at {SAMPLE_RATE} Hz"
+            f"sample_rate applies to {', '.join(RESAMPLED)}; {fmt} is always encoded at {model_rate} Hz"
             " (its decoder plays it at the device's rate)"
         )
     return sample_rate
@@ -100,17 +100,17 @@ class _Sink:
 
 
 class StreamingEncoder:
-    """``fmt`` at ``sample_rate`` (None: ``default_rate(fmt)``) from the model's float32 PCM (``SAMPLE_RATE``)."""
+    """``fmt`` at ``sample_rate`` (None: ``default_rate``) from the model's float32 PCM at ``model_rate``."""
 
-    def __init__(self, fmt: str, sample_rate: int | None = None) -> None:
-        sample_rate = check_rate(fmt, sample_rate)
+    def __init__(self, fmt: str, sample_rate: int | None = None, *, model_rate: int) -> None:
+        sample_rate = check_rate(fmt, sample_rate, model_rate)
         self.fmt, self.sample_rate = fmt, sample_rate
         self._started = False
         self._closed = False
         self._pts = 0
         self.samples_out = 0
         """Samples encoded so far, at ``sample_rate``."""
-        self._resampler = StreamingResampler(sample_rate) if sample_rate != SAMPLE_RATE else None
+        self._resampler = StreamingResampler(sample_rate, model_rate) if sample_rate != model_rate else None
         if fmt in _G711:
             import av
 
@@ -195,11 +195,11 @@ class StreamingEncoder:
                 pass
 
 
-def encode_whole(audio: np.ndarray, fmt: str, sample_rate: int | None = None) -> bytes:
+def encode_whole(audio: np.ndarray, fmt: str, sample_rate: int | None = None, *, model_rate: int) -> bytes:
     """A complete file (wav with exact sizes) of the model's audio, at ``sample_rate`` (as ``StreamingEncoder``)."""
-    rate = check_rate(fmt, sample_rate)
+    rate = check_rate(fmt, sample_rate, model_rate)
     if fmt == "wav":
-        audio = resample(audio, rate)
+        audio = resample(audio, rate, model_rate)
         return wav_header(len(audio), rate) + to_pcm16(audio)
-    enc = StreamingEncoder(fmt, rate)
+    enc = StreamingEncoder(fmt, rate, model_rate=model_rate)
     return enc.write(audio) + enc.finish()

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..device import current_stream, host_empty, new_stream
-from ..model.checkpoint import LoadedModel
+from ..models.chattts.checkpoint import LoadedModel
 from .decode import DecodedBatch, decode_on_device
 from .stream import AudioStream, Window
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.config import SAMPLES_PER_TOKEN
+from ..models.chattts.config import SAMPLES_PER_TOKEN
 
 
 @dataclass(frozen=True, slots=True)

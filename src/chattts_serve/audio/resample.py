@@ -1,8 +1,8 @@
 """Sample-rate conversion of one audio stream, chunk by chunk (PyAV's ``AudioResampler``: libswresample).
 
-The model makes 24 kHz audio; telephony wants 8 kHz, some players 16, 44.1 or 48 kHz. A response's audio
-arrives in chunks, and resampling each chunk on its own would restart the filter at every join (a click, and
-a few samples lost or added each time). One ``StreamingResampler`` per response keeps libswresample's
+A model makes audio at its own rate (ChatTTS 24 kHz); telephony wants 8 kHz, some players 16, 44.1 or 48 kHz.
+A response's audio arrives in chunks, and resampling each chunk on its own would restart the filter at every
+join (a click, and a few samples lost or added each time). One ``StreamingResampler`` per response keeps libswresample's
 filter history and fractional phase across chunks, so the joined output is the one-shot output: the same
 samples, bit for bit (tests/audio/test_resample.py). ``flush()`` at the end returns the filter's tail.
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..model.config import SAMPLE_RATE
-
 MIN_RATE, MAX_RATE = 8000, 48000
 """The output rates a request may ask for: narrowband telephony to the top of common audio hardware."""
 
@@ -20,7 +18,7 @@ MIN_RATE, MAX_RATE = 8000, 48000
 class StreamingResampler:
     """float32 mono at ``input_rate`` in, float32 mono at ``output_rate`` out; one per stream."""
 
-    def __init__(self, output_rate: int, input_rate: int = SAMPLE_RATE) -> None:
+    def __init__(self, output_rate: int, input_rate: int) -> None:
         import av
 
         self.input_rate, self.output_rate = input_rate, output_rate
@@ -43,7 +41,7 @@ class StreamingResampler:
         return _joined(self._resampler.resample(None))
 
 
-def resample(pcm: np.ndarray, output_rate: int, input_rate: int = SAMPLE_RATE) -> np.ndarray:
+def resample(pcm: np.ndarray, output_rate: int, input_rate: int) -> np.ndarray:
     """All of ``pcm`` at ``output_rate`` (the same samples a stream of its chunks gives)."""
     if output_rate == input_rate:
         return pcm

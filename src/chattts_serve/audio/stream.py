@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.config import SAMPLES_PER_TOKEN
+from ..models.chattts.config import SAMPLES_PER_TOKEN
 from .policy import StreamPolicy
 
 

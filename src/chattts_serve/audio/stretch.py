@@ -18,7 +18,6 @@ from typing import Literal
 
 import numpy as np
 
-from ..model.config import SAMPLE_RATE
 from ..sampling_params import speed_prompt
 from .resample import mono_frame
 
@@ -41,6 +40,9 @@ class SpeedPlan:
     """The ``[speed_N]`` prompt implied (None: leave the prompt as the request and defaults set it)."""
     stretch: float
     """The time-stretch factor of the audio (1: none; 2: half as long)."""
+    model: float = 1.0
+    """The speed asked of the model itself ("prompt" and "both"): a family with a speed of its own (Kokoro)
+    takes it as an option, where ChatTTS takes ``prompt``."""
 
 
 def plan_speed(speed: float, mode: str = "prompt") -> SpeedPlan:
@@ -52,7 +54,7 @@ def plan_speed(speed: float, mode: str = "prompt") -> SpeedPlan:
     if speed == 1.0:  # normal: leaves the defaults' prompt, no stretch
         return SpeedPlan(None, 1.0)
     prompt = speed_prompt(speed) if mode in ("prompt", "both") else None
-    return SpeedPlan(prompt, speed if mode in ("stretch", "both") else 1.0)
+    return SpeedPlan(prompt, speed if mode in ("stretch", "both") else 1.0, speed if prompt is not None else 1.0)
 
 
 def atempo_chain(factor: float) -> list[float]:
@@ -73,7 +75,7 @@ class StreamingStretcher:
     stream. The output's length is exactly ``round(samples in / factor)`` once flushed: atempo's last
     window would otherwise add a few ms past the end."""
 
-    def __init__(self, factor: float, rate: int = SAMPLE_RATE) -> None:
+    def __init__(self, factor: float, rate: int) -> None:
         import av
 
         if not MIN_SPEED <= factor <= MAX_SPEED:
@@ -138,7 +140,7 @@ class StreamingStretcher:
         return out
 
 
-def stretch(pcm: np.ndarray, factor: float, rate: int = SAMPLE_RATE) -> np.ndarray:
+def stretch(pcm: np.ndarray, factor: float, rate: int) -> np.ndarray:
     """All of ``pcm`` stretched by ``factor`` (the same samples a stream of its chunks gives)."""
     if factor == 1.0:
         return pcm

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model.config import SAMPLE_RATE
-
 
 def to_pcm16(audio: np.ndarray) -> bytes:
     """float [-1, 1] -> little-endian int16 bytes (clipped)."""
@@ -16,7 +14,7 @@ def to_pcm16(audio: np.ndarray) -> bytes:
     return (pcm * 32767.0).round().astype("<i2").tobytes()
 
 
-def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
+def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int) -> None:
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)

@@ -8,7 +8,7 @@ compare on a shared machine):
 
 - ``read``: streaming the step's bf16 keys and values once (a sum over a buffer of that size), the
   floor; ``copy``: a copy of that buffer (bytes copied per second);
-- ``kernel``: ``model.decode_attention`` on the bf16 cache (GB/s of keys and values, and the floor
+- ``kernel``: ``kernels.decode_attention`` on the bf16 cache (GB/s of keys and values, and the floor
   over its time: 1.0 = at the read bandwidth);
 - ``torch-bf16``: today's path for a bf16 cache (torch's SDPA row by row, ``Attention._attend_rows``);
 - ``torch-fp32``: the same on an fp32 cache of the same values (the fp32 mode's path; twice the bytes).
@@ -50,9 +50,9 @@ def measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
     """One row count: the step's medians (ms) and the derived bandwidths and ratios."""
     import torch
 
-    from ..model import decode_attention
-    from ..model.config import ModelConfig
-    from ..model.gpt import Attention
+    from ..kernels import decode_attention
+    from ..models.chattts.config import ModelConfig
+    from ..models.chattts.gpt import Attention
 
     cfg = ModelConfig.full().gpt
     layers = args.layers or cfg.num_layers
@@ -113,7 +113,7 @@ def measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from ..model import decode_attention
+    from ..kernels import decode_attention
 
     torch.set_num_threads(args.threads)
     if not decode_attention.cpu_supported():

@@ -28,7 +28,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from ..model.config import PRECISIONS
+from ..kernels.precisions import PRECISIONS
 from . import stats
 from .common import TEXTS, run_tool, set_threads
 
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _prompt_ids(engine, text: str) -> list[int]:
-    from ..model.tokenizer import code_prompt
+    from ..models.chattts.tokenizer import code_prompt
 
     return engine.tokenizer.encode(code_prompt(text, "[speed_5]", has_speaker=False))
 
@@ -99,7 +99,7 @@ def teacher_forced(engine, ids: list[int], codes) -> tuple[Any, Any]:
         emb = model.embed.embed_prompt(full.to(dev), mask.to(dev))
         if engine.layout.trunk is not None:
             hs = _onnx_hidden(engine.layout.trunk, emb, n, t)
-        elif engine.core.runner.kv_cache_dtype != model.gpt.norm.weight.dtype:
+        elif engine.core.stage.runner.kv_cache_dtype != model.gpt.norm.weight.dtype:
             hs = _stepwise_hidden(engine, emb, n, t)
         else:
             cache = model.gpt.new_cache(1, n + t)
@@ -118,7 +118,7 @@ def _stepwise_hidden(engine, emb, n: int, t: int):
 
     gpt = engine.model.gpt
     dtype = gpt.norm.weight.dtype
-    cache = gpt.new_cache(1, n + t, dtype=engine.core.runner.kv_cache_dtype)
+    cache = gpt.new_cache(1, n + t, dtype=engine.core.stage.runner.kv_cache_dtype)
     slot = torch.zeros(1, dtype=torch.long, device=emb.device)
     hs = [gpt(emb[:, :n].to(dtype), torch.arange(n, device=emb.device)[None], cache, slot, 0, None)[0]]
     for pos in range(n, n + t - 1):
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..engine.config import EngineConfig, RunnerConfig
     from ..engine.engine import Engine
-    from ..model.quant import check_supported, parse_precision
+    from ..kernels.quant import check_supported, parse_precision
 
     set_threads(args)
     device = torch.device(args.device)

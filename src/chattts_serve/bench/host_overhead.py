@@ -215,7 +215,7 @@ def _summary(rows: list[tuple], n: int) -> dict[str, Any]:
 def _sequences(runner, n: int, seed: int, mix: str = "mixed") -> list:
     from ..engine.request import Sequence
     from ..engine.runner import SeqInputs, StepSampling
-    from ..model.config import AUDIO_EOS
+    from ..models.chattts.config import AUDIO_EOS
 
     rng = random.Random(seed)
     seqs = []
@@ -296,7 +296,7 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
         ),
     )
     core = Engine.from_pretrained(path, "cpu", config).core
-    _stub_device_work(core.runner, n, core.runner.model.gpt.norm.weight.shape[0])
+    _stub_device_work(core.stage.runner, n, core.stage.runner.model.gpt.norm.weight.shape[0])
     for i in range(n):
         params = SamplingParams(
             seed=i if i % 2 else None,
@@ -323,7 +323,10 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
 
         return call
 
-    core.audio.submit, core.audio.collect = untimed(core.audio.submit), untimed(core.audio.collect)
+    core.stage.decoder.submit, core.stage.decoder.collect = (
+        untimed(core.stage.decoder.submit),
+        untimed(core.stage.decoder.collect),
+    )
     rows = []
     for _ in range(steps):
         audio[0] = 0.0
@@ -340,11 +343,11 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ..model import checkpoint
-    from ..model.prepare import prepare_model
-    from ..model.quant import parse_precision
-    from ..model.random_checkpoint import write_random
-    from ..model.tokenizer import Tokenizer
+    from ..kernels.quant import parse_precision
+    from ..models.chattts import checkpoint
+    from ..models.chattts.prepare import prepare_model
+    from ..models.chattts.random_checkpoint import write_random
+    from ..models.chattts.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
     caching = caching_malloc() if args.allocator == "caching" else False

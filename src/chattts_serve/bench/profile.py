@@ -127,8 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..audio.encode import FORMATS, encode_whole
     from ..audio.policy import StreamPolicy
     from ..engine.engine import Engine
-    from ..model.config import TOKENS_PER_SECOND
-    from ..model.quant import parse_precision
+    from ..kernels.quant import parse_precision
+    from ..models.chattts.config import TOKENS_PER_SECOND
     from ..sampling_params import SamplingParams
 
     set_threads(args)
@@ -145,8 +145,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine.synthesize(["你好。"], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     timer = StageTimer(sync)
-    core.runner.stage_timer = timer  # prefill, decode, sampling
-    timer.wrap(core.inputs, "normalizer", "normalise")
+    core.stage.runner.stage_timer = timer  # prefill, decode, sampling
+    timer.wrap(core.stage.inputs, "normalizer", "normalise")
     timer.wrap(engine.tokenizer, "encode", "tokenise")
     timer.wrap(engine.model.decoder, "forward", "decoder")
     timer.wrap(engine.model.vocos, "forward", "vocoder")
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     first = time.perf_counter() - t0
                 audio[out.request_id].append(out.audio)
         for chunks in audio.values():
-            response.encode(np.concatenate(chunks), args.format)
+            response.encode(np.concatenate(chunks), args.format, model_rate=engine.sample_rate)
         return time.perf_counter() - t0, first, steps, audio
 
     # The timed pass runs without torch.profiler (its per-op bookkeeping would inflate every stage);
@@ -198,14 +198,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             one_pass()
         prof.export_chrome_trace(args.trace)
         top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-    audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / 24000
+    audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / engine.sample_rate
     trunk = engine.layout.trunk  # ort-* modes: the weights live in the ONNX export
     # ort-auto: the export a decode step of this many rows reads (the other one's bytes sit idle).
     nbytes = trunk.for_rows(args.streams).weight_bytes if trunk is not None else weight_bytes(engine.model.gpt)
     weight_floor_ms = 1000 * read_floor_s(nbytes, dev)
     # The decode step's memory floor: its weights plus the keys and values it reads, at the bandwidth
     # just measured; real time for a stream is one step per 21.3 ms (46.875 steps per audio second).
-    kv_bytes = kv_positions_per_step * core.runner.kv_bytes_per_position
+    kv_bytes = kv_positions_per_step * core.stage.runner.kv_bytes_per_position
     kv_floor_ms = weight_floor_ms * kv_bytes / nbytes
     step_floor_ms = weight_floor_ms + kv_floor_ms
     ort_ops = None

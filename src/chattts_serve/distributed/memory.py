@@ -81,8 +81,8 @@ def weights_bytes(root: Path, precision: str) -> int:
     """The weights' size as loaded: the checkpoint's fp32 files, the GPT trunk at the precision's width."""
     import torch
 
-    from ..model.checkpoint import DECODER, DVAE_FILE, EMBED, GPT_WEIGHTS, VOCOS
-    from ..model.quant import parse_precision
+    from ..kernels.quant import parse_precision
+    from ..models.chattts.checkpoint import DECODER, DVAE_FILE, EMBED, GPT_WEIGHTS, VOCOS
 
     total = sum((root / rel).stat().st_size for rel in (GPT_WEIGHTS, EMBED, DECODER, DVAE_FILE, VOCOS))
     gpt = (root / GPT_WEIGHTS).stat().st_size
@@ -97,9 +97,9 @@ def budget_for(
     import torch
 
     from ..engine.runner import slot_bytes
-    from ..model import checkpoint
-    from ..model.gpt import KVCache
-    from ..model.quant import parse_precision
+    from ..kernels.quant import parse_precision
+    from ..models.chattts import checkpoint
+    from ..models.chattts.gpt import KVCache
 
     root = checkpoint.resolve(model)
     dims = checkpoint.read_config(root)

@@ -32,7 +32,7 @@ import torch
 
 from ..audio.policy import StreamPolicy
 from ..device import bind_thread
-from ..model.config import DEFAULT_MODEL, SAMPLE_RATE
+from ..models.chattts.config import DEFAULT_MODEL
 from ..sampling_params import SamplingParams
 from .config import EngineConfig
 from .core import EngineStats
@@ -156,7 +156,7 @@ class AsyncEngine:
         self.engine = engine
         self.core = engine.core
         self.stream_policy = engine.config.stream
-        self.max_buffered_samples = int(max_buffered_audio_s * SAMPLE_RATE)
+        self.max_buffered_samples = int(max_buffered_audio_s * engine.sample_rate)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._collectors: dict[str, _Collector] = {}
         self._wakeup = threading.Event()
@@ -174,8 +174,9 @@ class AsyncEngine:
         config: EngineConfig | None = None,
         *,
         max_buffered_audio_s: float = 120.0,
+        family: str | None = None,
     ) -> AsyncEngine:
-        return cls(Engine.from_pretrained(path_or_repo, device, config), max_buffered_audio_s)
+        return cls(Engine.from_pretrained(path_or_repo, device, config, family), max_buffered_audio_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -252,6 +253,7 @@ class AsyncEngine:
                         "start_sample": position,
                         "elapsed_s": time.monotonic() - t0,
                         "spans": spans,
+                        "sample_rate": self.engine.sample_rate,
                     }
                     if done:
                         chunk = replace(final, audio=audio, **fields)
@@ -353,7 +355,7 @@ class AsyncEngine:
             c.put(out)
             if not out.finished and c.pending_samples > self.max_buffered_samples:
                 self.core.abort(out.request_id)
-                seconds = self.max_buffered_samples / SAMPLE_RATE
+                seconds = self.max_buffered_samples / self.engine.sample_rate
                 c.fail(SlowConsumerError(f"the client read no audio while {seconds:g} s waited; request aborted"))
 
     def _fail_device_calls(self, error: BaseException) -> None:
@@ -393,6 +395,20 @@ class AsyncEngine:
                     raise TypeError(f"unknown engine loop message {item!r}")
 
     # ------------------------------------------------------------------ what the server needs
+
+    @property
+    def family(self):
+        """The model's family (``models.family.ModelFamily``)."""
+        return self.engine.family
+
+    @property
+    def sample_rate(self) -> int:
+        return self.engine.sample_rate
+
+    @property
+    def voices(self):
+        """The model's voices (``models.family.Voices``)."""
+        return self.engine.voices
 
     @property
     def hidden_size(self) -> int:

@@ -2,16 +2,17 @@
 layer of the GPT, the largest |input| it saw (prefill of the prompt, the refine pass and audio decode).
 
 Runs a one-slot ``EngineCore`` on the model as it is (fp32, projections fused, nothing swapped yet), so
-every projection is a plain ``nn.Linear`` that the hooks see. ``model.prepare`` calls it.
+every projection is a plain ``nn.Linear`` that the hooks see. ``models.chattts.prepare`` calls it.
 """
 
 from __future__ import annotations
 
-from ..model.checkpoint import LoadedModel
-from ..model.prepare import ModelLayout
-from ..model.quant import SPECS, record_absmax
-from ..model.speaker import SpeakerStats, encode_speaker
-from ..model.tokenizer import Tokenizer
+from ..kernels.quant import SPECS, record_absmax
+from ..models.chattts.checkpoint import LoadedModel
+from ..models.chattts.prepare import ModelLayout
+from ..models.chattts.speaker import SpeakerStats, encode_speaker
+from ..models.chattts.stage import ChatTTSStage
+from ..models.chattts.tokenizer import Tokenizer
 from ..sampling_params import RefineParams, SamplingParams
 from .config import EngineConfig
 from .core import EngineCore
@@ -33,11 +34,11 @@ def calibrate(
     refine_steps: int = 8,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Largest |input| per ``nn.Linear`` of ``model.gpt`` (names as in ``named_modules``)."""
+    """Largest |input| per ``nn.Linear`` of ``models.chattts.gpt`` (names as in ``named_modules``)."""
     import torch
 
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=1024))
-    core = EngineCore(model, tokenizer, config, ModelLayout(SPECS["fp32"]))
+    core = EngineCore(ChatTTSStage(model, tokenizer, config, ModelLayout(SPECS["fp32"])), config)
     speaker = None
     if speaker_stats is not None:
         speaker = encode_speaker(speaker_stats.sample(torch.Generator().manual_seed(seed)))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..audio.policy import StreamPolicy
-from ..model.config import PRECISIONS
+from ..kernels.precisions import PRECISIONS
 from .scheduler import SchedulerConfig
 
 DECODE_MODES = ("auto", "rows", "static")
@@ -48,7 +48,7 @@ class RunnerConfig:
     mode (None: ``onnx`` in the user cache directory)."""
     ort_auto_crossover: int = 0
     """``ort-auto``: trunk calls of this many rows or more run the int8 export, narrower ones the
-    4-bit one (0: from the table for this CPU, ``model.onnx_auto.CROSSOVER_TABLE``)."""
+    4-bit one (0: from the table for this CPU, ``models.chattts.onnx_auto.CROSSOVER_TABLE``)."""
     kv_cache_dtype: str = "auto"
     """"auto": the trunk's dtype; "bf16": half the cache bytes under an fp32 or int8 trunk (attention
     then runs in bf16; batched decode steps are cache-bound). Torch modes only."""
@@ -84,7 +84,7 @@ class RunnerConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     precision: str = "fp32"
-    """GPT precision (see ``model.quant``); every mode loads the official fp32 files."""
+    """GPT precision (see ``kernels.quant``); every mode loads the official fp32 files."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """``max_waiting`` below ``max_num_seqs`` is raised to it."""
     runner: RunnerConfig = field(default_factory=RunnerConfig)
@@ -146,6 +146,7 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "max_model_len": ("scheduler", "max_model_len"),
     "max_waiting": ("scheduler", "max_waiting"),
     "max_prefill_tokens": ("scheduler", "max_prefill_tokens"),
+    "max_batch_work": ("scheduler", "max_batch_work"),
     "decode": ("runner", "decode"),
     "cuda_graphs": ("runner", "cuda_graphs"),
     "compile": ("runner", "compile"),
@@ -169,6 +170,8 @@ _HELP = {
     "max_position_embeddings; fixed slots are shortened at load where memory does not hold them)",
     "max_waiting": "sequences that may wait for a slot; beyond it submissions are refused",
     "max_prefill_tokens": "prompt tokens prefilled per step, in one batched call (caps how long running streams wait)",
+    "max_batch_work": "batch families (whole utterances, no KV slots): input tokens one step's batch may hold "
+    "(--max-num-seqs caps its rows)",
     "decode": "decode step: rows (batch-invariant; CPU default) or static (fixed shapes, CUDA graphs; CUDA default)",
     "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only)",
     "compile": "torch.compile the static decode step",

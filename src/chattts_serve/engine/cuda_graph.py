@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..device import current_stream, host_zeros, new_stream, on_device, record_event
-from ..model.gpt import GPT, KVCache
+from ..models.chattts.gpt import GPT, KVCache
 
 logger = logging.getLogger(__name__)
 

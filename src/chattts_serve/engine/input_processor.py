@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..model.config import AUDIO_EOS, TOKENS_PER_SECOND
-from ..model.speaker import decode_prompt_codes, decode_speaker
-from ..model.tokenizer import Tokenizer
+from ..models.chattts.config import AUDIO_EOS, TOKENS_PER_SECOND
+from ..models.chattts.speaker import decode_prompt_codes, decode_speaker
+from ..models.chattts.tokenizer import Tokenizer
 from ..sampling_params import SamplingParams
 from ..text.bound import TextTooLong, check_chars
 from ..text.cleanup import clean_markdown

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..model.config import SAMPLE_RATE
+from ..models.family import Word
 from .request import FinishReason, Sequence
 
 
@@ -51,6 +51,8 @@ class RunnerOutput:
     one tensor for the step (not one per sequence); None when no code sequence ran."""
     hidden_rows: dict[int, int] = field(default_factory=dict)
     """seq_id -> its row of ``hidden`` (code sequences)."""
+    done: dict[int, Any] = field(default_factory=dict)
+    """seq_id -> the whole output of a sequence the step ran to its end (a batch family's ``Speech``)."""
 
     def hidden_of(self, seq_id: int) -> Any:
         """One sequence's hidden state ``[hidden]`` (a view), or None."""
@@ -72,7 +74,7 @@ class StepOutput:
 
 @dataclass(frozen=True, slots=True)
 class SegmentSpan:
-    """Where one sentence lies in its request's audio: samples [start, end) at ``SAMPLE_RATE``."""
+    """Where one sentence lies in its request's audio: samples [start, end) at ``sample_rate`` (the model's)."""
 
     index: int
     """The sentence's position in the request."""
@@ -81,19 +83,23 @@ class SegmentSpan:
     what a caption shows. The text before normalisation is not kept past input processing."""
     start: int
     end: int
+    sample_rate: int
+    words: tuple[Word, ...] = ()
+    """Each word's samples in the same audio (families with word timestamps; empty otherwise)."""
 
     @property
     def start_s(self) -> float:
-        return self.start / SAMPLE_RATE
+        return self.start / self.sample_rate
 
     @property
     def end_s(self) -> float:
-        return self.end / SAMPLE_RATE
+        return self.end / self.sample_rate
 
     def shifted(self, samples: int, index: int | None = None) -> SegmentSpan:
         """The same sentence ``samples`` later (in a longer stream of which the request is a part)."""
         index = self.index if index is None else index
-        return SegmentSpan(index, self.text, self.start + samples, self.end + samples)
+        words = tuple(Word(w.text, w.start + samples, w.end + samples) for w in self.words)
+        return SegmentSpan(index, self.text, self.start + samples, self.end + samples, self.sample_rate, words)
 
 
 @dataclass(slots=True)
@@ -130,7 +136,8 @@ class Result:
     elapsed_s: float = 0.0
     """Seconds from submission to completion (in an offline batch: from the ``synthesize`` call)."""
     time_to_first_audio_s: float | None = None
-    sample_rate: int = SAMPLE_RATE
+    sample_rate: int = 0
+    """The model's (``FamilyModel.sample_rate``); ``build_result`` takes it from the final output."""
 
     @property
     def codes(self) -> np.ndarray:
@@ -180,7 +187,8 @@ class RequestOutput:
     """Position of this delta's first sample in the request's audio (set by ``AsyncEngine.stream``)."""
     elapsed_s: float = 0.0
     """Seconds from submission to this delta (set by ``AsyncEngine.stream``)."""
-    sample_rate: int = SAMPLE_RATE
+    sample_rate: int = 0
+    """The model's (``FamilyModel.sample_rate``): set on every output by ``EngineCore.step``."""
     spans: list[SegmentSpan] = field(default_factory=list)
     """The sentences whose audio ends in this delta (or before it), each once, in order."""
 
@@ -199,4 +207,5 @@ def build_result(
         final.voice_sample,
         elapsed_s,
         time_to_first_audio_s,
+        final.sample_rate,
     )

@@ -23,9 +23,9 @@ import torch
 
 from ..audio.policy import StreamPolicy
 from ..audio.stream import AudioStream, Window
-from ..model.config import AUDIO_EOS
-from ..model.speaker import encode_prompt_codes, normalized_speaker_embedding
-from ..model.tokenizer import Tokenizer, code_prompt, refine_prompt
+from ..models.chattts.config import AUDIO_EOS, SAMPLE_RATE
+from ..models.chattts.speaker import encode_prompt_codes, normalized_speaker_embedding
+from ..models.chattts.tokenizer import Tokenizer, code_prompt, refine_prompt
 from .hidden_store import HiddenStore
 from .input_processor import PreparedRequest
 from .outputs import RequestOutput, SegmentResult, SegmentSpan, StepOutput
@@ -439,7 +439,7 @@ class RequestPipeline:
             if not done:
                 break
             start = req.spans[-1].end if req.spans else 0
-            req.spans.append(SegmentSpan(seg.index, self._caption(seg.text), start, req.samples_out))
+            req.spans.append(SegmentSpan(seg.index, self._caption(seg.text), start, req.samples_out, SAMPLE_RATE))
             req.emit_index += 1
         done = req.emit_index == len(req.segments)
         if not (new or done or len(req.spans) > ended):

@@ -2,9 +2,9 @@
 last hidden state and first logits, batched per kind.
 
 Trunk. Torch modes: the prompts go through the trunk together, packed one after another
-(``model.prefill``: the projections on all their tokens at once, attention prompt by prompt), in calls
+(``models.chattts.prefill``: the projections on all their tokens at once, attention prompt by prompt), in calls
 of at most ``max_prefill_tokens`` tokens; a prompt's result is the one it gets alone wherever the
-layout keeps matmul rows independent (every mode but int8-dynamic; see ``model.prepare``). ``ort-*``
+layout keeps matmul rows independent (every mode but int8-dynamic; see ``models.chattts.prepare``). ``ort-*``
 modes: the prompts of sequences in consecutive slots go in one ONNX Runtime call, right-padded to the
 longest (``query_seqlens`` tells the op each row's length). Either way a burst of 32 admissions is one
 call, not 32, each of which would stream all the weights once.
@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from ..device import pinned_copy
-from ..model.checkpoint import LoadedModel
-from ..model.prefill import prefill_prompts
+from ..models.chattts.checkpoint import LoadedModel
+from ..models.chattts.prefill import prefill_prompts
 from .request import Sequence
 
 

@@ -2,7 +2,8 @@
 
 A user request (one text) becomes one or more *sequences*: for every sentence, an optional refine pass
 (``kind="text"``: the GPT's text head, one id per step) and an audio pass (``kind="code"``: four codes
-per step). Each running sequence owns one KV-cache slot.
+per step). Each running sequence owns one KV-cache slot. A batch family's sentence is one ``kind="utterance"``
+sequence, run whole in one step (``prompt_len``: its work units; no slot).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SeqKind = Literal["text", "code"]
+SeqKind = Literal["text", "code", "utterance"]
 FinishReason = Literal["stop", "length", "aborted", "error"]
 
 _seq_ids = itertools.count()

@@ -23,11 +23,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..model import decode_attention
-from ..model.checkpoint import LoadedModel
-from ..model.config import AUDIO_EOS, GPTConfig
-from ..model.gpt import KVCache
-from ..model.prepare import ModelLayout
+from ..kernels import decode_attention
+from ..models.chattts.checkpoint import LoadedModel
+from ..models.chattts.config import AUDIO_EOS, GPTConfig
+from ..models.chattts.gpt import KVCache
+from ..models.chattts.prepare import ModelLayout
 from .config import RunnerConfig
 from .cuda_graph import GraphStore, StaticDecoder
 from .hidden_store import HiddenStore
@@ -124,7 +124,7 @@ class ModelRunner:
         config: RunnerConfig | None = None,
         max_prefill_tokens: int = 2048,
     ) -> None:
-        """``model`` as ``model.prepare.prepare_model`` left it (``layout``); the runner never changes it.
+        """``model`` as ``models.chattts.prepare.prepare_model`` left it (``layout``); the runner never changes it.
         ``max_prefill_tokens``: prompt tokens per torch prefill call (``SchedulerConfig``'s budget per
         step; a longer prompt still goes alone, whole)."""
         self.model = model
@@ -150,7 +150,7 @@ class ModelRunner:
         self.num_vq = model.config.gpt.num_vq
         self.text_eos_id = text_eos_id
         # One slot, unprepared fp32: every matmul runs on exactly the rows a batch-1 reference run uses
-        # (bit-exact with chattts). More slots: packed weights or padded rows (see model.prepare).
+        # (bit-exact with chattts). More slots: packed weights or padded rows (see models.chattts.prepare).
         self.pad_rows_to = layout.pad_rows_to
         self.packed = layout.packed
         self.prefiller = Prefiller(model, self.cache, self.trunk, self.pad_rows_to, max_prefill_tokens)

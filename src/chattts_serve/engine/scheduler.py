@@ -1,4 +1,4 @@
-"""Iteration-level (continuous) batching over a fixed pool of KV-cache slots. No torch here.
+"""Iteration-level (continuous) batching: over a fixed pool of KV-cache slots, or by a work budget. No torch here.
 
 Every step: sequences that finished or were aborted leave and free their slots; waiting sequences are
 admitted while a slot is free and the step's prefill-token budget allows (highest priority first, then
@@ -7,6 +7,11 @@ starve other requests); everything admitted before this step decodes one token. 
 sequence's whole life (prompt + max_new_tokens must fit in it), so a running sequence can never run
 out of cache: capacity problems surface as a clear refusal at submission, never as an out-of-memory
 error mid-generation.
+
+A model family that runs whole utterances (``execution == "batch"``: Kokoro, VITS) has no slots: with
+``admission="work"`` each step admits waiting sequences, in the same order, while the sum of their work
+units (``Sequence.prompt_len``: input tokens) fits ``max_batch_work`` and the batch has at most
+``max_num_seqs`` rows (the first is always admitted); the step runs them to the end (``RunnerOutput.done``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 from .outputs import RunnerOutput, SchedulerOutput, StepOutput
 from .request import Sequence, SequenceStatus
@@ -42,12 +48,20 @@ class SchedulerConfig:
     """Prompt tokens prefilled per step (at least one sequence is always admitted when a slot is free),
     so a burst of new requests cannot stall the running ones for long; also the most tokens one torch
     prefill call packs together (a step's admissions go in one call)."""
+    admission: Literal["slots", "work"] = "slots"
+    """"slots": a sequence holds a KV slot from admission to its end (autoregressive families). "work": a
+    step's batch is admitted by ``max_batch_work`` and runs whole (batch families); set from the family."""
+    max_batch_work: int = 4096
+    """"work" admission: the work units (input tokens) one step's batch may hold; a sequence of more is
+    refused at submission."""
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_prefill_tokens"):
+        for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_prefill_tokens", "max_batch_work"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.admission not in ("slots", "work"):
+            raise ValueError(f"admission must be 'slots' or 'work', got {self.admission!r}")
 
 
 class SlotPool:
@@ -83,6 +97,12 @@ class Scheduler:
     # ------------------------------------------------------------------ submission and abort
 
     def check_fits(self, seq: Sequence) -> None:
+        if self.config.admission == "work":
+            if seq.prompt_len > self.config.max_batch_work:
+                raise ValueError(
+                    f"an utterance of {seq.prompt_len} work units exceeds max_batch_work ({self.config.max_batch_work})"
+                )
+            return
         if seq.max_len > self.config.max_model_len:
             raise ValueError(
                 f"prompt ({seq.prompt_len}) + max_new_tokens ({seq.max_new_tokens}) = {seq.max_len} positions "
@@ -126,10 +146,12 @@ class Scheduler:
         for seq in [s for s in self.running if s.status.is_finished]:
             self._release(seq)
             out.finished.append(seq)
+        self.waiting.sort(key=lambda s: (-s.priority, s.rank, s.arrival, s.seq_id))
+        if self.config.admission == "work":
+            return self._admit_batch(out)
         out.decode = list(self.running)
 
         budget = self.config.max_prefill_tokens
-        self.waiting.sort(key=lambda s: (-s.priority, s.rank, s.arrival, s.seq_id))
         while self.waiting and self.slots.num_free:
             seq = self.waiting[0]
             if out.prefill and seq.prompt_len > budget:
@@ -142,11 +164,30 @@ class Scheduler:
             out.prefill.append(seq)
         return out
 
+    def _admit_batch(self, out: SchedulerOutput) -> SchedulerOutput:
+        """ "work" admission: this step's batch, in queue order, while it fits the work budget and the rows."""
+        budget, rows = self.config.max_batch_work, self.config.max_num_seqs
+        while self.waiting and len(out.prefill) < rows:
+            seq = self.waiting[0]
+            if out.prefill and seq.prompt_len > budget:
+                break
+            self.waiting.pop(0)
+            budget -= seq.prompt_len
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.prefill.append(seq)
+        return out
+
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[StepOutput]:
-        """Append each sampled token, apply the stop rules, and free the slots of finished sequences."""
+        """Append each sampled token, apply the stop rules, and free the slots of finished sequences; a
+        sequence the step ran whole (``result.done``) finishes."""
         outputs = []
         for seq in (*sched.prefill, *sched.decode):
             if seq.status.is_finished:  # aborted while this step ran
+                outputs.append(StepOutput(seq, None, finished=True))
+                continue
+            if seq.seq_id in result.done:
+                seq.status = SequenceStatus.FINISHED_STOPPED
                 outputs.append(StepOutput(seq, None, finished=True))
                 continue
             token = result.tokens[seq.seq_id]
@@ -167,7 +208,7 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED_LENGTH
             outputs.append(StepOutput(seq, token, result.hidden_rows.get(seq.seq_id), seq.status.is_finished))
         for o in outputs:
-            if o.finished and o.seq.slot is not None:
+            if o.finished and (o.seq.slot is not None or o.seq in self.running):
                 self._release(o.seq)
                 self._finished.append(o.seq)
         return outputs

@@ -31,7 +31,7 @@ from .logs import REQUEST_ID
 from .metrics import Metrics
 from .openapi import error_response
 from .timeouts import BodyReader
-from .voices import VoiceStore
+from .voices import VoiceStore, family_store_path
 from .wyoming import WyomingServer
 
 logger = logging.getLogger("chattts_serve.server")
@@ -63,11 +63,12 @@ def create_app(
                 resolve_device(config.device),
                 config.engine,
                 max_buffered_audio_s=config.max_buffered_audio_s,
+                family=config.family,
             )
         app.state.engine = eng
         app.state.loop = asyncio.get_running_loop()  # for the shutdown signal handler (run.py)
         app.state.metrics = Metrics(eng)
-        app.state.voices = VoiceStore(config.voices.path)
+        app.state.voices = VoiceStore(family_store_path(config.voices.path, eng.family.name))
         app.state.limits = Limits(config.max_concurrent_streams)
         app.state.cache = ResultCache.for_engine(eng, config.cache_mb)
         if config.warmup:
@@ -78,7 +79,14 @@ def create_app(
             if wyoming is not None:
                 await wyoming.start()
             app.state.ready = True
-            logger.info("ready: model=%s device=%s slots=%d", config.model, eng.device, eng.stats().kv_slots)
+            logger.info(
+                "ready: model=%s family=%s sample_rate=%d device=%s slots=%d",
+                config.model,
+                eng.family.name,
+                eng.sample_rate,
+                eng.device,
+                eng.stats().kv_slots,
+            )
             yield
         finally:
             app.state.ready = False

@@ -28,7 +28,6 @@ from ..audio.stretch import StreamingStretcher
 from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineError, ShutdownError
 from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
-from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from ..text.bound import TextTooLong
 from .cache import CACHE_HEADER, ResultCache
@@ -255,7 +254,7 @@ class AudioResponse:
         """The response body in ``fmt`` at ``sample_rate`` (None: the format's default), time-stretched by
         ``stretch`` (``audio.stretch``), encoded (and resampled) in a worker thread, never on the event loop.
         ``on_chunk`` sees each chunk first (its sentence spans)."""
-        encoder = ThreadedEncoder(fmt, sample_rate, stretch)
+        encoder = ThreadedEncoder(fmt, sample_rate, stretch, model_rate=self.engine.sample_rate)
         try:
             async for chunk in self.chunks():
                 if on_chunk is not None:
@@ -334,7 +333,7 @@ class AudioResponse:
         elapsed = time.monotonic() - self.t0
         self.metrics.latency.labels(self.endpoint).observe(elapsed)
         if self._audio_samples and self.cache_status != "hit":  # a hit made no audio: it says nothing of the engine
-            audio_s = self._audio_samples / SAMPLE_RATE
+            audio_s = self._audio_samples / self.engine.sample_rate
             self.metrics.audio_seconds.inc(audio_s)
             self.metrics.rtf.observe(elapsed / audio_s)
 
@@ -365,9 +364,10 @@ class ThreadedEncoder:
     to encode, which on the event loop would stall every other client of the server. With ``stretch`` other
     than 1, a ``StreamingStretcher`` (one per response, so its joins are seamless) comes before the encoder."""
 
-    def __init__(self, fmt: str, sample_rate: int | None = None, stretch: float = 1.0) -> None:
-        self._encoder = StreamingEncoder(fmt, sample_rate)
-        self._stretcher = StreamingStretcher(stretch) if stretch != 1.0 else None
+    def __init__(self, fmt: str, sample_rate: int | None = None, stretch: float = 1.0, *, model_rate: int) -> None:
+        """``model_rate``: the rate of the PCM written (the model's)."""
+        self._encoder = StreamingEncoder(fmt, sample_rate, model_rate=model_rate)
+        self._stretcher = StreamingStretcher(stretch, model_rate) if stretch != 1.0 else None
         self._work: asyncio.Future | None = None
 
     @property

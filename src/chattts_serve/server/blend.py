@@ -1,7 +1,7 @@
 """Voice blends in Kokoro-FastAPI's syntax: ``"a(2)+b(1)"``, terms joined by ``+``, each a voice (a saved
 voice's name, a built-in voice name or a speaker string) with an optional positive weight in parentheses
 (default 1). This module only parses; ``params.resolve_voice`` resolves the terms and
-``model.speaker.blend_speakers`` mixes them.
+``models.chattts.speaker.blend_speakers`` mixes them.
 
 Splitting on ``+`` is safe: no voice can contain ``+``, ``(`` or ``)``. Saved names are ASCII letters,
 digits, ``-``, ``_`` and ``.`` (``protocol.VoiceCreate``), built-in names are letters, and speaker strings
@@ -41,7 +41,7 @@ def is_blend(text: str) -> bool:
 def parse_blend(text: str) -> list[BlendTerm]:
     """``"a(2)+b(1)"`` -> ``[BlendTerm("a", 2.0), BlendTerm("b", 1.0)]``. Raises ``BlendError`` for an empty
     term, a malformed term, a weight that is not a positive finite decimal, or more than ``MAX_BLEND_TERMS``
-    terms. The weights are as written (``model.speaker.blend_speakers`` normalises them)."""
+    terms. The weights are as written (``models.chattts.speaker.blend_speakers`` normalises them)."""
     parts = text.split("+")
     if len(parts) > MAX_BLEND_TERMS:
         raise BlendError(f"a blend mixes at most {MAX_BLEND_TERMS} voices, this one has {len(parts)}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..model.config import TOKENS_PER_SECOND
+from ..models.chattts.config import TOKENS_PER_SECOND
 from .errors import APIError
 
 MAX_PAUSE_SECONDS = 60.0

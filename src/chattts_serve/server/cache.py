@@ -12,9 +12,9 @@ The key: sha256 over everything that changes the audio's bits. The text; every `
 (the resolved speaker string and voice sample, the lexicon's entries: a field this module cannot spell
 exactly makes the request uncacheable rather than mistaken); the chunking (``StreamPolicy``: the joins'
 crossfades follow it); the tenant (``params.tenant_of``: no tenant learns from a fast answer what another
-asked for); and the engine (``engine_identity``: checkpoint files, precision, KV and audio dtypes, slots,
-device). Format and sample rate are not in it: an entry is the request's PCM in the chunks its live stream
-had, and a hit replays them through the same encoder, so one entry serves every format and transport of
+asked for); and the engine (``engine_identity``: the model family, its checkpoint's files, precision, KV and
+audio dtypes, slots, device). Format and sample rate are not in it: an entry is the request's PCM in the chunks
+its live stream had, and a hit replays them through the same encoder, so one entry serves every format and transport of
 ``AudioResponse`` (``/v1/tts`` streamed or whole, ``/v1/audio/speech``, its SSE), byte for byte as the live
 answer, and streamed in the live answer's chunks.
 
@@ -38,13 +38,11 @@ import json
 import sys
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 
 from ..audio.policy import StreamPolicy
 from ..engine.outputs import RequestOutput
-from ..model.checkpoint import REQUIRED_FILES, SPK_STAT
 from ..sampling_params import SamplingParams
 from ..text.lexicon import Lexicon
 
@@ -152,19 +150,13 @@ def _array_bytes(array: np.ndarray) -> int:
 
 
 def engine_identity(engine) -> str:
-    """What of a server's engine (an ``AsyncEngine``) decides a seeded request's bits: its checkpoint (path,
-    and each file's size and modification time: hashing gigabytes at start-up would buy nothing for a cache
-    that lives as long as the process), its whole ``EngineConfig`` (precision, KV cache and audio dtypes,
-    slots, decode step) and its device."""
+    """What of a server's engine (an ``AsyncEngine``) decides a seeded request's bits: its model family and
+    checkpoint (``FamilyModel.identity``: path, and each file's size and modification time: hashing gigabytes at
+    start-up would buy nothing for a cache that lives as long as the process), its whole ``EngineConfig``
+    (precision, KV cache and audio dtypes, slots, decode step) and its device."""
     inner = engine.engine
-    root = Path(inner.model.root)
-    files = []
-    for rel in (*REQUIRED_FILES, SPK_STAT):
-        path = root / rel
-        if path.exists():
-            st = path.stat()
-            files.append(f"{rel}:{st.st_size}:{st.st_mtime_ns}")
-    return json.dumps([str(root.resolve()), files, repr(inner.config), str(inner.device)])
+    checkpoint = inner.family_model.identity()
+    return json.dumps([inner.family.name, checkpoint, repr(inner.config), str(inner.device)])
 
 
 def _plain(value):

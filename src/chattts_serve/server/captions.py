@@ -1,15 +1,15 @@
 """Sentence timestamps: each sentence's place in the audio as events (SSE, WebSocket) and as subtitles.
 
 The engine counts them (``engine.outputs.SegmentSpan``: sentences are back to back in the audio, so sentence
-i starts where sentence i-1 ends, in samples at 24 kHz); nothing here estimates. A caption's text is the
-sentence as normalised, without control tokens. Word timing would need an aligner model and is not offered.
+i starts where sentence i-1 ends, in samples at the model's rate); nothing here estimates. A caption's text is the
+sentence as normalised, without control tokens. Word timing is counted where the model predicts durations
+(``SegmentSpan.words``, a family with word timestamps).
 Times are seconds of the model's audio; at another ``sample_rate`` the resampled audio has the same duration.
 """
 
 from __future__ import annotations
 
 from ..engine.outputs import RequestOutput, SegmentSpan
-from ..model.config import SAMPLE_RATE
 
 CAPTION_MEDIA_TYPES = {"srt": "application/x-subrip", "vtt": "text/vtt"}
 
@@ -62,17 +62,22 @@ def subtitles(spans: list[SegmentSpan], fmt: str) -> str:
     cues = [s for s in spans if s.end > s.start and s.text.strip()]
     if fmt == "srt":
         return "\n".join(
-            f"{n}\n{_timestamp(s.start, ',')} --> {_timestamp(s.end, ',')}\n{_one_line(s.text)}\n"
+            f"{n}\n{_timestamp(s.start, s.sample_rate, ',')} --> {_timestamp(s.end, s.sample_rate, ',')}\n"
+            f"{_one_line(s.text)}\n"
             for n, s in enumerate(cues, 1)
         )
     if fmt == "vtt":
-        body = [f"{_timestamp(s.start, '.')} --> {_timestamp(s.end, '.')}\n{_vtt_text(s.text)}\n" for s in cues]
+        body = [
+            f"{_timestamp(s.start, s.sample_rate, '.')} --> {_timestamp(s.end, s.sample_rate, '.')}\n"
+            f"{_vtt_text(s.text)}\n"
+            for s in cues
+        ]
         return "\n".join(["WEBVTT\n", *body])
     raise ValueError(f"unknown caption format {fmt!r}; choose one of {', '.join(CAPTION_MEDIA_TYPES)}")
 
 
-def _timestamp(samples: int, separator: str) -> str:
-    ms = (samples * 1000 + SAMPLE_RATE // 2) // SAMPLE_RATE
+def _timestamp(samples: int, rate: int, separator: str) -> str:
+    ms = (samples * 1000 + rate // 2) // rate
     hours, ms = divmod(ms, 3_600_000)
     minutes, ms = divmod(ms, 60_000)
     seconds, ms = divmod(ms, 1000)

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 from ..engine.config import FLAT_OPTIONS, EngineConfig
 from ..engine.config import flat_defaults as engine_flat_defaults
 from ..engine.config import from_flat as engine_from_flat
-from ..model.config import DEFAULT_MODEL
+from ..models.chattts.config import DEFAULT_MODEL
 from ..text.lexicon import load_lexicon
 from .logs import LOG_FORMATS
 
@@ -170,6 +170,9 @@ class WyomingConfig:
 class ServerConfig:
     model: str = DEFAULT_MODEL
     """Checkpoint directory or Hugging Face repo id."""
+    family: str | None = None
+    """The model family (``chattts``, ...: ``chattts_serve.models``); None: detected from the checkpoint's files
+    or the repo id."""
     device: str = "auto"
     """auto (CUDA if available, else CPU; see ``resolve_device``), cpu, cuda, cuda:1, ..."""
     host: str = "127.0.0.1"
@@ -230,6 +233,10 @@ class ServerConfig:
         from .protocol import parse_options
 
         parse_options(self.default_options)  # a typo fails at start-up, not on the first request
+        if self.family is not None:
+            from .. import models
+
+            models.get(self.family)  # an unknown family fails here, naming the known ones
         load_lexicon(self.lexicon)  # so does a bad lexicon entry
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")

@@ -32,7 +32,6 @@ from ..audio.policy import StreamPolicy
 from ..engine.async_engine import EngineError
 from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
-from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from ..text.bound import TextTooLong
 from .audio_response import AudioResponse
@@ -40,7 +39,7 @@ from .budget import turn_budget
 from .errors import APIError, TimedStreamingResponse, check_length
 from .limits import synthesis
 from .openapi import audio_responses, errors
-from .params import build_params, build_policy, request_defaults, resolve_voice, tenant_of
+from .params import build_params, build_policy, output_rate, request_defaults, resolve_voice, tenant_of
 from .protocol import MEDIA_TYPES, DialogueRequest
 
 router = APIRouter()
@@ -65,7 +64,7 @@ def budgeted(engine, turns: list[Turn], pause: int, stretch: float = 1.0, param:
     samples between two, the whole stretched by ``stretch``. A 400 naming ``param`` when they cannot fit."""
     if len(turns) == 1 and stretch >= 1.0:  # one engine request as any: the engine's budget
         return turns
-    pause_s = pause * (len(turns) - 1) / SAMPLE_RATE
+    pause_s = pause * (len(turns) - 1) / engine.sample_rate
     share = turn_budget(engine.max_audio_seconds, [t.params.min_new_tokens for t in turns], pause_s, stretch, param)
     return turns if share is None else [replace(t, max_audio_seconds=share) for t in turns]
 
@@ -75,7 +74,8 @@ def budgeted(engine, turns: list[Turn], pause: int, stretch: float = 1.0, param:
 async def dialogue(body: DialogueRequest, request: Request):
     """The turns in order, each in its voice, ``pause_ms`` of silence between two; streamed by default."""
     st = request.app.state
-    pause = body.pause_ms * SAMPLE_RATE // 1000
+    output_rate(st.engine, body.format, body.sample_rate)
+    pause = body.pause_ms * st.engine.sample_rate // 1000
     turns = await asyncio.to_thread(_turns, st, body, tenant_of(request.scope))  # voices: store reads, blends
     turns = budgeted(st.engine, turns, pause, param="pause_ms")
     policy = build_policy(st.engine.stream_policy, body.chunking)
@@ -134,7 +134,9 @@ async def spoken(
         await _first_turn_started(firsts)
         for i, (stream, first) in enumerate(zip(streams, firsts, strict=True)):
             if i and pause:
-                yield RequestOutput(request_id, np.zeros(pause, np.float32), index=index, start_sample=position)
+                silence = np.zeros(pause, np.float32)
+                rate = engine.sample_rate
+                yield RequestOutput(request_id, silence, index=index, start_sample=position, sample_rate=rate)
                 index, position = index + 1, position + pause
             try:
                 chunk = await first

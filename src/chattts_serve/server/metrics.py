@@ -50,6 +50,9 @@ class Metrics:
         )
         self.cache_bytes = Gauge("chattts_cache_bytes", "Bytes the result cache holds", registry=r)
         if engine is not None:
+            # The served model, as Prometheus' info pattern: join on it to label any series by family.
+            info = Gauge("chattts_model_info", "The served model", ["family", "sample_rate"], registry=r)
+            info.labels(engine.family.name, str(engine.sample_rate)).set(1)
             Gauge("chattts_queue_depth", "Sequences waiting for a KV slot", registry=r).set_function(
                 lambda: engine.stats().num_waiting
             )

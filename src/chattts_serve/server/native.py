@@ -17,7 +17,6 @@ from fastapi.responses import Response
 from ..audio.encode import check_rate
 from ..audio.policy import StreamPolicy
 from ..engine.outputs import SegmentSpan
-from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from .audio_response import AudioResponse, read_spool
 from .captions import CAPTION_MEDIA_TYPES, SegmentClock, segment_fields, subtitles
@@ -25,7 +24,7 @@ from .dialogue import Turn
 from .errors import ClientGone, TimedStreamingResponse
 from .limits import synthesis
 from .openapi import audio_responses, errors
-from .params import tenant_of, tts_params
+from .params import output_rate, tenant_of, tts_params
 from .protocol import MEDIA_TYPES, CaptionedRequest, CaptionedSpeech, TTSRequest
 from .ssml_turns import start_turns, text_turns
 
@@ -37,6 +36,7 @@ logger = logging.getLogger(__name__)
 @synthesis
 async def tts(body: TTSRequest, request: Request):
     st = request.app.state
+    output_rate(st.engine, body.format, body.sample_rate)
     turns, policy, factor = await _turns(st, body, request)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.timeouts.queue_wait_s)
     await start_turns(resp, st.engine, turns, policy, request.state.request_id, request, factor)
@@ -66,6 +66,8 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
     """The whole audio (base64, in ``format``) with each sentence's start and end (``server.captions``); with
     ``format`` srt or vtt, only the subtitles."""
     st = request.app.state
+    if body.format not in CAPTION_MEDIA_TYPES:
+        output_rate(st.engine, body.format, body.sample_rate)
     turns, policy, _ = await _turns(st, body, request)  # (no stretch: CaptionedRequest)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "captioned", st.config.timeouts.queue_wait_s)
     await start_turns(resp, st.engine, turns, policy, request.state.request_id, request)
@@ -78,8 +80,8 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
     doc = CaptionedSpeech(
         audio="",
         format=body.format,
-        sample_rate=check_rate(body.format, body.sample_rate),
-        duration_s=resp.samples / SAMPLE_RATE,
+        sample_rate=check_rate(body.format, body.sample_rate, st.engine.sample_rate),
+        duration_s=resp.samples / st.engine.sample_rate,
         segments=[segment_fields(s) for s in clock.spans],
         captions=subtitles(clock.spans, body.captions) if body.captions else None,
     ).model_dump_json()

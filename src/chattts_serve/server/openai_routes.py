@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+from dataclasses import asdict
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -17,18 +18,31 @@ from .captions import SegmentClock, segment_event
 from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
 from .limits import synthesis
 from .openapi import audio_responses, errors
-from .params import build_params, request_defaults, resolve_voice, tenant_of
+from .params import build_params, output_rate, request_defaults, resolve_voice, tenant_of
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
 from .ssml_turns import start_turns, text_turns
 
 router = APIRouter()
-MODEL_IDS = ("chattts", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+OPENAI_MODEL_IDS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+"""OpenAI's model names, accepted for the served model so unmodified clients work."""
+MODEL_IDS = ("chattts", *OPENAI_MODEL_IDS)
+"""The ids of a ChatTTS server (another family's server lists its family's name first: ``model_ids``)."""
 _CREATED = int(time.time())
 
 
+def model_ids(engine) -> tuple[str, ...]:
+    """The model ids a server answers to: its model family's name, then OpenAI's."""
+    return (engine.family.name, *OPENAI_MODEL_IDS)
+
+
 @router.get("/v1/models")
-async def models() -> ModelList:
-    return ModelList(data=[ModelCard(id=m, created=_CREATED) for m in MODEL_IDS])
+async def models(request: Request) -> ModelList:
+    """Every model id, each with the served model's family and sample rate."""
+    eng = getattr(request.app.state, "engine", None)
+    if eng is None:  # still loading: the ids alone
+        return ModelList(data=[ModelCard(id=m, created=_CREATED) for m in MODEL_IDS])
+    facts = {"family": eng.family.name, "sample_rate": eng.sample_rate, "capabilities": asdict(eng.family.capabilities)}
+    return ModelList(data=[ModelCard(id=m, created=_CREATED, **facts) for m in model_ids(eng)])
 
 
 @router.post("/v1/audio/speech", response_class=Response, responses={**audio_responses(sse=True), **errors(429)})
@@ -36,10 +50,12 @@ async def models() -> ModelList:
 async def speech(body: SpeechRequest, request: Request):
     st = request.app.state
     cfg = st.config
-    if body.model not in MODEL_IDS:
+    output_rate(st.engine, body.response_format, body.sample_rate)
+    ids = model_ids(st.engine)
+    if body.model not in ids:
         raise APIError(
             400,
-            f"unknown model {body.model!r}; use one of {', '.join(MODEL_IDS)}",
+            f"unknown model {body.model!r}; use one of {', '.join(ids)}",
             param="model",
             code="model_not_found",
         )
@@ -53,7 +69,14 @@ async def speech(body: SpeechRequest, request: Request):
         voice = resolve_voice(st.voices, st.engine, name, cfg.voices.default, "voice", tenant)
         defaults = request_defaults(cfg.default_options)
         return build_params(
-            body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon, max_text_chars=cfg.max_input_chars
+            body,
+            voice,
+            prompt=speed.prompt,
+            defaults=defaults,
+            lexicon=cfg.lexicon,
+            max_text_chars=cfg.max_input_chars,
+            family=st.engine.family,
+            model_speed=speed.model,
         )
 
     turns = await text_turns(body.input, params_for, "input")

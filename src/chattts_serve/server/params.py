@@ -10,21 +10,20 @@ Resolving a voice may read the voice store and mix a blend: the async callers ru
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass, replace
 
-import numpy as np
-
+from .. import models
+from ..audio.encode import check_rate
 from ..audio.policy import StreamPolicy
 from ..audio.stretch import plan_speed
-from ..model.speaker import blend_speakers, decode_speaker, encode_speaker
+from ..models.family import ModelFamily, foreign_options
 from ..sampling_params import SamplingParams
 from ..text.lexicon import Lexicon, load_lexicon
 from .auth import principal
 from .blend import BlendError, is_blend, parse_blend, shown_term
 from .errors import APIError, check_length, storage_error
 from .protocol import ChatTTSOptions, StreamOptions, TTSRequest, parse_options
-from .voices import BUILTIN_VOICES, VoiceStore, VoiceStoreError
+from .voices import VoiceStore, VoiceStoreError
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,57 +67,11 @@ def resolve_voice(
         raise APIError(400, str(exc), param=param, code="invalid_blend") from None
     if len(terms) == 1:  # "a(2)": one voice, whatever its weight (a voice sample included)
         return _resolve_one(store, engine, terms[0].voice, param, tenant)
-    parts = [_blendable(store, engine, t.voice, param, tenant).tobytes() for t in terms]
+    parts = [_blendable(store, engine, t.voice, param, tenant) for t in terms]
     try:
-        blend = canonical_blend(parts, [t.weight for t in terms])
-        return ResolvedVoice(speaker=_mixed_speaker(engine.speaker_stats, *blend))
+        return ResolvedVoice(speaker=engine.voices.blend(parts, [t.weight for t in terms]))
     except ValueError as exc:
         raise APIError(400, f"cannot blend these voices: {exc}", param=param, code="invalid_blend") from None
-
-
-BLEND_WEIGHT_DIGITS = 4
-"""A blend's weights count to 1/10,000 of their sum: finer differences are far below what the float16
-embedding can hold, and each distinct blend costs a mix."""
-
-# A built-in voice is the same string every time (a fixed seed), and so is a blend of the same parts at the
-# same (canonical) weights: each is mixed and encoded once. The built-in cache is per engine and does not keep
-# one alive.
-_builtin_speakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _builtin_speaker(engine, name: str) -> str | None:
-    """A built-in voice's speaker string; None on a checkpoint without speaker statistics."""
-    known = _builtin_speakers.setdefault(engine, {})
-    if name not in known:
-        try:
-            known[name] = engine.sample_speaker(BUILTIN_VOICES[name])
-        except ValueError:
-            known[name] = None
-    return known[name]
-
-
-def canonical_blend(parts: list[bytes], weights: list[float]) -> tuple[tuple[bytes, ...], tuple[float, ...]]:
-    """A blend as it is mixed, and its cache key: one term per distinct embedding (a voice named twice, or by
-    name and by speaker string, adds its weights), in a fixed order, with the weights normalised to sum 1 and
-    rounded to ``BLEND_WEIGHT_DIGITS`` (a term that rounds to 0 adds nothing and is left out). So blends that
-    cannot sound different are one entry, and a request of many near-equal blends buys one mix, not many.
-    ``weights``: positive and finite (``server.blend``)."""
-    merged: dict[bytes, float] = {}
-    top = max(weights)  # first to (0, 1]: the sum of a few huge weights cannot overflow
-    for part, weight in zip(parts, weights, strict=True):
-        merged[part] = merged.get(part, 0.0) + weight / top
-    total = sum(merged.values())
-    rounded = {p: round(w / total, BLEND_WEIGHT_DIGITS) for p, w in sorted(merged.items())}
-    kept = {p: w for p, w in rounded.items() if w > 0}  # the largest is >= 1/8 (server.blend.MAX_BLEND_TERMS)
-    return tuple(kept), tuple(kept.values())
-
-
-@functools.lru_cache(maxsize=256)
-def _mixed_speaker(stats, parts: tuple[bytes, ...], weights: tuple[float, ...]) -> str:
-    """The speaker string of a blend (``canonical_blend``): ``parts`` are float16 embeddings' bytes (a cache
-    key; ``stats`` is hashed by identity)."""
-    embeddings = [np.frombuffer(p, dtype=np.float16) for p in parts]
-    return encode_speaker(blend_speakers(embeddings, weights, stats))
 
 
 def _resolve_one(store: VoiceStore, engine, name_or_speaker: str, param: str, tenant: str | None) -> ResolvedVoice:
@@ -128,13 +81,12 @@ def _resolve_one(store: VoiceStore, engine, name_or_speaker: str, param: str, te
         raise storage_error(exc) from None
     if rec is not None:
         return ResolvedVoice(rec.speaker, rec.sample_codes, rec.sample_text or "")
-    if name_or_speaker in BUILTIN_VOICES:
-        # None on a checkpoint without speaker statistics: no speaker embedding
-        return ResolvedVoice(speaker=_builtin_speaker(engine, name_or_speaker))
-    if len(name_or_speaker) >= 16 and all(
-        0x3D00 <= ord(c) <= 0x3D07 or 0x4E00 <= ord(c) <= 0x8DFF for c in name_or_speaker
-    ):
-        return ResolvedVoice(speaker=name_or_speaker)  # looks like base16384: a speaker string
+    voices = engine.voices  # the model family's (``models.family.Voices``)
+    if name_or_speaker in voices.builtin:
+        # None on a checkpoint that has none to give (ChatTTS without speaker statistics): no voice
+        return ResolvedVoice(speaker=voices.voice(name_or_speaker))
+    if voices.is_voice(name_or_speaker):
+        return ResolvedVoice(speaker=name_or_speaker)  # spelled as the family's voice string (checked later)
     raise APIError(
         400,
         f"unknown voice {shown_term(name_or_speaker)}: not a saved voice and not a speaker string",
@@ -143,8 +95,8 @@ def _resolve_one(store: VoiceStore, engine, name_or_speaker: str, param: str, te
     )
 
 
-def _blendable(store: VoiceStore, engine, voice: str, param: str, tenant: str | None) -> np.ndarray:
-    """One term of a blend: its speaker embedding. A voice sample (prompt codes, not an embedding) cannot be
+def _blendable(store: VoiceStore, engine, voice: str, param: str, tenant: str | None) -> str:
+    """One term of a blend: its voice string, checked. A voice sample (prompt codes, not an embedding) cannot be
     mixed, nor a built-in voice on a checkpoint without speaker statistics (it has no embedding)."""
     resolved = _resolve_one(store, engine, voice, param, tenant)
     if resolved.sample is not None:
@@ -162,9 +114,10 @@ def _blendable(store: VoiceStore, engine, voice: str, param: str, tenant: str | 
             code="invalid_blend",
         )
     try:
-        return decode_speaker(resolved.speaker, expected_dim=engine.hidden_size)
+        engine.voices.check(resolved.speaker)
     except ValueError as exc:
         raise APIError(400, f"blend term {shown_term(voice)}: {exc}", param=param, code="invalid_blend") from None
+    return resolved.speaker
 
 
 def _given(**values):
@@ -189,19 +142,39 @@ def build_params(
     defaults: ChatTTSOptions | None = None,
     lexicon: str | None = None,
     max_text_chars: int | None = None,
+    *,
+    family: ModelFamily | None = None,
+    model_speed: float = 1.0,
 ) -> SamplingParams:
     """A request's options on top of the server's ``defaults`` (``request_defaults``), on top of
     SamplingParams' own; ``prompt``: the prompt the request implies (an OpenAI ``speed`` other than 1),
     which wins over the defaults' but not over a prompt the request sets itself. ``lexicon``: the server's
     lexicon file (``ServerConfig.lexicon``), under the defaults' lexicon, under the request's.
     ``max_text_chars``: the server's ``max_input_chars``, which the engine holds the text to after every
-    expansion too (``SamplingParams.max_text_chars``)."""
+    expansion too (``SamplingParams.max_text_chars``).
+
+    ``family``: the served model's (``engine.family``). An option another family owns is a 400 naming it and
+    its family (the server's defaults keep only the options this family takes). A family that does not take
+    ChatTTS's prompt gets the implied speed as its own option instead (``model_speed``, ``SpeedPlan.model``).
+    None: every option is taken (ChatTTS's rules)."""
+    foreign = set()
+    if family is not None and family.name != "chattts":
+        owners = models.option_owners()
+        message = foreign_options(family.name, _given(**opts.model_dump()), owners)
+        if message is not None:
+            name = next(n for n in _given(**opts.model_dump()) if owners.get(n, family.name) != family.name)
+            raise APIError(400, message, param=name, code="unsupported_option")
+        foreign = {n for n, owner in owners.items() if owner != family.name}
+        prompt = None  # the speed goes to the family's own option
+    extra = {"options": {"speed": model_speed}} if foreign and model_speed != 1.0 else {}
 
     def given(name: str):
         value = getattr(opts, name)
-        return getattr(defaults, name) if value is None and defaults is not None else value
+        if value is None and defaults is not None and name not in foreign:
+            return getattr(defaults, name)
+        return value
 
-    if opts.prompt is None and prompt is None and defaults is not None:
+    if opts.prompt is None and prompt is None and defaults is not None and "prompt" not in foreign:
         prompt = defaults.prompt
     try:
         words = Lexicon.layered(load_lexicon(lexicon), defaults.lexicon if defaults is not None else None)
@@ -213,9 +186,19 @@ def build_params(
             speaker_sample=voice.sample,
             speaker_sample_text=voice.sample_text,
             max_text_chars=max_text_chars,
+            **extra,
         )
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
+
+
+def output_rate(engine, fmt: str, sample_rate: int | None) -> int:
+    """The rate ``fmt`` is sent at for a request's ``sample_rate`` (None: the format's default) from the model's
+    audio (``engine.sample_rate``); a 400 naming ``sample_rate`` when the format cannot have it."""
+    try:
+        return check_rate(fmt, sample_rate, engine.sample_rate)
+    except ValueError as exc:
+        raise APIError(400, f"sample_rate: {exc}", param="sample_rate", code="invalid_request") from None
 
 
 def build_policy(default: StreamPolicy, opts: StreamOptions | None) -> StreamPolicy:
@@ -238,6 +221,13 @@ def tts_params(state, body: TTSRequest, tenant: str | None) -> tuple[SamplingPar
     speed = plan_speed(body.speed, body.speed_mode)
     defaults = request_defaults(cfg.default_options)
     params = build_params(
-        body, voice, prompt=speed.prompt, defaults=defaults, lexicon=cfg.lexicon, max_text_chars=cfg.max_input_chars
+        body,
+        voice,
+        prompt=speed.prompt,
+        defaults=defaults,
+        lexicon=cfg.lexicon,
+        max_text_chars=cfg.max_input_chars,
+        family=state.engine.family,
+        model_speed=speed.model,
     )
     return params, build_policy(state.engine.stream_policy, body.chunking), speed.stretch

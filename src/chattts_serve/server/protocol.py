@@ -9,7 +9,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..audio.encode import check_rate
 from ..audio.resample import MAX_RATE, MIN_RATE
 from ..audio.stretch import MAX_SPEED, MIN_SPEED, SpeedMode
 from ..sampling_params import OPTION_BOUNDS as _B
@@ -30,19 +29,9 @@ SAMPLE_RATE_FIELD = Field(
     ge=MIN_RATE,
     le=MAX_RATE,
     description="Output sample rate in Hz for pcm, wav, flac, mulaw and alaw (default: 8000 for mulaw and alaw, "
-    "else the model's 24000); mp3, opus and aac are always 24000.",
+    "else the model's: 24000 for ChatTTS); mp3, opus and aac are always at the model's rate.",
 )
-
-
-def _rate_fits_format(rate: int | None, info: ValidationInfo, format_field: str) -> int | None:
-    """A ``sample_rate`` the format takes (``audio.encode.check_rate``), else an error that says which do."""
-    fmt = info.data.get(format_field)
-    if rate is not None and fmt is not None:
-        try:
-            check_rate(fmt, rate)
-        except ValueError as exc:
-            raise PydanticCustomError("sample_rate", str(exc)) from None
-    return rate
+"""Whether the format takes the rate depends on the model's rate: the routes check it (``params.output_rate``)."""
 
 
 SPEED_FIELD = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)
@@ -147,11 +136,6 @@ class SpeechRequest(ChatTTSOptions):
     timestamps: bool = False
     """Not OpenAI's: with ``stream_format`` "sse", a ``speech.segment`` event as each sentence's audio is done."""
 
-    @field_validator("sample_rate")
-    @classmethod
-    def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
-        return _rate_fits_format(v, info, "response_format")
-
     @field_validator("timestamps")
     @classmethod
     def _timestamps_in_sse(cls, v: bool, info: ValidationInfo) -> bool:
@@ -185,11 +169,6 @@ class TTSRequest(ChatTTSOptions):
     stream: bool = True
     chunking: StreamOptions | None = None
 
-    @field_validator("sample_rate")
-    @classmethod
-    def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
-        return _rate_fits_format(v, info, "format")
-
 
 MAX_TURNS = 32
 """Most turns in one dialogue: each is an engine request, all submitted at once."""
@@ -217,11 +196,6 @@ class DialogueRequest(_Strict):
     """Silence between two turns."""
     chunking: StreamOptions | None = None
 
-    @field_validator("sample_rate")
-    @classmethod
-    def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
-        return _rate_fits_format(v, info, "format")
-
 
 CaptionFormat = Literal["srt", "vtt"]  # server.captions.CAPTION_MEDIA_TYPES
 
@@ -234,13 +208,6 @@ class CaptionedRequest(TTSRequest):
     stream: Literal[False] = False
     captions: CaptionFormat | None = None
     """Subtitles in the JSON too, in this format."""
-
-    @field_validator("sample_rate")
-    @classmethod
-    def _rate(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if info.data.get("format") in ("srt", "vtt"):
-            return v
-        return _rate_fits_format(v, info, "format")
 
     @model_validator(mode="after")
     def _timed(self) -> CaptionedRequest:
@@ -293,6 +260,13 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "chattts-serve"
+    family: str | None = None
+    """Not OpenAI's: the served model's family (``chattts``, ``kokoro``, ...)."""
+    sample_rate: int | None = None
+    """Not OpenAI's: the rate of the model's audio in Hz (the default of pcm, wav and flac)."""
+    capabilities: dict[str, str | bool] | None = None
+    """Not OpenAI's: what the family can do (``models.family.Capabilities``): ``streaming`` ("window" or
+    "sentence"), ``timestamps`` ("sentence" or "word"), ``refine``, ``control_tokens``."""
 
 
 class ModelList(BaseModel):

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from fastapi import Request
 
 from ..audio.policy import StreamPolicy
-from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from ..text.ssml import is_ssml, voice_runs
 from .audio_response import AudioResponse
@@ -79,7 +78,7 @@ async def start_turns(
 ) -> None:
     """Start ``resp`` on ``turns``: one turn as any request, several as a dialogue's. The turns, the pauses
     between them and ``stretch`` (the response's time stretch) share one audio budget (``server.budget``)."""
-    pause = TURN_PAUSE_MS * SAMPLE_RATE // 1000 if len(turns) > 1 else 0
+    pause = TURN_PAUSE_MS * engine.sample_rate // 1000 if len(turns) > 1 else 0
     turns = budgeted(engine, turns, pause, stretch, param)
     if len(turns) == 1:
         t = turns[0]

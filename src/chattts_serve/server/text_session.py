@@ -37,7 +37,7 @@ import numpy as np
 from ..audio.policy import StreamPolicy
 from ..engine.async_engine import EngineDeadError, EngineError
 from ..engine.outputs import RequestOutput
-from ..model.speaker import MIN_VOICE_SAMPLES
+from ..models.chattts.speaker import MIN_VOICE_SAMPLES
 from ..sampling_params import SamplingParams
 from ..text.ssml import is_ssml
 from .audio_response import AudioResponse

@@ -25,6 +25,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..models.chattts.voices import BUILTIN_VOICES  # noqa: F401 - ChatTTS's built-in names, where they always were
+
 _COLUMNS = "name, kind, speaker, sample_codes, sample_text, description, created_at"
 """A ``VoiceRecord``'s columns, in its field order."""
 
@@ -47,29 +49,15 @@ CREATE TABLE IF NOT EXISTS voices (
 BUSY_TIMEOUT_S = 5.0
 """How long a write waits for another writer (another process on the same file) before giving up."""
 
-# OpenAI's voice names, so unmodified clients work (Pipecat refuses any other name): each is a fixed random
-# speaker (seeded sample from the checkpoint's speaker statistics), unless a saved voice of that name exists.
-# New names go at the end: a name's seed is its position, and a voice must not change under its users.
-BUILTIN_VOICES = {
-    name: 1000 + i
-    for i, name in enumerate(
-        (
-            "alloy",
-            "ash",
-            "ballad",
-            "coral",
-            "echo",
-            "fable",
-            "nova",
-            "onyx",
-            "sage",
-            "shimmer",
-            "verse",
-            "cedar",
-            "marin",
-        )
-    )
-}
+
+def family_store_path(path: str | Path, family: str) -> Path:
+    """The database of ``family``'s saved voices: a voice is a family's voice string (a ChatTTS speaker string
+    means nothing to Kokoro), so each family has its own store. ChatTTS keeps ``path`` itself (the databases of
+    servers from before families); another family's sits beside it (``voices.db`` -> ``voices.kokoro.db``)."""
+    path = Path(path)
+    if family == "chattts" or str(path) == ":memory:":
+        return path
+    return path.with_name(f"{path.stem}.{family}{path.suffix}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,8 +31,6 @@ from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from ..model.config import SAMPLE_RATE
-from ..model.speaker import decode_speaker
 from .blend import is_blend
 from .errors import APIError, check_length, storage_error
 from .limits import limited
@@ -44,7 +42,7 @@ from .voices import VoiceExistsError, VoiceLimitError, VoiceRecord, VoiceStoreEr
 logger = logging.getLogger(__name__)
 router = APIRouter()
 
-MIN_UPLOAD_SAMPLES = SAMPLE_RATE // 4
+MIN_UPLOAD_SECONDS = 0.25
 # Demuxers ffmpeg may use for an upload: audio containers only. Anything else (ffconcat/concat, hls,
 # image2, tty, ...) is refused before its demuxer reads a byte: some of them open other files or URLs.
 AUDIO_DEMUXERS = ("wav", "flac", "mp3", "ogg", "mov", "mp4", "m4a", "aac", "matroska", "webm")
@@ -157,7 +155,7 @@ async def _speaker(request: Request, body: VoiceCreate) -> str:
             raise APIError(400, "the voice is not a speaker embedding: it cannot be saved as one", param="speaker")
         speaker = voice.speaker
     try:
-        decode_speaker(speaker, expected_dim=st.engine.hidden_size)
+        st.engine.voices.check(speaker)  # the model family's voice codec (ChatTTS: a speaker string)
     except ValueError as exc:
         raise APIError(400, str(exc), param="speaker") from None
     return speaker
@@ -204,8 +202,11 @@ async def _create_from_upload(request: Request) -> Voice:
         await _check_room(request, name)  # before the costly part: decoding and encoding the sample
         data = await upload.read()
     with st.limits.slot():  # the costly part is one of the server's requests in flight
-        wav = await asyncio.to_thread(decode_upload, data, cfg.voices.max_upload_seconds)
-        codes = await st.engine.speaker_from_audio(wav)
+        wav = await asyncio.to_thread(decode_upload, data, cfg.voices.max_upload_seconds, st.engine.sample_rate)
+        try:
+            codes = await st.engine.speaker_from_audio(wav)
+        except ValueError as exc:  # a family without voice samples (ChatTTS's DVAE codes)
+            raise APIError(400, str(exc), param="file") from None
     return await _add(request, name, sample_codes=codes, sample_text=text)
 
 
@@ -227,32 +228,32 @@ async def _check_room(request: Request, name: str) -> None:
         raise APIError(409, limit_message(limit, tenant), code="voice_limit_reached")
 
 
-def decode_upload(data: bytes, max_seconds: float) -> np.ndarray:
-    """An uploaded audio file -> 24 kHz mono float32 of at most ``max_seconds`` (blocking: call it in a
-    worker thread). Decoding stops once that much audio is there: a small compressed file can claim
+def decode_upload(data: bytes, max_seconds: float, rate: int) -> np.ndarray:
+    """An uploaded audio file -> mono float32 at ``rate`` (the model's) of at most ``max_seconds`` (blocking: call
+    it in a worker thread). Decoding stops once that much audio is there: a small compressed file can claim
     hours (a 1 MiB FLAC of silence is hours of float32, gigabytes) and must not be expanded first."""
     import av
 
-    limit = int(max_seconds * SAMPLE_RATE)
+    limit = int(max_seconds * rate)
     try:
         # format_whitelist: ffmpeg refuses any other probed demuxer before it reads the header.
         with av.open(io.BytesIO(data), container_options={"format_whitelist": ",".join(AUDIO_DEMUXERS)}) as container:
             if not set(container.format.name.split(",")) & set(AUDIO_DEMUXERS):  # belt and braces
                 raise ValueError(f"demuxer {container.format.name} is not allowed")
-            wav = _decode_frames(container, container.streams.audio[0], limit)
+            wav = _decode_frames(container, container.streams.audio[0], limit, rate)
     except Exception:  # noqa: BLE001 - whatever ffmpeg cannot read is the client's problem
         logger.debug("voice upload refused: cannot decode", exc_info=True)
         raise APIError(400, UNREADABLE_AUDIO, param="file", code="invalid_audio") from None
-    if len(wav) < MIN_UPLOAD_SAMPLES:
+    if len(wav) < int(MIN_UPLOAD_SECONDS * rate):
         raise APIError(400, "the uploaded audio is shorter than 0.25 s", param="file", code="invalid_audio")
     return wav
 
 
-def _decode_frames(container, stream, limit: int) -> np.ndarray:
+def _decode_frames(container, stream, limit: int, rate: int) -> np.ndarray:
     """Decode and resample frame by frame, stopping as soon as ``limit`` samples are there."""
     import av
 
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
     parts: list[np.ndarray] = []
     have = 0
     for frame in container.decode(stream):

@@ -61,7 +61,6 @@ from pydantic import ValidationError
 
 from ..audio.encode import check_rate
 from ..engine.outputs import RequestOutput
-from ..model.config import SAMPLE_RATE
 from . import auth
 from .audio_response import ThreadedEncoder
 from .captions import SegmentClock, segment_event
@@ -75,7 +74,7 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 _NO_INITIAL_TEXT = "-"
 """Stands in for the required ``text`` when a WebSocket start message has none; only validated, never spoken."""
-MAX_FRAME_SAMPLES = 5 * SAMPLE_RATE  # at most 240 KB of 16-bit PCM per binary frame
+MAX_FRAME_SAMPLES = 120_000  # at most 240 KB of 16-bit PCM per binary frame (5 s at 24 kHz)
 _CLOSE_CODES = {
     ErrorKind.BAD_INPUT: 1008,  # Policy Violation
     ErrorKind.UNSUPPORTED: 1003,  # Unsupported Data
@@ -116,7 +115,7 @@ class _Framing:
         self.session = TextSession(self.st, "ws")
         # One sender at a time: a chunk event and its binary frame must never have an error event between them.
         self.send_lock = asyncio.Lock()
-        self.format, self.sample_rate = "pcm", SAMPLE_RATE
+        self.format, self.sample_rate = "pcm", self.st.engine.sample_rate
         self.encoder: ThreadedEncoder | None = None
         self.chunks = 0
         self.samples = 0
@@ -158,9 +157,10 @@ class _Framing:
             params, policy, self.stretch = await asyncio.to_thread(tts_params, self.st, body, tenant_of(self.ws.scope))
             if self.timestamps and self.stretch != 1.0:
                 raise ValueError('timestamps need speed_mode "prompt" (timings of stretched audio are not exact)')
+            rate = check_rate(body.format, body.sample_rate, self.st.engine.sample_rate)
         except (ValueError, ValidationError, APIError, RecursionError, TypeError) as exc:
             raise SessionError(ErrorKind.BAD_INPUT, str(getattr(exc, "detail", exc)), "invalid_request") from None
-        self.format, self.sample_rate = body.format, check_rate(body.format, body.sample_rate)
+        self.format, self.sample_rate = body.format, rate
         start = {"type": "start", "session_id": self.session.id, "format": body.format, "sample_rate": self.sample_rate}
         await self._send(start)
         return self.session.stream(params, policy, self, stretch=self.stretch), body.text if has_initial_text else ""
@@ -182,9 +182,9 @@ class _Framing:
 
     async def audio(self, part: int, chunk: RequestOutput) -> None:
         if self.encoder is None:
-            self.encoder = ThreadedEncoder(
-                self.format, self.sample_rate, self.stretch
-            )  # as HTTP does: encoding stays off the event loop
+            self.encoder = ThreadedEncoder(  # as HTTP does: encoding stays off the event loop
+                self.format, self.sample_rate, self.stretch, model_rate=self.st.engine.sample_rate
+            )
         # Audio that piled up while the client read slowly arrives as one delta: sent in frames of at most
         # MAX_FRAME_SAMPLES, under the 1 MiB message limit of common clients (websockets' default).
         pieces = range(0, max(len(chunk.audio), 1), MAX_FRAME_SAMPLES)

@@ -7,8 +7,8 @@ Events are the ``wyoming`` package's own types and its server loop accepts the c
   ``DESCRIBED_SAVED_VOICES`` saved voices (names only), languages zh and en, ``supports_synthesize_streaming``.
   Anyone may ask, so the answer is cached, built off the event loop, and sent at most once a second per
   connection.
-* ``synthesize {text, voice: {name}}`` -> ``audio-start`` (24000 Hz, 16-bit, mono), ``audio-chunk``s as the engine
-  makes them, ``audio-stop``.
+* ``synthesize {text, voice: {name}}`` -> ``audio-start`` (the model's rate, 16-bit, mono), ``audio-chunk``s as
+  the engine makes them, ``audio-stop``.
 * ``synthesize-start {voice}``, ``synthesize-chunk {text}``..., ``synthesize-stop``: text arrives as a language
   model writes it; each sentence is spoken as soon as it is complete, in one ``audio-start`` ... ``audio-stop``
   for the whole stream, then ``synthesize-stopped``. The ``synthesize`` a streaming client also sends (Home
@@ -54,7 +54,6 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from .. import __version__
 from ..audio.encode import to_pcm16
 from ..engine.outputs import RequestOutput
-from ..model.config import SAMPLE_RATE
 from ..sampling_params import SamplingParams
 from .errors import APIError, check_length
 from .params import build_params, request_defaults, resolve_voice
@@ -69,7 +68,7 @@ from .text_session import (
     error_from_api,
     excerpt,
 )
-from .voices import BUILTIN_VOICES, VoiceStoreError
+from .voices import VoiceStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +168,9 @@ class WyomingServer:
             version = self.state.voices.version
             cached = self._info
             if cached is None or cached[0] != version or time.monotonic() - cached[1] > INFO_MAX_AGE_S:
-                event = (await asyncio.to_thread(_build_info, self.state.voices)).event()
+                event = (
+                    await asyncio.to_thread(_build_info, self.state.voices, self.state.engine.voices.builtin)
+                ).event()
                 self._info = cached = (version, time.monotonic(), event)
             return cached[2]
 
@@ -222,8 +223,9 @@ class _AudioOut:
     ``audio-stop`` at the end. ``streaming`` (``synthesize-start`` .. ``synthesize-stop``): then
     ``synthesize-stopped``, and a sentence the engine refuses is skipped; a ``synthesize`` it refuses fails."""
 
-    def __init__(self, connection: Connection, streaming: bool) -> None:
-        self.connection, self.streaming = connection, streaming
+    def __init__(self, connection: Connection, streaming: bool, rate: int) -> None:
+        """``rate``: the model's sample rate (the audio is sent as the model makes it)."""
+        self.connection, self.streaming, self.rate = connection, streaming, rate
         self.started = False
         self.samples = 0
 
@@ -236,7 +238,7 @@ class _AudioOut:
         step = SAMPLES_PER_CHUNK * SAMPLE_WIDTH
         for i in range(0, len(pcm), step):
             piece = pcm[i : i + step]
-            event = AudioChunk(SAMPLE_RATE, SAMPLE_WIDTH, CHANNELS, piece, timestamp=self._ms()).event()
+            event = AudioChunk(self.rate, SAMPLE_WIDTH, CHANNELS, piece, timestamp=self._ms()).event()
             await self.connection.send(event)
             self.samples += len(piece) // SAMPLE_WIDTH
 
@@ -258,10 +260,10 @@ class _AudioOut:
 
     async def _start(self) -> None:
         self.started = True
-        await self.connection.send(AudioStart(SAMPLE_RATE, SAMPLE_WIDTH, CHANNELS, timestamp=0).event())
+        await self.connection.send(AudioStart(self.rate, SAMPLE_WIDTH, CHANNELS, timestamp=0).event())
 
     def _ms(self) -> int:
-        return self.samples * 1000 // SAMPLE_RATE
+        return self.samples * 1000 // self.rate
 
 
 class Connection(AsyncEventHandler):
@@ -339,7 +341,9 @@ class Connection(AsyncEventHandler):
             if self.stream is not None:
                 raise _bad("synthesize-start while a stream is open")
             params = await asyncio.to_thread(self._params, data)  # voices: store reads, blends
-            self.stream = self.session.stream(params, policy, _AudioOut(self, streaming=True))
+            self.stream = self.session.stream(
+                params, policy, _AudioOut(self, streaming=True, rate=self.st.engine.sample_rate)
+            )
         elif SynthesizeChunk.is_type(kind):
             stream, text = self._open_stream("synthesize-chunk"), data.get("text")
             if not isinstance(text, str):
@@ -357,7 +361,7 @@ class Connection(AsyncEventHandler):
                     check_length(text, self.cfg.max_input_chars, "text")
                 except APIError as exc:
                     raise error_from_api(exc) from None
-                out = _AudioOut(self, streaming=False)
+                out = _AudioOut(self, streaming=False, rate=self.st.engine.sample_rate)
                 params = await asyncio.to_thread(self._params, data)
                 await self.session.stream(params, policy, out, keep_first_voice=False).say(text)
         else:
@@ -400,15 +404,15 @@ class Connection(AsyncEventHandler):
             raise error_from_api(exc) from None
 
 
-def _build_info(store) -> Info:
-    """The built-in voices, then at most ``DESCRIBED_SAVED_VOICES`` saved ones, by name only: a saved voice's
-    description is the client's text and stays out of an answer anyone may ask for."""
+def _build_info(store, builtin: tuple[str, ...]) -> Info:
+    """The built-in voices (the model family's), then at most ``DESCRIBED_SAVED_VOICES`` saved ones, by name only: a
+    saved voice's description is the client's text and stays out of an answer anyone may ask for."""
     try:
         saved = [v.name for v in store.list(limit=DESCRIBED_SAVED_VOICES)]
     except VoiceStoreError as exc:  # describe still answers, with the built-in voices
         logger.error("wyoming describe: voices database: %s", exc)
         saved = []
-    voices = [_voice(name, f"{name} (OpenAI voice name)") for name in BUILTIN_VOICES if name not in saved]
+    voices = [_voice(name, f"{name} (OpenAI voice name)") for name in builtin if name not in saved]
     voices += [_voice(name, "saved voice") for name in saved]
     program = TtsProgram(
         name=PROGRAM,

@@ -1,0 +1,19 @@
+"""The precision modes' names (``kernels.quant`` implements them), apart from torch so that the CLI and the
+configs can list them."""
+
+from __future__ import annotations
+
+# ``ort-*``: the trunk runs in ONNX Runtime (``models.chattts.onnx_export``), weights fp32 / int8 / 4-bit, or
+# (ort-auto) 4-bit or int8 by the rows of each call (``models.chattts.onnx_auto``).
+PRECISIONS: tuple[str, ...] = (
+    "fp32",
+    "bf16",
+    "fp16",
+    "int8",
+    "int8-dynamic",
+    "int8-static",
+    "ort-fp32",
+    "ort-int8",
+    "ort-int4",
+    "ort-auto",
+)

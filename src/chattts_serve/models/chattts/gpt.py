@@ -1,0 +1,422 @@
+"""The LLaMA-style GPT trunk of ChatTTS with a preallocated static KV cache.
+
+Parameter names follow ``asset/gpt/model.safetensors`` (a Hugging Face ``LlamaModel`` state dict), so
+the checkpoint loads with ``load_state_dict(assign=True)`` and no renaming. The math is written to
+follow the reference op for op in fp32 (separate q/k/v projections, RMSNorm in fp32, SDPA with the
+same causal/mask arguments), because the fidelity tests require identical sampled codes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels import decode_attention
+from .config import GPTConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            # One call (one fused kernel on CUDA) instead of six; x * rsqrt(mean(x^2) + eps) * w,
+            # bit-identical in fp32 (the fidelity tests). In bf16/fp16 it rounds once where the
+            # formula below rounds twice: closer to fp32, not the reference's bits (no bar asks them).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> cos, sin [B, T, head_dim], computed in fp32 then cast."""
+    freqs = positions.float()[..., None] * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """Static cache: one ``[slots, kv_heads, max_len, head_dim]`` buffer pair per layer, written in place.
+
+    A slot holds one sequence. Nothing grows: prefill and decode write at explicit positions.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        # empty, not zeros: positions are read only after they are written, and untouched pages of a
+        # large cache cost no memory on the host.
+        self.register_buffer("k", torch.empty(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.empty(shape, dtype=dtype, device=device), persistent=False)
+
+    @staticmethod
+    def bytes_per_slot(cfg: GPTConfig, max_len: int, dtype: torch.dtype) -> int:
+        """Keys and values of one slot of ``max_len`` positions, all layers: the one KV-size rule (the
+        runner's auto slots and a replica's memory budget both size the cache by it)."""
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * dtype.itemsize
+
+    @staticmethod
+    def dtype_for(kv_cache_dtype: str, trunk_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the cache holds for ``RunnerConfig.kv_cache_dtype``: "bf16", or "auto" (the trunk's)."""
+        return torch.bfloat16 if kv_cache_dtype == "bf16" else trunk_dtype
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # set by fuse_projections_
+        self._qkv_sizes = (cfg.num_heads * cfg.head_dim, *(2 * [cfg.num_kv_heads * cfg.head_dim]))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split(self._qkv_sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,  # [B] int64: cache slot of each row
+        start: int,  # cache position of x[:, 0] (the same for every row: rows are left-aligned)
+        attn_mask: torch.Tensor | None,  # [B, 1, T, start + T] bool, or None = plain causal
+    ) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.project(x)
+        q = q.reshape(bsz, seqlen, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(bsz, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(bsz, seqlen, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        end = start + seqlen
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # a no-op unless the cache is narrower (bf16)
+        contiguous_slots = slots.numel() == k_cache.shape[0]
+        if contiguous_slots:
+            # All slots in order: write and read through views, no gather copy.
+            k_cache[:, :, start:end] = k
+            v_cache[:, :, start:end] = v
+            keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        else:
+            k_cache[slots, :, start:end] = k
+            v_cache[slots, :, start:end] = v
+            keys, values = k_cache[slots, :, :end], v_cache[slots, :, :end]
+        # A bf16 cache under an fp32 trunk: the prompt's attention (once per sequence) reads it upcast.
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+
+        if attn_mask is None and seqlen > 1 and start > 0:
+            # SDPA's is_causal aligns the mask with the first key; here queries end at the last key.
+            q_pos = torch.arange(start, end, device=x.device)[:, None]
+            attn_mask = torch.arange(end, device=x.device)[None, :] <= q_pos
+        out = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=attn_mask,
+            dropout_p=0.0,
+            is_causal=attn_mask is None and seqlen > 1,
+            scale=self.head_dim**-0.5,
+        )
+        out = out.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+    def rotated_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token per row: x [M, hidden], cos/sin [M, 1, 1, head_dim] -> q [M, heads, 1, head_dim]
+        and k, v [M, kv_heads, 1, head_dim], q and k rotated."""
+        m = x.shape[0]
+        if self.qkv_proj is not None:
+            # Rotate q and k in one go: they are adjacent columns of the fused projection's output.
+            qkv = self.qkv_proj(x)
+            nq = self.num_heads + self.num_kv_heads
+            qk = qkv[:, : nq * self.head_dim].reshape(m, nq, 1, self.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin
+            v = qkv[:, nq * self.head_dim :].reshape(m, self.num_kv_heads, 1, self.head_dim)
+            return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+        q, k, v = self.project(x)
+        q = q.reshape(m, self.num_heads, 1, self.head_dim)
+        k = k.reshape(m, self.num_kv_heads, 1, self.head_dim)
+        v = v.reshape(m, self.num_kv_heads, 1, self.head_dim)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def decode(
+        self,
+        x: torch.Tensor,  # [M, hidden]; rows >= len(slots) are padding
+        cos: torch.Tensor,  # [M, 1, 1, head_dim]
+        sin: torch.Tensor,
+        cache: KVCache,
+        slots: list[int],
+        lengths: list[int],  # cache positions already written per row; the new token goes there
+        where: tuple[torch.Tensor, torch.Tensor],  # slots and lengths as device tensors
+    ) -> torch.Tensor:
+        """One new token per row, each row at its own position in its own slot.
+
+        Attention reads exactly each row's own keys, with the same computation a batch-1 decode makes
+        (torch's SDPA row by row, or ``decode_attention`` for a bf16 cache), so a row's result never
+        depends on the other rows (batch invariance).
+        """
+        m, n = x.shape[0], len(slots)
+        q, k, v = self.rotated_qkv(x, cos, sin)
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        # Every row's new key/value in one indexed write (a copy: the same values as row by row).
+        k_cache[where[0], :, where[1]] = k[:n, :, 0].to(k_cache.dtype)
+        v_cache[where[0], :, where[1]] = v[:n, :, 0].to(v_cache.dtype)
+        if decode_attention.applies(k_cache):
+            # A bf16 cache on an AVX-512 CPU: every row's keys and values read once, in one C++ call.
+            scale = self.head_dim**-0.5
+            outs = [decode_attention.attend(q[:n, :, 0], k_cache, v_cache, where[0], where[1], scale)[:, :, None]]
+        else:
+            outs = self._attend_rows(q, k_cache, v_cache, slots, lengths)
+        if m > n:  # padding rows (pad_rows_to): zeros
+            outs.append(outs[0].new_zeros(m - n, self.num_heads, 1, self.head_dim))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
+
+    def _attend_rows(self, q, k_cache, v_cache, slots: list[int], lengths: list[int]) -> list[torch.Tensor]:
+        """Torch's attention, row by row over exactly each row's keys (the same call a batch-1 decode
+        makes). A bf16 cache: attention runs in bf16 (the query rounded once), so the keys are read at
+        half the bytes instead of upcast into a copy; the kernel accumulates in fp32."""
+        q = q.to(k_cache.dtype)
+        rep = self.num_heads // self.num_kv_heads
+        outs = []
+        for row, (slot, pos) in enumerate(zip(slots, lengths, strict=True)):
+            keys, values = k_cache[slot : slot + 1, :, : pos + 1], v_cache[slot : slot + 1, :, : pos + 1]
+            if rep > 1:
+                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+            outs.append(
+                F.scaled_dot_product_attention(q[row : row + 1], keys, values, dropout_p=0.0, scale=self.head_dim**-0.5)
+            )
+        return outs
+
+    def decode_static(
+        self,
+        x: torch.Tensor,  # [B, hidden]: row b decodes the sequence in cache slot b
+        cos: torch.Tensor,  # [B, 1, 1, head_dim]
+        sin: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor,  # [B] int64: where row b's new token goes
+        mask: torch.Tensor,  # [B, 1, 1, ctx] bool: keys row b may attend to
+    ) -> torch.Tensor:
+        """``decode`` with fixed shapes and no host values (so it can be captured in a CUDA graph).
+
+        Row b is slot b; every key of the first ``ctx`` cache positions is read through a view (no
+        gather) and ``mask`` hides what is not the row's. A row with nothing to decode is pointed at a
+        scratch position past the real ones by the caller."""
+        m = x.shape[0]
+        ctx = mask.shape[-1]
+        q, k, v = self.rotated_qkv(x, cos, sin)
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        rows = torch.arange(m, device=x.device)
+        k_cache[rows, :, positions] = k[:, :, 0].to(k_cache.dtype)
+        v_cache[rows, :, positions] = v[:, :, 0].to(v_cache.dtype)
+        keys, values = k_cache[:m, :, :ctx], v_cache[:m, :, :ctx]
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        q = q.to(k_cache.dtype)  # (see decode)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=self.head_dim**-0.5)
+        return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections_
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, cache, slots, start, attn_mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, slots, start, attn_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode(self, h, cos, sin, cache, slots, lengths, where):
+        h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, cache, slots, lengths, where)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode_static(self, h, cos, sin, cache, positions, mask):
+        h = h + self.self_attn.decode_static(self.input_layernorm(h), cos, sin, cache, positions, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GPT(nn.Module):
+    """Embeddings in, final-norm hidden states out. Heads and embeddings live in ``embed.Embed``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.init_buffers()
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the non-persistent buffers, e.g. after loading onto a meta-device module."""
+        inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta)
+        self.register_buffer("inv_freq", inv_freq.to(device) if device else inv_freq, persistent=False)
+
+    def new_cache(self, num_slots: int, max_len: int, dtype=None, device=None) -> KVCache:
+        p = next(self.parameters())
+        return KVCache(
+            self.cfg.num_layers,
+            num_slots,
+            self.cfg.num_kv_heads,
+            max_len,
+            self.cfg.head_dim,
+            dtype or p.dtype,
+            device or p.device,
+        )
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [B, T, hidden]
+        positions: torch.Tensor,  # [B, T] rotary positions
+        cache: KVCache,
+        slots: torch.Tensor,  # [B]
+        start: int,
+        attn_mask: torch.Tensor | None = None,  # [B, 1, T, start + T] bool (True = attend)
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        """Returns final-norm hidden states: [B, hidden] for the last position, or [B, T, hidden]."""
+        if start + embeds.shape[1] > cache.max_len:
+            raise ValueError(f"sequence of {start + embeds.shape[1]} positions exceeds cache {cache.max_len}")
+        h = embeds
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cache, slots, start, attn_mask)
+        if last_only:
+            h = h[:, -1]
+        return self.norm(h)
+
+    def decode(
+        self,
+        embeds: torch.Tensor,  # [B, hidden]
+        cache: KVCache,
+        slots: list[int],
+        lengths: list[int],
+        pad_rows_to: int = 1,
+    ) -> torch.Tensor:
+        """One decode step for B sequences in their own slots at their own positions.
+
+        Returns final-norm hidden states ``[rows, hidden]``, B rounded up to ``pad_rows_to`` (keep the
+        padding through the heads too, then drop it).
+
+        The position of row b is ``lengths[b]`` (its prompt starts at position 0 of its slot). With
+        ``pad_rows_to=4`` the matmuls always run on a multiple of 4 rows: on our CPU BLAS that makes
+        each row's result independent of how many rows run together (1-3 rows take other kernels).
+        """
+        bsz = embeds.shape[0]
+        if max(lengths) >= cache.max_len:
+            raise ValueError(f"position {max(lengths)} exceeds cache {cache.max_len}")
+        rows = -(-bsz // pad_rows_to) * pad_rows_to
+        h = embeds if rows == bsz else torch.cat([embeds, embeds.new_zeros(rows - bsz, embeds.shape[1])])
+        pos = torch.tensor(lengths + [0] * (rows - bsz), device=h.device)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, h.dtype)
+        cos, sin = cos[:, None, None], sin[:, None, None]  # shaped once for every layer
+        where = (torch.tensor(slots, device=h.device), pos[:bsz])
+        for layer in self.layers:
+            h = layer.decode(h, cos, sin, cache, slots, lengths, where)
+        return self.norm(h)
+
+    def decode_static(self, embeds: torch.Tensor, cache: KVCache, positions: torch.Tensor, ctx: int) -> torch.Tensor:
+        """One decode step for slots ``0..B-1`` (row b = slot b) attending over the first ``ctx`` cache
+        positions: fixed shapes, no host sync, graph-capturable (see ``engine.cuda_graph``).
+
+        ``positions[b]`` is where row b's token goes; rows with nothing to decode point at a scratch
+        position >= ``ctx`` (their output is ignored). Returns final-norm hidden states ``[B, hidden]``."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq, embeds.dtype)
+        cos, sin = cos[:, None, None], sin[:, None, None]
+        mask = (torch.arange(ctx, device=embeds.device)[None, :] <= positions[:, None])[:, None, None, :]
+        h = embeds
+        for layer in self.layers:
+            h = layer.decode_static(h, cos, sin, cache, positions, mask)
+        return self.norm(h)
+
+
+def _concat(*linears: nn.Linear) -> nn.Linear:
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    return fused
+
+
+def fuse_projections_(gpt: GPT) -> None:
+    """q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (in place): 4 matmuls per layer
+    instead of 7, and for int8 modes one activation quantisation instead of three. Every output is the
+    same dot product as before, but the BLAS may block a wider matrix differently, so the reference-exact
+    path (fp32, one slot) keeps the separate projections."""
+    for layer in gpt.layers:
+        a, m = layer.self_attn, layer.mlp
+        if a.qkv_proj is None:
+            a.qkv_proj = _concat(a.q_proj, a.k_proj, a.v_proj)
+            del a.q_proj, a.k_proj, a.v_proj
+        if m.gate_up_proj is None:
+            m.gate_up_proj = _concat(m.gate_proj, m.up_proj)
+            del m.gate_proj, m.up_proj

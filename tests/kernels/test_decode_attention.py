@@ -1,0 +1,138 @@
+"""kernels/decode_attention.py: the C++ decode attention over a bf16 slot cache against plain attention,
+its batch invariance, and the fallback to torch's SDPA where it cannot be built."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+from chattts_serve.kernels import decode_attention as da
+from chattts_serve.models.chattts.config import GPTConfig
+from chattts_serve.models.chattts.gpt import GPT
+
+# The reference reads the same bf16 keys and values and the same fp32 query, in float64; what is left
+# is fp32 rounding in the kernel: dots of head_dim products, a sum of up to ~1000 weights and weighted
+# values (~sqrt(n) * 6e-8 relative each, outputs of size ~1), and the exp polynomial (< 2e-7 relative).
+ATOL = 1e-5
+
+
+def _kernel_or_skip() -> None:
+    if not da.applies(torch.empty(1, 1, 1, 16, dtype=torch.bfloat16)):
+        pytest.skip("the decode attention kernel does not run here (no AVX-512 or no compiler)")
+
+
+def _cache(slots: int, kv_heads: int, positions: int, head_dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots, kv_heads, positions, head_dim, generator=g).bfloat16()
+    v = torch.randn(slots, kv_heads, positions, head_dim, generator=g).bfloat16()
+    return k, v
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(12, 12, 64), (8, 2, 32), (4, 4, 16), (6, 3, 48)],  # the full model, GQA, the tiny model, an odd tail
+)
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_matches_plain_attention(heads, kv_heads, head_dim, rows):
+    _kernel_or_skip()
+    positions, slots_n = 600, 70
+    k, v = _cache(slots_n, kv_heads, positions, head_dim)
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, heads, head_dim, generator=g)
+    slots = torch.randperm(slots_n, generator=g)[:rows]  # rows gather their slots out of order
+    last = torch.randint(0, positions, (rows,), generator=g)  # ragged
+    last[0] = positions - 1  # the whole cache
+    if rows > 1:
+        last[1] = 0  # one position: the softmax of one key is 1
+    if rows > 5:  # either side of the kernel's 512-position chunks (and of 256)
+        last[2:6] = torch.tensor([255, 256, 511, 512])
+    scale = head_dim**-0.5
+    out = da.attend(q, k, v, slots, last, scale)
+    assert out.shape == (rows, heads, head_dim) and out.dtype == torch.float32
+    torch.testing.assert_close(out, da.reference(q, k, v, slots, last, scale), atol=ATOL, rtol=0)
+    if rows > 1:
+        torch.testing.assert_close(out[1], v[slots[1], :, 0].float().repeat_interleave(heads // kv_heads, 0))
+
+
+def test_sharp_softmax_and_repeated_slots():
+    """Scores in the hundreds (no overflow: each chunk subtracts its max) and two rows on one slot."""
+    _kernel_or_skip()
+    k, v = _cache(3, 4, 700, 64, seed=1)
+    q = 40 * torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(2))
+    slots, last = torch.tensor([2, 2, 0, 1]), torch.tensor([699, 300, 17, 512])
+    out = da.attend(q, k, v, slots, last, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, da.reference(q, k, v, slots, last, 0.125), atol=ATOL, rtol=0)
+
+
+def test_a_row_does_not_depend_on_the_batch_or_the_threads():
+    _kernel_or_skip()
+    k, v = _cache(64, 12, 520, 64, seed=3)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(64, 12, 64, generator=g)
+    slots, last = torch.randperm(64, generator=g), torch.randint(0, 520, (64,), generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = da.attend(q, k, v, slots, last, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    for row in (0, 17, 63):
+        alone = da.attend(q[row : row + 1], k, v, slots[row : row + 1], last[row : row + 1], 0.125)
+        assert torch.equal(alone[0], batched[row])
+
+
+def test_bad_inputs_are_refused():
+    _kernel_or_skip()
+    k, v = _cache(2, 2, 10, 32)
+    q = torch.randn(1, 2, 32)
+    with pytest.raises(RuntimeError, match="slot 2 out of range"):
+        da.attend(q, k, v, torch.tensor([2]), torch.tensor([0]), 1.0)
+    with pytest.raises(RuntimeError, match="last position 10 out of range"):
+        da.attend(q, k, v, torch.tensor([0]), torch.tensor([10]), 1.0)
+    with pytest.raises(ValueError, match="one slot and one last position per row"):
+        da.attend(q, k, v, torch.tensor([0, 1]), torch.tensor([0, 1]), 1.0)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        da.attend(torch.randn(1, 3, 32), k, v, torch.tensor([0]), torch.tensor([0]), 1.0)
+
+
+def test_only_a_bf16_cpu_cache_uses_it(monkeypatch):
+    assert not da.applies(torch.empty(1, 1, 1, 64))  # fp32: torch's SDPA, bit-exact with the reference
+    assert not da.applies(torch.empty(1, 1, 1, 24, dtype=torch.bfloat16))  # head_dim not a multiple of 16
+    monkeypatch.setenv(da.MODE_ENV, "torch")
+    assert not da.applies(torch.empty(1, 1, 1, 64, dtype=torch.bfloat16))
+
+
+def _decode_bf16(gpt: GPT) -> torch.Tensor:
+    """Two rows on slots 2 and 0 of a bf16 cache, after prompts of 9 and 5 positions: one decode step."""
+    hidden = gpt.cfg.hidden_size
+    g = torch.Generator().manual_seed(7)
+    cache = gpt.new_cache(3, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for slot, n in ((2, 9), (0, 5)):
+            gpt(torch.randn(1, n, hidden, generator=g), torch.arange(n)[None], cache, torch.tensor([slot]), 0, None)
+        return gpt.decode(torch.randn(2, hidden, generator=g), cache, [2, 0], [9, 5])
+
+
+def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch):
+    """A slim container without a compiler: the step runs on torch's SDPA, after one warning."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)).eval()
+    with_kernel = _decode_bf16(gpt)  # the kernel where it runs here, else torch's SDPA already
+    monkeypatch.setattr(da, "_find_compiler", lambda: None)
+    # A fresh once-per-process loader, as in a new process (the loaded op is never loaded twice: a
+    # second load of its library would register its namespace again).
+    monkeypatch.setattr(da, "_load", functools.cache(da._load.__wrapped__))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = _decode_bf16(gpt)
+        _decode_bf16(gpt)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if da.cpu_supported():
+        assert len(messages) == 1 and "no C++ compiler" in messages[0]
+    # torch's path rounds the query to bf16 and runs in bf16 SDPA: close to the kernel, not equal.
+    assert torch.isfinite(fallback).all()
+    torch.testing.assert_close(fallback, with_kernel, atol=5e-2, rtol=5e-2)
