@@ -17,8 +17,7 @@ import chattts_serve
 from chattts_serve import device as device_mod
 from chattts_serve.audio.overlap import CudaStreams
 from chattts_serve.engine.slot_state import TokenReadback
-
-from .cuda_stub import FakeCuda
+from tests.support.cuda_stub import FakeCuda
 
 CUDA1 = torch.device("cuda", 1)
 SRC = Path(chattts_serve.__file__).parent

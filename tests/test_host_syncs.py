@@ -1,10 +1,10 @@
-"""The host-sync counter of ``tests/host_syncs.py`` sees what it claims to, in-place mask writes included."""
+"""The host-sync counter of ``tests/support/host_syncs.py`` sees what it claims to, in-place mask writes included."""
 
 from __future__ import annotations
 
 import torch
 
-from .host_syncs import host_syncs
+from tests.support.host_syncs import host_syncs
 
 
 def test_a_boolean_mask_write_is_counted():

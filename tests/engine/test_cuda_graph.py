@@ -13,8 +13,7 @@ from chattts_serve.engine.engine import Engine
 from chattts_serve.engine.scheduler import SchedulerConfig
 from chattts_serve.models.chattts.checkpoint import load
 from chattts_serve.sampling_params import SamplingParams
-
-from ..cuda_stub import FakeCuda
+from tests.support.cuda_stub import FakeCuda
 
 TEXTS = ["你好，世界。", "Hello there, my friend.", "Good morning to you all."]
 

@@ -16,8 +16,7 @@ from chattts_serve.engine.cuda_graph import GraphStore
 from chattts_serve.engine.engine import Engine
 from chattts_serve.engine.scheduler import SchedulerConfig
 from chattts_serve.sampling_params import SamplingParams
-
-from ..cuda_stub import FakeCuda, FakeStream
+from tests.support.cuda_stub import FakeCuda, FakeStream
 
 CUDA1 = torch.device("cuda", 1)
 
