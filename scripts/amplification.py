@@ -22,10 +22,10 @@ import asyncio
 import base64
 import json
 import math
+import multiprocessing
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,37 +92,62 @@ def bounds(limit_s: float, cfg: ServerConfig) -> list[Row]:
 # ------------------------------------------------------------------------------------------ measuring
 
 
+def _probe(base: str, pid: int, worst_ms, rss_mb, rss0, stop) -> None:
+    """The probe's own process: a client parsing megabytes of SSE, JSON or Wyoming events holds its process's
+    GIL, and a probe thread beside it would count that as the server's lag."""
+    with httpx.Client(timeout=30) as c:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            c.get(base + "/health")
+            elapsed = 1000 * (time.perf_counter() - t0)
+            with worst_ms.get_lock():
+                worst_ms.value = max(worst_ms.value, elapsed)
+            with rss_mb.get_lock():
+                rss_mb.value = max(rss_mb.value, _rss(pid) - rss0.value)
+            time.sleep(0.01)
+
+
+def _rss(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return float(line.split()[1]) / 1024
+    return 0.0
+
+
 class LoopProbe:
-    """Polls ``/health`` every 10 ms in a thread; ``worst_ms``: its slowest answer since ``reset`` (the event
-    loop's lag, GIL waits included); ``rss_mb``: the server's largest RSS growth since ``reset``."""
+    """Polls ``/health`` every 10 ms from a process of its own; ``worst_ms``: its slowest answer since
+    ``reset`` (the server's event-loop lag, its GIL waits included); ``rss_mb``: the server's largest RSS
+    growth since ``reset``."""
 
     def __init__(self, base: str, pid: int) -> None:
-        self.base, self.pid, self.worst_ms, self._stop = base, pid, 0.0, threading.Event()
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
+        self.pid = pid
+        self._worst, self._rss_mb, self._rss0 = ctx.Value("d", 0.0), ctx.Value("d", 0.0), ctx.Value("d", 0.0)
+        self._stop = ctx.Event()
         self.reset()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._proc = ctx.Process(
+            target=_probe, args=(base, pid, self._worst, self._rss_mb, self._rss0, self._stop), daemon=True
+        )
+        self._proc.start()
 
-    def _run(self) -> None:
-        with httpx.Client(timeout=30) as c:
-            while not self._stop.is_set():
-                t0 = time.perf_counter()
-                c.get(self.base + "/health")
-                self.worst_ms = max(self.worst_ms, 1000 * (time.perf_counter() - t0))
-                self.rss_mb = max(self.rss_mb, self._rss() - self._rss0)
-                time.sleep(0.01)
+    @property
+    def worst_ms(self) -> float:
+        return self._worst.value
 
-    def _rss(self) -> float:
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) / 1024
-        return 0.0
+    @property
+    def rss_mb(self) -> float:
+        return self._rss_mb.value
 
     def reset(self) -> None:
-        self.worst_ms, self.rss_mb, self._rss0 = 0.0, 0.0, self._rss()
+        self._rss0.value = _rss(self.pid)
+        with self._worst.get_lock():
+            self._worst.value = 0.0
+        with self._rss_mb.get_lock():
+            self._rss_mb.value = 0.0
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._proc.join(10)
 
 
 def _model_seconds(base: str) -> float:
