@@ -1,0 +1,216 @@
+"""VITS served: a live in-process server on the tiny random VITS checkpoint (MMS-TTS layout, 16 kHz), detected from
+its files, through the OpenAI route with the ``openai`` SDK and the native routes: formats at the model's rate and
+resampled, ``speed`` as VITS's speaking rate, streaming by sentence, captions, a foreign option refused by name,
+requests batched together, and a seed's audio the same alone and in a batch."""
+
+from __future__ import annotations
+
+import io
+import threading
+import wave
+
+import httpx
+import numpy as np
+import pytest
+
+from chattts_serve.models.vits.random_checkpoint import write_random
+from chattts_serve.server.app import create_app
+from tests.support.servers import app_config, check_openai_error, free_port, serving
+
+RATE = 16000
+TEXT = "Hello, World! The quick brown fox."
+TIMEOUT = 60
+BATCH_BOUND = 1e-5  # a row in a batch against itself alone (tests/models/vits/test_model.py)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """The server and its engine, on a checkpoint written by the CLI's writer (``checkpoint random --family vits``).
+    A work budget of 60 ids: "hello world" (23 ids) and "the quick brown fox" (39) run in batches of their own."""
+    tmp = tmp_path_factory.mktemp("vits-server")
+    root = write_random(tmp / "vits", "tiny", seed=0)
+    config = app_config(root, tmp, port=free_port(), max_num_seqs=4, max_batch_work=60)
+    app = create_app(config)
+    with serving(app, config) as srv:
+        yield srv.base, app.state.engine
+
+
+@pytest.fixture
+def gate(live, monkeypatch):
+    """Holds each of the model's batches until a permit is released; ``batches`` records their sizes."""
+    model = live[1].engine.family_model
+    permits = threading.Semaphore(0)
+    batches: list[int] = []
+    real = model.synthesize
+
+    def held(batch):
+        assert permits.acquire(timeout=30), "the test never let this batch run"
+        batches.append(len(batch))
+        return real(batch)
+
+    monkeypatch.setattr(model, "synthesize", held)
+    yield permits, batches
+    permits.release(100)
+
+
+@pytest.fixture
+def client(live):
+    import openai
+
+    return openai.OpenAI(base_url=live[0] + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def wav(data: bytes) -> tuple[np.ndarray, int]:
+    with wave.open(io.BytesIO(data)) as w:
+        return np.frombuffer(w.readframes(w.getnframes()), "<i2"), w.getframerate()
+
+
+def tts(base: str, **body) -> httpx.Response:
+    r = httpx.post(base + "/v1/tts", json={"text": TEXT, "stream": False, **body}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_models_name_the_family_its_rate_and_word_timestamps(live):
+    data = httpx.get(live[0] + "/v1/models", timeout=TIMEOUT).json()["data"]
+    assert data[0]["id"] == "vits" and {(m["family"], m["sample_rate"]) for m in data} == {("vits", RATE)}
+    caps = {"streaming": "sentence", "timestamps": "word", "refine": False, "control_tokens": False}
+    assert all(m["capabilities"] == caps for m in data)
+    metrics = httpx.get(live[0] + "/metrics", timeout=TIMEOUT).text
+    assert 'chattts_model_info{family="vits",sample_rate="16000"} 1.0' in metrics
+
+
+def test_openai_sdk_wav_pcm_and_mp3_at_the_models_rate(client, live):
+    import av
+
+    speech = client.audio.speech.create
+    pcm, rate = wav(
+        speech(model="vits", voice="default", input=TEXT, response_format="wav", extra_body={"seed": 4}).content
+    )
+    assert rate == RATE and len(pcm) > 0 and np.abs(pcm).max() > 0
+    raw = speech(model="tts-1", voice="default", input=TEXT, response_format="pcm", extra_body={"seed": 4}).content
+    np.testing.assert_array_equal(np.frombuffer(raw, "<i2"), pcm)  # pcm: the same s16le at 16 kHz
+    mp3 = speech(model="vits", voice="default", input=TEXT, response_format="mp3", extra_body={"seed": 4}).content
+    with av.open(io.BytesIO(mp3)) as container:
+        stream = container.streams.audio[0]
+        decoded = sum(f.samples for f in container.decode(stream))
+        assert stream.rate == RATE and abs(decoded - len(pcm)) <= 2 * 1152  # an mp3 frame of padding each side
+
+
+def test_speed_is_vitss_speaking_rate(client):
+    """OpenAI's ``speed`` divides each token's predicted duration (transformers' ``speaking_rate``): the same seed
+    at speed 2 gives fewer frames; no time stretch is applied."""
+
+    def frames(speed: float) -> int:
+        body = {"seed": 4}
+        data = client.audio.speech.create(
+            model="vits", voice="default", input=TEXT, response_format="wav", speed=speed, extra_body=body
+        ).content
+        return len(wav(data)[0])
+
+    assert frames(2.0) < frames(1.0) < frames(0.5)
+
+
+def test_native_route_resampled_rates_and_formats(live):
+    base = live[0]
+    pcm16, _ = wav(tts(base, format="wav", seed=2).content)
+    for rate in (24000, 8000):
+        pcm, got = wav(tts(base, format="wav", seed=2, sample_rate=rate).content)
+        assert got == rate and abs(len(pcm) - len(pcm16) * rate // RATE) <= 16
+    raw = tts(base, format="pcm", seed=2, sample_rate=24000).content
+    assert abs(len(raw) // 2 - len(pcm16) * 3 // 2) <= 16
+    assert len(tts(base, format="mulaw", seed=2).content) == pytest.approx(len(pcm16) // 2, abs=16)  # 8 kHz, 1 B
+    flac = tts(base, format="flac", seed=2).content
+    assert flac[:4] == b"fLaC"
+    r = httpx.post(base + "/v1/tts", json={"text": TEXT, "format": "mp3", "sample_rate": 24000}, timeout=TIMEOUT)
+    assert check_openai_error(r, 400)["param"] == "sample_rate"
+
+
+def test_captions_are_the_engines_sentence_spans(live):
+    base = live[0]
+    doc = httpx.post(
+        base + "/v1/tts/captioned", json={"text": TEXT, "format": "wav", "seed": 2}, timeout=TIMEOUT
+    ).json()
+    pcm, _ = wav(tts(base, format="wav", seed=2).content)
+    assert doc["sample_rate"] == RATE and doc["duration_s"] == len(pcm) / RATE
+    first, second = doc["segments"]
+    assert (first["text"], second["text"]) == ("Hello, World!", "The quick brown fox.")
+    assert first["start_s"] == 0 and first["end_s"] == second["start_s"] < second["end_s"] == doc["duration_s"]
+
+
+def test_a_chattts_only_option_is_a_400_naming_it_and_its_family(client, live, gate):
+    import openai
+
+    _, batches = gate
+    for option in ({"refine_text": False}, {"temperature": 0.5}, {"prompt": "[speed_3]"}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.audio.speech.create(model="vits", voice="default", input=TEXT, extra_body=option)
+        [name] = option
+        assert info.value.body["param"] == name and info.value.body["code"] == "unsupported_option"
+        message = info.value.body["message"]
+        assert f"option '{name}' belongs to the chattts family; this model is a vits model" in message
+    r = httpx.post(live[0] + "/v1/tts", json={"text": TEXT, "top_k": 3}, timeout=TIMEOUT)
+    assert check_openai_error(r, 400)["param"] == "top_k"
+    r = httpx.post(live[0] + "/v1/tts", json={"text": TEXT, "voice": "alloy"}, timeout=TIMEOUT)
+    assert check_openai_error(r, 400)["code"] == "unknown_voice"  # ChatTTS's names are not this checkpoint's
+    r = httpx.post(live[0] + "/v1/tts", json={"text": TEXT, "voice": "speaker_1"}, timeout=TIMEOUT)
+    assert "its only voice is 'default'" in check_openai_error(r, 400)["message"]
+    assert batches == []  # refused before the engine
+
+
+def test_the_first_sentence_streams_before_the_second_runs(live, gate):
+    """Each sentence is a batch of its own (the work budget): the second is held in the model until the client
+    has read audio; it arrives before the second has run, and the stream's whole is the unstreamed audio."""
+    base, engine = live
+    permits, batches = gate
+    permits.release(1)
+    whole_body = {"text": TEXT, "format": "pcm", "seed": 9}
+    with httpx.stream("POST", base + "/v1/tts", json={**whole_body, "stream": True}, timeout=TIMEOUT) as r:
+        chunks = r.iter_bytes()
+        first = next(chunks)
+        assert first and batches == [1]  # only the first sentence has run
+        permits.release(10)
+        streamed = first + b"".join(chunks)
+    assert batches == [1, 1]
+    assert streamed == tts(base, **whole_body).content
+
+
+def test_concurrent_requests_share_a_batch_and_each_equals_itself_alone(live, gate):
+    """While the first request's batch is held, three more arrive and run together in the next batch (within the
+    budget of 60 ids); each request's audio equals its audio alone (the same seed)."""
+    base, engine = live
+    permits, batches = gate
+    texts = {0: "First one.", 1: "Second.", 2: "Third, too.", 3: "Fourth"}  # 13 + 21 + 13 ids
+    results: dict[int, bytes] = {}
+
+    def post(i: int) -> None:
+        body = {"text": texts[i], "format": "pcm", "stream": False, "seed": 100 + i}
+        results[i] = httpx.post(base + "/v1/tts", json=body, timeout=TIMEOUT).content
+
+    first = threading.Thread(target=post, args=(0,))
+    first.start()
+    assert wait_for(lambda: engine.stats().num_running == 1)  # held in the model
+    others = [threading.Thread(target=post, args=(i,)) for i in (1, 2, 3)]
+    for t in others:
+        t.start()
+    assert wait_for(lambda: len(engine._collectors) == 4)  # submitted, behind the held step
+    permits.release(100)
+    for t in (first, *others):
+        t.join(TIMEOUT)
+    assert batches == [1, 3]
+    for i in texts:
+        alone = tts(base, text=texts[i], format="pcm", seed=100 + i).content
+        assert len(alone) == len(results[i])  # durations exact
+        a, b = (np.frombuffer(x, "<i2").astype(np.int32) for x in (alone, results[i]))
+        assert int(np.abs(a - b).max()) <= 1  # the waveforms within BATCH_BOUND: at most 1 LSB of s16
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
