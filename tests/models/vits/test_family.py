@@ -198,3 +198,22 @@ def test_voice_strings_parse():
 def test_only_fp32_for_now(vits_tiny):
     with pytest.raises(ValueError, match="fp32 only"):
         Engine.from_pretrained(vits_tiny, config=EngineConfig(precision="bf16"))
+
+
+def test_ssml_breaks_end_sentences_and_prosody_sets_the_rate(engine):
+    """SSML is read as for ChatTTS; VITS has no pause token, so a <break> ends a sentence there, and <prosody
+    rate> (which reaches the family as ChatTTS's [speed_N]) sets the speaking rate."""
+    ssml = '<speak>Hello <break time="500ms"/> big world. <say-as interpret-as="characters">ab</say-as></speak>'
+    [r] = engine.synthesize(ssml, SamplingParams(seed=2))
+    assert r.text == ["Hello", "big world.", "A B"]
+    assert "speak" not in " ".join(w.text for s in r.spans for w in s.words)
+    [plain] = engine.synthesize("<speak>the quick brown fox jumps</speak>", SamplingParams(seed=2))
+    [fast] = engine.synthesize(
+        '<speak><prosody rate="x-fast">the quick brown fox jumps</prosody></speak>', SamplingParams(seed=2)
+    )
+    [slow] = engine.synthesize(
+        "<speak>the quick brown fox jumps</speak>", SamplingParams(seed=2, options={"speed": 0.5})
+    )
+    assert len(fast.audio) < len(plain.audio) < len(slow.audio)
+    with pytest.raises(ValueError, match="unknown"):
+        engine.synthesize("<speak><foo>x</foo></speak>", SamplingParams())

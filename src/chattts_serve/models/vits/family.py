@@ -23,7 +23,7 @@ import math
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -50,6 +50,8 @@ MAX_UTTERANCE_IDS = 1024
 """Longest utterance in input ids (~500 characters): a longer sentence is cut at words. The text encoder's
 attention is quadratic in it, and the work budget (``max_batch_work``) must hold it."""
 OPTIONS = ("speed", "noise_scale", "noise_scale_duration")
+_BREAK_TOKEN = re.compile(r"\[(?:uv_break|lbreak)\]")  # text.ssml._break's
+_SPEED_STEP = re.compile(r"\[speed_(\d)\]")
 _SEED_STEP = 0x9E3779B97F4A7C15  # odd: utterance seeds seed + i * step (mod 2**63) are distinct for a request
 
 
@@ -134,15 +136,7 @@ class ServedVits(BatchModel):
         options = self.check_options(params)
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text is empty")
-        if params.text_cleanup == "markdown":
-            from ...text.cleanup import clean_markdown
-
-            text = clean_markdown(text)
-        if params.lexicon is not None:
-            from ...text.lexicon import Lexicon
-
-            lexicon = params.lexicon if isinstance(params.lexicon, Lexicon) else Lexicon.from_entries(params.lexicon)
-            text = lexicon.apply(text)
+        text, options = _read_text(text, params, options)
         found = pieces(self.tokenizer, text, self.max_ids) if params.split_text else self._whole(text)
         if not found:
             raise ValueError(f"nothing to speak: no character of {text[:40]!r} is in this checkpoint's vocabulary")
@@ -185,6 +179,33 @@ class ServedVits(BatchModel):
             words = tuple(Word(w, ends[a], ends[b]) for w, a, b in u.inputs.piece.words)
             out.append(Speech(as_numpy(syn.audio), words))
         return out
+
+
+def _read_text(text: str, params, options: VitsOptions) -> tuple[str, VitsOptions]:
+    """The text to speak: SSML read (``text.ssml``), else markdown cleaned (``text_cleanup``); the lexicon applied.
+
+    SSML's text comes with ChatTTS's break tokens: VITS has no pause to ask for, so a ``<break>`` ends a sentence
+    there (no silence is added). Its ``<prosody rate>`` arrives as ChatTTS's ``[speed_N]`` (the seam's one form
+    of it) and becomes the speaking rate that step stands for, ``2 ** ((N - 5) / 2.5)``, replacing the request's
+    speed as it replaces ChatTTS's prompt."""
+    from ...text.lexicon import Lexicon
+    from ...text.ssml import is_ssml, parse_ssml
+
+    lexicon = params.lexicon
+    if lexicon is not None and not isinstance(lexicon, Lexicon):
+        lexicon = Lexicon.from_entries(lexicon)
+    if is_ssml(text):
+        ssml = parse_ssml(text, params.lang, lexicon)
+        if ssml.speed is not None:
+            step = int(_SPEED_STEP.fullmatch(ssml.speed).group(1))
+            speed = min(max(2 ** ((step - 5) / 2.5), SPEED_RANGE[0]), SPEED_RANGE[1])
+            options = replace(options, speed=speed)
+        return _BREAK_TOKEN.sub("\n", ssml.text), options
+    if params.text_cleanup == "markdown":
+        from ...text.cleanup import clean_markdown
+
+        text = clean_markdown(text)
+    return (lexicon.apply(text) if lexicon is not None else text), options
 
 
 def _number(given: Mapping[str, Any], name: str, low: float, high: float, default: float | None = None):
