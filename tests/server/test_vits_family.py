@@ -29,10 +29,12 @@ def live(tmp_path_factory):
     A work budget of 60 ids: "hello world" (23 ids) and "the quick brown fox" (39) run in batches of their own."""
     tmp = tmp_path_factory.mktemp("vits-server")
     root = write_random(tmp / "vits", "tiny", seed=0)
-    config = app_config(root, tmp, port=free_port(), max_num_seqs=4, max_batch_work=60)
+    config = app_config(
+        root, tmp, port=free_port(), max_num_seqs=4, max_batch_work=60, wyoming_uri=f"tcp://127.0.0.1:{free_port()}"
+    )
     app = create_app(config)
     with serving(app, config) as srv:
-        yield srv.base, app.state.engine
+        yield srv.base, app.state.engine, config.wyoming.uri
 
 
 @pytest.fixture
@@ -161,7 +163,7 @@ def test_a_chattts_only_option_is_a_400_naming_it_and_its_family(client, live, g
 def test_the_first_sentence_streams_before_the_second_runs(live, gate):
     """Each sentence is a batch of its own (the work budget): the second is held in the model until the client
     has read audio; it arrives before the second has run, and the stream's whole is the unstreamed audio."""
-    base, engine = live
+    base, engine, _ = live
     permits, batches = gate
     permits.release(1)
     whole_body = {"text": TEXT, "format": "pcm", "seed": 9}
@@ -178,7 +180,7 @@ def test_the_first_sentence_streams_before_the_second_runs(live, gate):
 def test_concurrent_requests_share_a_batch_and_each_equals_itself_alone(live, gate):
     """While the first request's batch is held, three more arrive and run together in the next batch (within the
     budget of 60 ids); each request's audio equals its audio alone (the same seed)."""
-    base, engine = live
+    base, engine, _ = live
     permits, batches = gate
     texts = {0: "First one.", 1: "Second.", 2: "Third, too.", 3: "Fourth"}  # 13 + 21 + 13 ids
     results: dict[int, bytes] = {}
@@ -214,3 +216,71 @@ def wait_for(predicate, timeout: float = 30.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_wyoming_speaks_it_at_the_models_rate(live):
+    """Home Assistant's protocol (the ``wyoming`` package's client): the checkpoint's one voice is listed, and a
+    request's audio is at 16 kHz and equals the same request over HTTP (the options extension sets the seed)."""
+    import asyncio
+
+    from wyoming.audio import AudioChunk, AudioStart
+    from wyoming.client import AsyncTcpClient
+    from wyoming.info import Describe, Info
+    from wyoming.tts import Synthesize, SynthesizeVoice
+
+    base, _, uri = live
+    port = int(uri.rsplit(":", 1)[1])
+
+    async def talk():
+        async with AsyncTcpClient("127.0.0.1", port, connect_timeout=10, read_timeout=TIMEOUT) as c:
+            await c.write_event(Describe().event())
+            info = Info.from_event(await c.read_event())
+            event = Synthesize(text=TEXT, voice=SynthesizeVoice(name="default")).event()
+            event.data["chattts"] = {"seed": 5}
+            await c.write_event(event)
+            events = []
+            while (e := await c.read_event()) is not None:
+                events.append(e)
+                if e.type in ("audio-stop", "error"):
+                    return info, events
+
+    info, events = asyncio.run(asyncio.wait_for(talk(), TIMEOUT))
+    assert [v.name for v in info.tts[0].voices] == ["default"]
+    assert AudioStart.from_event(events[0]).rate == RATE and events[-1].type == "audio-stop"
+    pcm = b"".join(AudioChunk.from_event(e).audio for e in events if AudioChunk.is_type(e.type))
+    assert pcm == tts(base, format="pcm", seed=5).content
+
+
+def test_dialogue_and_websocket(live):
+    """``/v1/dialogue``: turns back to back with the pause at 16 kHz, each turn its own audio. The WebSocket: text
+    in pieces, audio and sentence events at the model's rate."""
+    import json
+
+    from websockets.sync.client import connect
+
+    base = live[0]
+    turns = [{"text": "Hello there.", "seed": 1}, {"text": "General Kenobi.", "seed": 2}]
+    body = {"turns": turns, "stream": False, "format": "pcm", "pause_ms": 250}
+    r = httpx.post(base + "/v1/dialogue", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    parts = [tts(base, text=t["text"], seed=t["seed"], format="pcm").content for t in turns]
+    assert r.content == parts[0] + bytes(2 * RATE * 250 // 1000) + parts[1]
+
+    with connect(base.replace("http", "ws", 1) + "/v1/tts/stream", open_timeout=TIMEOUT) as ws:
+        ws.send(json.dumps({"type": "start", "text": "Hello there. ", "timestamps": True, "seed": 1}))
+        ws.send(json.dumps({"type": "text", "text": "General Kenobi."}))
+        ws.send(json.dumps({"type": "end"}))
+        events, audio = [], b""
+        while True:
+            message = ws.recv(timeout=TIMEOUT)
+            if isinstance(message, bytes):
+                audio += message
+                continue
+            events.append(json.loads(message))
+            if events[-1]["type"] in ("end", "error"):
+                break
+    assert events[0] == {**events[0], "type": "start", "sample_rate": RATE}
+    segments = [e for e in events if e["type"] == "segment"]
+    assert [s["text"] for s in segments] == ["Hello there.", "General Kenobi."] and events[-1]["type"] == "end"
+    assert segments[0]["end_s"] == segments[1]["start_s"]
+    assert segments[1]["end_s"] * RATE == pytest.approx(len(audio) // 2)
