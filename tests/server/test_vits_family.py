@@ -284,3 +284,50 @@ def test_dialogue_and_websocket(live):
     assert [s["text"] for s in segments] == ["Hello there.", "General Kenobi."] and events[-1]["type"] == "end"
     assert segments[0]["end_s"] == segments[1]["start_s"]
     assert segments[1]["end_s"] * RATE == pytest.approx(len(audio) // 2)
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    """A 3-speaker checkpoint, with the result cache on."""
+    tmp = tmp_path_factory.mktemp("vits-multi")
+    root = write_random(tmp / "vits", "tiny", seed=1, num_speakers=3, speaker_embedding_size=8)
+    config = app_config(root, tmp, port=free_port(), cache_mb=8)
+    app = create_app(config)
+    with serving(app, config) as srv:
+        yield srv.base
+
+
+def test_speakers_are_voices_blends_and_saved_voices(multi):
+    def speak(voice: str | None, **body) -> httpx.Response:
+        return httpx.post(
+            multi + "/v1/tts",
+            json={"text": "Hello there.", "format": "pcm", "stream": False, "seed": 3, "voice": voice, **body},
+            timeout=TIMEOUT,
+        )
+
+    zero, two = speak("speaker_0").content, speak("speaker_2").content
+    assert speak(None).content == zero and zero != two  # no voice: speaker 0
+    blend = speak("speaker_0(1)+speaker_2(3)")
+    assert blend.status_code == 200 and blend.content not in (zero, two)
+    assert speak("speakers:0=0.25,2=0.75").content == blend.content  # the blend's voice string
+    r = httpx.post(multi + "/v1/voices", json={"name": "mix", "speaker": "speakers:0=0.25,2=0.75"}, timeout=TIMEOUT)
+    assert r.status_code == 201, r.text
+    assert speak("mix").content == blend.content
+    assert "speakers 0 .. 2, got speaker 7" in check_openai_error(speak("speaker_7"), 400)["message"]
+
+
+def test_a_seeded_request_is_cached_and_the_cache_knows_the_family(multi):
+    first, again = (
+        httpx.post(
+            multi + "/v1/tts", json={"text": "Cache me.", "format": "wav", "seed": 8, "stream": False}, timeout=TIMEOUT
+        )
+        for _ in range(2)
+    )
+    assert (first.headers["X-Cache"], again.headers["X-Cache"]) == ("miss", "hit")
+    assert first.content == again.content
+    other = httpx.post(
+        multi + "/v1/tts",
+        json={"text": "Cache me.", "format": "wav", "seed": 8, "voice": "speaker_1", "stream": False},
+        timeout=TIMEOUT,
+    )
+    assert other.headers["X-Cache"] == "miss" and other.content != first.content
