@@ -217,3 +217,8 @@ def test_ssml_breaks_end_sentences_and_prosody_sets_the_rate(engine):
     assert len(fast.audio) < len(plain.audio) < len(slow.audio)
     with pytest.raises(ValueError, match="unknown"):
         engine.synthesize("<speak><foo>x</foo></speak>", SamplingParams())
+
+
+def test_split_text_off_speaks_the_text_as_one_utterance(engine):
+    [r] = engine.synthesize("Hello, World! The quick\nbrown fox.", SamplingParams(seed=1, split_text=False))
+    assert r.text == ["Hello, World! The quick brown fox."] and len(r.spans[0].words) == 6

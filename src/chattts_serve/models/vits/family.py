@@ -137,7 +137,7 @@ class ServedVits(BatchModel):
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text is empty")
         text, options = _read_text(text, params, options)
-        found = pieces(self.tokenizer, text, self.max_ids) if params.split_text else self._whole(text)
+        found = pieces(self.tokenizer, text, self.max_ids, split=params.split_text)
         if not found:
             raise ValueError(f"nothing to speak: no character of {text[:40]!r} is in this checkpoint's vocabulary")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -145,10 +145,6 @@ class ServedVits(BatchModel):
             Utterance(p.text, len(p.ids), VitsInputs(p, options, (seed + i * _SEED_STEP) % 2**63))
             for i, p in enumerate(found)
         ]
-
-    def _whole(self, text: str) -> list[Piece]:
-        """``split_text`` off: the text as one utterance (cut at words only where it would not fit)."""
-        return pieces(self.tokenizer, " ".join(text.split()), self.max_ids)
 
     def synthesize(self, batch: Sequence[Utterance]) -> list[Speech]:
         import torch

@@ -35,11 +35,12 @@ def sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
 
 
-def pieces(tokenizer: VitsTokenizer, text: str, max_ids: int) -> list[Piece]:
-    """``text`` as utterances of at most ``max_ids`` ids (sentences, long ones cut at words); a sentence with
-    nothing the vocabulary has (``"!!!"`` for MMS English, which has no punctuation) gives none."""
+def pieces(tokenizer: VitsTokenizer, text: str, max_ids: int, split: bool = True) -> list[Piece]:
+    """``text`` as utterances of at most ``max_ids`` ids: its sentences (``split``; else the whole text, its
+    whitespace runs one space), long ones cut at words. A sentence with nothing the vocabulary has (``"!!!"`` for
+    MMS English, which has no punctuation) gives none."""
     out: list[Piece] = []
-    for sentence in sentences(text):
+    for sentence in sentences(text) if split else [" ".join(text.split())]:
         for chunk in _fit(tokenizer, sentence, max_ids):
             piece = align(tokenizer, chunk)
             if piece.ids:
