@@ -175,3 +175,17 @@ def test_a_random_vits_checkpoint_is_written_detected_and_spoken(tmp_path, capsy
     assert main(["synthesize", "Hello there.", "-o", str(out), "--model", str(root), "--seed", "1"]) == 0
     with wave.open(str(out)) as w:
         assert w.getframerate() == 16000 and w.getnframes() > 0
+
+
+def test_a_broken_vits_checkpoint_is_one_line_not_a_traceback(tmp_path, capsys):
+    from chattts_serve.cli import main
+    from chattts_serve.models.vits.random_checkpoint import write_random
+
+    root = write_random(tmp_path / "v", "tiny")
+    (root / "model.safetensors").write_bytes(b"not safetensors")
+    assert main(["synthesize", "Hello.", "-o", str(tmp_path / "x.wav"), "--model", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("chattts-serve: error: ") and "not a readable safetensors file" in err
+    (root / "vocab.json").unlink()
+    assert main(["synthesize", "Hello.", "-o", str(tmp_path / "x.wav"), "--model", str(root), "--family", "vits"]) == 2
+    assert "incomplete; missing: vocab.json" in capsys.readouterr().err

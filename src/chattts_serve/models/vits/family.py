@@ -232,9 +232,12 @@ class VitsFamily(ModelFamily):
         return isinstance(raw, dict) and raw.get("model_type") == "vits"
 
     def resolve(self, path_or_repo: str | Path) -> Path:
-        from .checkpoint import resolve
+        from .checkpoint import CheckpointError, resolve
 
-        return resolve(path_or_repo)
+        try:
+            return resolve(path_or_repo)
+        except CheckpointError as exc:  # as a ValueError: the CLI and the server show it without a traceback
+            raise ValueError(str(exc)) from None
 
     def write_random(self, directory: str | Path, size: Size = "tiny", seed: int = 0) -> Path:
         from .random_checkpoint import write_random
@@ -245,12 +248,15 @@ class VitsFamily(ModelFamily):
         """fp32 only for now (bf16, int8 and CUDA graphs are issue 32 item 5): another precision is refused."""
         import torch
 
-        from .checkpoint import load
+        from .checkpoint import CheckpointError, load
         from .tokenizer import VitsTokenizer
 
         if config.precision != "fp32":
             raise ValueError(f"the vits family runs in fp32 only, got precision {config.precision!r}")
-        model = load(root, device=device, dtype=torch.float32)
+        try:
+            model = load(root, device=device, dtype=torch.float32)
+        except CheckpointError as exc:
+            raise ValueError(str(exc)) from None
         logger.info(
             "VITS checkpoint %s: %d Hz, %d speaker(s)", root, model.config.sample_rate, model.config.num_speakers
         )
