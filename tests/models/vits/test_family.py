@@ -222,3 +222,35 @@ def test_ssml_breaks_end_sentences_and_prosody_sets_the_rate(engine):
 def test_split_text_off_speaks_the_text_as_one_utterance(engine):
     [r] = engine.synthesize("Hello, World! The quick\nbrown fox.", SamplingParams(seed=1, split_text=False))
     assert r.text == ["Hello, World! The quick brown fox."] and len(r.spans[0].words) == 6
+
+
+def test_served_requests_equal_transformers_recorded_output(tmp_path):
+    """The golden cases (transformers' ``VitsModel`` after ``torch.manual_seed(seed)``, recorded in
+    golden/tiny.npz) as one-sentence requests through the engine, all three in one batch: the options map onto
+    transformers' (``speed`` -> ``speaking_rate``, the noise scales), the request's seed onto its seed, and each
+    request's audio is transformers' bit for bit."""
+    from pathlib import Path
+
+    from .cases import CASES, GOLDEN_CHECKPOINT_SEED
+
+    golden = dict(np.load(Path(__file__).parent / "golden" / "tiny.npz"))
+    engine = Engine.from_pretrained(write_random(tmp_path / "golden", "tiny", seed=GOLDEN_CHECKPOINT_SEED))
+    params = [
+        SamplingParams(
+            seed=c["seed"],
+            options={
+                k: c[v]
+                for k, v in (
+                    ("speed", "speaking_rate"),
+                    ("noise_scale", "noise_scale"),
+                    ("noise_scale_duration", "noise_scale_duration"),
+                )
+            },
+        )
+        for c in CASES
+    ]
+    results = engine.synthesize([c["text"] for c in CASES], params)
+    assert max(engine.family_model.batches) == len(CASES)  # one batch
+    for i, r in enumerate(results):
+        assert len(r.spans) == 1
+        np.testing.assert_array_equal(r.audio, golden[f"{i}/audio"])
