@@ -313,6 +313,8 @@ def test_speakers_are_voices_blends_and_saved_voices(multi):
     r = httpx.post(multi + "/v1/voices", json={"name": "mix", "speaker": "speakers:0=0.25,2=0.75"}, timeout=TIMEOUT)
     assert r.status_code == 201, r.text
     assert speak("mix").content == blend.content
+    r = httpx.post(multi + "/v1/voices", json={"name": "rnd", "seed": 1}, timeout=TIMEOUT)
+    assert "ChatTTS's" in check_openai_error(r, 400)["message"]  # random speakers are ChatTTS's
     assert "speakers 0 .. 2, got speaker 7" in check_openai_error(speak("speaker_7"), 400)["message"]
 
 
