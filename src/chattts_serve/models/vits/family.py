@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ...audio.stretch import MAX_SPEED, MIN_SPEED
 from ..family import BatchModel, Capabilities, ModelFamily, Size, Speech, Utterance, Word
 from .text import Piece, pieces
 from .voices import Mix, VitsVoices
@@ -42,8 +43,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SPEED_RANGE = (0.25, 4.0)
-"""``speed``'s bounds: the HTTP API's (``audio.stretch``: MIN_SPEED, MAX_SPEED)."""
+SPEED_RANGE = (MIN_SPEED, MAX_SPEED)
+"""``speed``'s bounds: the HTTP API's."""
 NOISE_MAX = 10.0
 """``noise_scale`` and ``noise_scale_duration`` are in [0, NOISE_MAX] (the checkpoints' own: 0.667 and 0.8)."""
 MAX_UTTERANCE_IDS = 1024
