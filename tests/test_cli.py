@@ -157,4 +157,35 @@ def test_checkpoint_random_for_each_registered_family(tmp_path, tiny_ckpt, capsy
     assert (tmp_path / "s" / CONFIG).is_file() and "random full sine checkpoint" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["checkpoint", "random", str(tmp_path / "k"), "--family", "kokoro"])
-    assert "invalid choice: 'kokoro' (choose from 'chattts')" in capsys.readouterr().err
+    assert "invalid choice: 'kokoro' (choose from 'chattts', 'vits')" in capsys.readouterr().err
+
+
+def test_a_random_vits_checkpoint_is_written_detected_and_spoken(tmp_path, capsys):
+    """``checkpoint random --family vits`` writes the MMS-TTS layout; ``synthesize --model`` detects and speaks it."""
+    import wave
+
+    from chattts_serve.cli import main
+
+    root = tmp_path / "v"
+    assert main(["checkpoint", "random", str(root), "--family", "vits", "--size", "tiny", "--seed", "3"]) == 0
+    assert "random tiny vits checkpoint (seed 3)" in capsys.readouterr().out
+    names = {p.name for p in root.iterdir()}
+    assert {"config.json", "model.safetensors", "vocab.json", "tokenizer_config.json"} <= names
+    out = tmp_path / "hello.wav"
+    assert main(["synthesize", "Hello there.", "-o", str(out), "--model", str(root), "--seed", "1"]) == 0
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 16000 and w.getnframes() > 0
+
+
+def test_a_broken_vits_checkpoint_is_one_line_not_a_traceback(tmp_path, capsys):
+    from chattts_serve.cli import main
+    from chattts_serve.models.vits.random_checkpoint import write_random
+
+    root = write_random(tmp_path / "v", "tiny")
+    (root / "model.safetensors").write_bytes(b"not safetensors")
+    assert main(["synthesize", "Hello.", "-o", str(tmp_path / "x.wav"), "--model", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("chattts-serve: error: ") and "not a readable safetensors file" in err
+    (root / "vocab.json").unlink()
+    assert main(["synthesize", "Hello.", "-o", str(tmp_path / "x.wav"), "--model", str(root), "--family", "vits"]) == 2
+    assert "incomplete; missing: vocab.json" in capsys.readouterr().err

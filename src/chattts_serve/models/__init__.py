@@ -17,6 +17,7 @@ from .family import ModelFamily, foreign_options
 
 _BUILTIN: dict[str, str] = {
     "chattts": "chattts_serve.models.chattts.family:ChatTTSFamily",
+    "vits": "chattts_serve.models.vits.family:VitsFamily",
 }
 """name -> "module:class" of the families that ship with the package, in detection order."""
 

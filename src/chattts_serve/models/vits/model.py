@@ -48,6 +48,9 @@ class Utterance:
     noise_scale_duration: float | None = None
     generator: torch.Generator | None = None
     speaker_id: int | None = None
+    speaker_mix: Sequence[tuple[int, float]] | None = None
+    """Instead of ``speaker_id`` (multi-speaker checkpoints): speaker ids and weights (summing to 1); the row is
+    conditioned on the weighted mean of their embeddings (a blend of voices)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ class VitsModel(nn.Module):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")
         generator = utt.generator if utt.generator is not None else torch.Generator()
-        speaker = self._speaker(utt.speaker_id)
+        speaker = self._speaker(utt.speaker_id) if utt.speaker_mix is None else self._mixed_speaker(utt.speaker_mix)
         device, dtype = self.device, self.dtype
 
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
@@ -224,6 +227,17 @@ class VitsModel(nn.Module):
             raise ValueError(f"speaker_id must be in [0, {self.config.num_speakers - 1}], got {speaker_id}")
         index = torch.tensor([speaker_id], device=self.device)
         return self.embed_speaker(index).unsqueeze(-1)
+
+    def _mixed_speaker(self, mix: Sequence[tuple[int, float]]) -> torch.Tensor:
+        """[1, speaker_embedding_size, 1]: the weighted mean of the speakers' embeddings."""
+        ids = [int(i) for i, _ in mix]
+        if self.config.num_speakers <= 1 or not ids:
+            raise ValueError("speaker_mix needs a multi-speaker checkpoint and at least one speaker")
+        if not all(0 <= i < self.config.num_speakers for i in ids):
+            raise ValueError(f"speaker_mix ids must be in [0, {self.config.num_speakers - 1}], got {ids}")
+        weights = torch.tensor([float(w) for _, w in mix], device=self.device, dtype=self.dtype)
+        embeddings = self.embed_speaker(torch.tensor(ids, device=self.device))
+        return (weights[:, None] * embeddings).sum(0)[None, :, None]
 
     def _batch_speaker(self, latents: Sequence[Latent]) -> torch.Tensor | None:
         given = [lat.speaker is not None for lat in latents]

@@ -125,28 +125,38 @@ class VitsTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Input ids for ``text`` (blanks included); empty when nothing of the text is in the vocabulary."""
+        return self.encode_aligned(text)[1]
+
+    def encode_aligned(self, text: str) -> tuple[str, list[int], list[int]]:
+        """``encode`` with its alignment: the prepared text (``prepare``), the ids, and for each id the index in
+        the prepared text of the character (or special token) it spells, -1 for a blank. Characters map to ids
+        one to one, so a word of the prepared text is exactly a run of ids (word timings from durations)."""
         text = self.prepare(text)
         ids: list[int] = []
+        chars: list[int] = []
         pos = 0
-        pieces: list[tuple[str, bool]] = []
+        pieces: list[tuple[int, str, bool]] = []
         if self._special_re is not None:
             for match in self._special_re.finditer(text):
-                pieces.append((text[pos : match.start()], False))
-                pieces.append((match.group(0), True))
+                pieces.append((pos, text[pos : match.start()], False))
+                pieces.append((match.start(), match.group(0), True))
                 pos = match.end()
-        pieces.append((text[pos:], False))
-        for piece, special in pieces:
+        pieces.append((pos, text[pos:], False))
+        for start, piece, special in pieces:
             if special:
                 ids.append(self._token_id(piece))
+                chars.append(start)
             elif piece:
-                chars = [self._token_id(c) for c in piece]
+                for i, c in enumerate(piece):
+                    if self.add_blank:
+                        ids.append(self._blank)
+                        chars.append(-1)
+                    ids.append(self._token_id(c))
+                    chars.append(start + i)
                 if self.add_blank:
                     ids.append(self._blank)
-                    for c in chars:
-                        ids.extend((c, self._blank))
-                else:
-                    ids.extend(chars)
-        return ids
+                    chars.append(-1)
+        return text, ids, chars
 
     def _lower_outside_vocab(self, text: str) -> str:
         out: list[str] = []
