@@ -181,3 +181,26 @@ def test_every_streamed_delta_says_the_models_rate(sine_dir):
     finally:
         engine.shutdown()
     assert len(chunks) == 2 and not chunks[0].finished and {c.sample_rate for c in chunks} == {RATE}
+
+
+def test_a_batch_familys_audio_stops_at_the_requests_budget(sine_dir):
+    """A batch family's durations are known only after its model ran: the audio past ``max_audio_seconds`` is
+    cut, the sentences after it never run, and the request ends with "length" (issue 29's principle: one
+    request's limits hold for any family)."""
+    text = "One two three. Four five! Six seven. Eight nine ten."
+    whole = samples(("One", "two", "three.", "Four", "five!", "Six", "seven.", "Eight", "nine", "ten."))
+    budget = samples(WORDS) + FRAME  # the first two sentences and one frame of the third
+    config = EngineConfig(
+        max_audio_seconds=budget / RATE, scheduler=SchedulerConfig(max_batch_work=3, max_num_seqs=4)
+    )
+    engine = Engine.from_pretrained(sine_dir, config=config)
+    [result] = engine.synthesize(text, SamplingParams(seed=1))
+    assert whole > budget and len(result.audio) == budget
+    assert result.finish_reason == "length" and len(result.spans) == 3 and result.spans[-1].end == budget
+    assert all(w.end <= budget for span in result.spans for w in span.words)
+    ran = sum(engine.core.stage.model.batches)
+    assert ran < 4  # the fourth sentence was never synthesised
+    assert not engine.core.has_unfinished()
+    # A tighter budget given with the request (the server's per-request share) is the one held.
+    assert engine.core.prepare("One.", SamplingParams(), max_audio_seconds=FRAME / RATE).max_samples == FRAME
+    assert engine.core.prepare("One.", SamplingParams()).max_samples == budget

@@ -32,6 +32,8 @@ class BatchRequest:
     segments: list[Utterance]
     """Its utterances in speaking order (the queue bound counts one sequence each)."""
     params: object
+    max_samples: int
+    """Its audio budget in samples: the engine's ``max_audio_seconds`` or the tighter one it was prepared with."""
 
 
 @dataclass(eq=False)
@@ -39,6 +41,7 @@ class _Request:
     request_id: str
     utterances: list[Utterance]
     speech: list[Speech | None]
+    max_samples: int
     emit_index: int = 0
     samples_out: int = 0
     spans: list[SegmentSpan] = field(default_factory=list)
@@ -59,18 +62,23 @@ class BatchStage:
     # ------------------------------------------------------------------ requests
 
     def prepare(self, text: str, params, max_audio_seconds: float | None = None) -> BatchRequest:
-        # (a batch family's audio follows from its input: the text bound is its budget, not max_audio_seconds)
+        """``max_audio_seconds``: a budget tighter than the engine's. A batch family's durations are known only
+        once its model has run, so the budget is held on the output: the audio past it is cut, the utterances
+        after it are never run, and the request finishes with "length" (as a ChatTTS request at its cap)."""
         utterances = self.model.utterances(text, params)
         if not utterances:
             raise ValueError(f"nothing to speak: {text!r}")
-        return BatchRequest(list(utterances), params)
+        limit = self.config.max_audio_seconds
+        if max_audio_seconds is not None:
+            limit = min(limit, max_audio_seconds)
+        return BatchRequest(list(utterances), params, max(1, round(limit * self.sample_rate)))
 
     def start(
         self, request_id: str, prepared: BatchRequest, policy: StreamPolicy, priority: int, arrival: float
     ) -> list[Sequence]:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        req = _Request(request_id, prepared.segments, [None] * len(prepared.segments))
+        req = _Request(request_id, prepared.segments, [None] * len(prepared.segments), prepared.max_samples)
         seed = getattr(prepared.params, "seed", None)
         seqs = [
             Sequence(
@@ -154,27 +162,41 @@ class BatchStage:
 
     def _output(self, req: _Request) -> RequestOutput | None:
         """The utterances done since the last output, in order; the final output when all are."""
-        new, ended = [], len(req.spans)
+        new, ended, cut = [], len(req.spans), False
         while req.emit_index < len(req.utterances) and (speech := req.speech[req.emit_index]) is not None:
             start = req.samples_out
-            req.samples_out += len(speech.audio)
-            words = tuple(Word(w.text, w.start + start, w.end + start) for w in speech.words)
+            audio = speech.audio[: req.max_samples - start]  # the request's audio budget holds across utterances
+            cut = len(audio) < len(speech.audio) or (
+                start + len(audio) >= req.max_samples and req.emit_index + 1 < len(req.utterances)
+            )
+            req.samples_out += len(audio)
+            words = tuple(
+                Word(w.text, w.start + start, min(w.end, len(audio)) + start)
+                for w in speech.words
+                if w.start < len(audio)
+            )
             text = req.utterances[req.emit_index].text
             req.spans.append(SegmentSpan(req.emit_index, text, start, req.samples_out, self.sample_rate, words))
-            new.append(speech.audio)
+            new.append(audio)
             req.emit_index += 1
-        done = req.emit_index == len(req.utterances)
+            if cut:
+                break
+        done = cut or req.emit_index == len(req.utterances)
         if not (new or done):
             return None
         out = RequestOutput(req.request_id, np.concatenate(new) if new else np.zeros(0, np.float32))
         out.spans = req.spans[ended:]
         if done:
-            out.finished, out.finish_reason = True, "stop"
+            reason: FinishReason = "length" if cut else "stop"
+            out.finished, out.finish_reason = True, reason
             out.num_input_tokens = sum(u.work for u in req.utterances)
             empty = np.zeros((0, 0), np.int64)  # no codes: a batch family's units are its own
+            spoken = req.utterances[: len(req.spans)]
             out.segments = [
-                SegmentResult(u.text, empty, "stop", span) for u, span in zip(req.utterances, req.spans, strict=True)
+                SegmentResult(u.text, empty, reason, span) for u, span in zip(spoken, req.spans, strict=True)
             ]
+            if cut:  # the utterances past the budget leave the scheduler unrun (``take_failed``: ended by the stage)
+                self._failed.append(req.request_id)
             self.drop(req.request_id)
         return out
 
