@@ -66,7 +66,7 @@ def bounds(limit_s: float, cfg: ServerConfig) -> list[Row]:
     steps = math.floor(limit_s * TOKENS_PER_SECOND)
     pcm = 2 * MAX_RATE * limit_s + 44  # 16-bit at the highest sample_rate, a wav header
     b64 = 4 * math.ceil(pcm / 3)
-    parts = cfg.ws.max_text_chars // 2  # the shortest part is one character and its full stop ("啊。")
+    stream_s = cfg.ws.max_audio_seconds  # a WebSocket (or Wyoming) stream's parts share it
     wy_chunks = math.ceil(SAMPLE_RATE * limit_s / SAMPLES_PER_CHUNK)  # Wyoming's audio is the model's rate
     wy_bytes = 2 * SAMPLE_RATE * limit_s + EVENT_BYTES * (wy_chunks + 3)
     return [
@@ -80,11 +80,12 @@ def bounds(limit_s: float, cfg: ServerConfig) -> list[Row]:
             "L (no stretch); base64 4/3 x (2 x 48000 x L) + JSON"),
         Row("/v1/dialogue", f"{MAX_TURNS} turns, pauses up to {MAX_PAUSE_SECONDS:g} s, pcm 48 kHz", limit_s, int(pcm),
             steps, "(speech + pauses) <= L; pauses <= 60 s"),
-        Row("WebSocket", "one stream: L per part, parts up to ws_max_text_chars / 2", limit_s * parts,
-            int(2 * MAX_RATE * limit_s * parts), steps * parts,
-            "L per part (stretched); parts <= ws_max_text_chars / 2"),
+        Row("WebSocket", "one stream: parts share ws_max_audio_seconds (W), L each", stream_s,
+            int(2 * MAX_RATE * stream_s), math.floor(stream_s * TOKENS_PER_SECOND),
+            "W = ws_max_audio_seconds for the stream (stretched), L per part; 2 x 48000 x W; W x 46.875 steps"),
         Row("Wyoming", "synthesize, chattts min = max tokens", limit_s, int(wy_bytes), steps,
-            f"L per synthesize (a stream: per part, as the WebSocket); 2 x 24000 x L + {EVENT_BYTES} per event of "
+            f"L per synthesize (a stream: its parts share W, as the WebSocket's); 2 x 24000 x L + {EVENT_BYTES} per "
+            "event of "
             f"{SAMPLES_PER_CHUNK} samples"),
     ]  # fmt: skip
 

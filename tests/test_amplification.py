@@ -29,7 +29,8 @@ def test_bounds_follow_the_limits():
     assert rows["/v1/tts"].audio_s == 600 and rows["/v1/tts"].steps == 28125
     assert rows["/v1/tts"].bytes == 2 * 48000 * 600 + 44  # wav at the highest rate
     assert rows["/v1/dialogue"].audio_s == 600  # the turns and pauses share it
-    assert rows["WebSocket"].audio_s == 600 * 50_000  # per part: ws_max_text_chars / 2 parts
+    assert rows["WebSocket"].audio_s == 3600  # the stream's parts share ws_max_audio_seconds
+    assert rows["WebSocket"].steps == 3600 * 46.875 and rows["WebSocket"].bytes == 2 * 48000 * 3600
 
 
 @pytest.mark.integration

@@ -109,3 +109,34 @@ def test_the_issue_example_fits_the_default_slot(tiny_ckpt, caplog):
     [r] = eng.synthesize(VOICE_TEXT, voice_lengthened(2000))
     assert [s.codes.shape for s in r.segments] == [(2000, 4), (2000, 4)]
     no_errors(caplog)
+
+
+def test_a_refined_text_too_long_for_any_split_is_spoken_unrefined(tiny_ckpt, monkeypatch, caplog):
+    """The refine pass writes a text (patched: 16 slots' worth of characters without a mark) that no 16 parts
+    fit: the sentence is spoken as normalised, said in an INFO line and in the result, never an error."""
+    caplog.set_level(logging.INFO)
+    eng = engine(tiny_ckpt, 128)
+    monkeypatch.setattr(eng.core.stage.pipeline.tokenizer, "decode", lambda ids: "啊" * 16 * 128)
+    params = SamplingParams(seed=5, min_new_tokens=20, max_new_tokens=20, refine=RefineParams(max_new_tokens=4))
+    [r] = eng.synthesize(REFINE_TEXT, params)
+    assert r.finish_reason == "length" and len(r.audio) > 0
+    assert [s.unrefined for s in r.segments] == [True] * 3
+    assert "啊" not in "".join(r.text) and r.text[0].startswith("第一句")
+    assert "speaking its unrefined text" in caplog.text
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING], caplog.text
+
+
+def test_a_sentence_no_slot_holds_even_unrefined_is_the_clients_error(tiny_ckpt, monkeypatch, caplog):
+    """No split fits (patched fitter) once the refine pass has run: a ValueError (a 400 on the server), no
+    ERROR line, and the engine serves on."""
+    from chattts_serve.engine import pipeline
+
+    caplog.set_level(logging.INFO)
+    eng = engine(tiny_ckpt, 128)
+    monkeypatch.setattr(pipeline, "fit", lambda *a, **kw: None)
+    params = SamplingParams(seed=5, min_new_tokens=8, max_new_tokens=8, refine=RefineParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="does not fit a slot"):
+        eng.synthesize(REFINE_TEXT, params)
+    no_errors(caplog)
+    monkeypatch.undo()
+    assert eng.synthesize("你好。", params)[0].finish_reason == "length"

@@ -21,7 +21,7 @@ from chattts_serve.server.config import (
 PUBLISHED = """model family device host port api_keys api_keys_shared max_concurrent_streams max_connections
 max_queue_wait_s max_input_chars max_body_bytes max_buffered_audio_s send_timeout_s header_timeout_s body_timeout_s
 shutdown_timeout_s voices_db max_voices max_voice_text_chars max_upload_seconds default_voice
-ws_max_message_bytes ws_max_text_chars ws_max_pending_sentences ws_idle_timeout_s allowed_origins
+ws_max_message_bytes ws_max_text_chars ws_max_pending_sentences ws_idle_timeout_s ws_max_audio_seconds allowed_origins
 allowed_hosts default_options lexicon cache_mb wyoming_uri wyoming_zeroconf warmup log_level log_format
 threads""".split()
 

@@ -55,3 +55,17 @@ def test_a_request_no_slot_holds_is_a_400_that_says_why(http, caplog, route):
     message = r.json()["error"]["message"]
     assert "max_model_len of 200 positions" in message and "min_new_tokens 300" in message
     assert not [x for x in caplog.records if x.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize("route", ["/v1/tts", "/v1/tts/captioned"])
+def test_a_sentence_that_fits_no_slot_after_the_refine_pass_is_a_400(http, caplog, monkeypatch, route):
+    """Found only once the refine pass has run (the fitter patched to find no split, unrefined included):
+    the client's error, a 400 ``input_too_long``, never a 500 or an ERROR line."""
+    from chattts_serve.engine import pipeline
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(pipeline, "fit", lambda *a, **kw: None)
+    r = http.post(route, json={**REFINED, "refine_max_new_tokens": 4, "format": "pcm"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "input_too_long" and "does not fit a slot" in r.json()["error"]["message"]
+    assert not [x for x in caplog.records if x.levelno >= logging.ERROR], caplog.text

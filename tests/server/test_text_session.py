@@ -28,6 +28,7 @@ class FakeEngine:
     fails after its first delta. The last delta carries a voice sample, as the engine's voice step makes one."""
 
     sample_rate = 24000
+    max_audio_seconds = 600.0
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, SamplingParams]] = []

@@ -610,3 +610,23 @@ def test_websocket_refuses_a_rate_the_format_cannot_take(server):
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=10)
         assert ws.close_code == 1008
+
+
+@pytest.mark.parametrize("speed", [1.0, 0.5], ids=["plain", "stretched"])
+def test_websocket_stream_audio_is_capped_per_stream(ws_app, speed):
+    """ws_max_audio_seconds holds for the stream, not each part: parts of 40 steps (0.84 s, 1.69 s slowed
+    down 2x) under a limit of 2.1 parts' worth: two are spoken, the third is refused before it is spoken
+    (its min_new_tokens no longer fits) with an error event, and the client got at most the limit."""
+    part_s = expected_samples(40) / SR / speed
+    limit = 2.1 * part_s
+    ws_app.configure(ws=replace(ws_app.app.state.config.ws, max_audio_seconds=limit))
+    stretch = {} if speed == 1.0 else {"speed": speed, "speed_mode": "stretch"}
+    with connect(ws_app.url, open_timeout=10, close_timeout=5) as ws:
+        _start(ws, **{**WS_FIXED, "min_new_tokens": 40, "max_new_tokens": 40, **stretch})
+        for _ in range(4):
+            ws.send(json.dumps({"type": "text", "text": "你好。"}))
+        events, code = _ws_all(ws)
+    error = _fatal(events)
+    assert error["code"] == "audio_limit" and code == 1008 and "ws_max_audio_seconds" in error["message"]
+    samples = sum(e["samples"] for e in events if e["type"] == "chunk")
+    assert samples == pytest.approx(2 * part_s * SR, abs=4) and samples / SR <= limit

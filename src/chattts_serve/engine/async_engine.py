@@ -52,6 +52,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+class UnspeakableInput(ValueError):
+    """The request's input cannot be spoken, found only once the engine ran it (a sentence's text too long for
+    a slot even unrefined and in parts): the client's error, as the ValueError of a request refused up front."""
+
+
 class ShutdownError(EngineError):
     """The server is stopping and ended this request before it was done (its audio is incomplete)."""
 
@@ -245,7 +250,7 @@ class AsyncEngine:
                 if len(audio) or done:
                     if done and final.finish_reason == "error":
                         finished = True
-                        raise EngineError(final.error or "request failed")
+                        raise (UnspeakableInput if final.bad_input else EngineError)(final.error or "request failed")
                     # The last delta is the engine's final output (its sentences, usage, voice sample)
                     # carrying all the audio not yet taken; the others carry audio and the sentences they complete.
                     fields = {

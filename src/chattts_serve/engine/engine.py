@@ -202,7 +202,7 @@ class Engine:
                     audio[out.request_id].append(out.audio)
                     if out.finished:
                         if out.finish_reason == "error":
-                            raise RuntimeError(f"synthesis failed: {out.error}")
+                            raise (ValueError if out.bad_input else RuntimeError)(f"synthesis failed: {out.error}")
                         elapsed = time.perf_counter() - start
                         pcm = audio.pop(out.request_id)
                         results[out.request_id] = build_result(out, np.concatenate(pcm), elapsed)

@@ -32,6 +32,10 @@ from ..text.ssml import is_ssml, parse_ssml
 _SPEED = re.compile(r"\[speed_\d\]")
 
 
+class AudioBudgetExceeded(ValueError):
+    """The request's minimum audio passes its budget (``max_audio_seconds``, or the share of it it was given)."""
+
+
 @dataclass(slots=True)
 class PreparedRequest:
     segments: list[str]
@@ -137,10 +141,12 @@ def _max_new_tokens(params: SamplingParams, segments: list[str], voice_step: boo
     passes = len(segments) + voice_step
     budget = int(limit_s * TOKENS_PER_SECOND)
     if budget < passes:  # not one step per pass: nothing could be spoken
-        raise ValueError(f"the request's audio budget ({limit_s:.2f} s) is too short for its {passes} audio passes")
+        raise AudioBudgetExceeded(
+            f"the request's audio budget ({limit_s:.2f} s) is too short for its {passes} audio passes"
+        )
     if params.min_new_tokens * passes > budget:
         asked = params.min_new_tokens * passes / TOKENS_PER_SECOND
-        raise ValueError(
+        raise AudioBudgetExceeded(
             f"the request asks for at least {asked:.0f} s of audio ({passes} audio passes x min_new_tokens "
             f"{params.min_new_tokens}); the limit is {limit_s:g} s"
         )

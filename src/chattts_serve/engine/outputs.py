@@ -113,6 +113,8 @@ class SegmentResult:
     finish_reason: FinishReason | None
     span: SegmentSpan | None = None
     """Its place in the request's audio (None only for a result built outside the engine)."""
+    unrefined: bool = False
+    """The refine pass ran, but its text did not fit a slot even in parts: ``text`` is the sentence unrefined."""
 
 
 @dataclass(slots=True)
@@ -173,6 +175,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    bad_input: bool = False
+    """With ``finish_reason`` "error": the request's own input could not be spoken (a text that fits no slot,
+    found only once the engine ran it): the client's error, not the engine's."""
     num_steps: int = 0
     """Audio steps generated so far (spoken sentences)."""
     segments: list[SegmentResult] | None = None

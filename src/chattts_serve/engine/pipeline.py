@@ -7,6 +7,8 @@ DVAE, becomes the voice sample of every segment (the reference's way of keeping 
 sentences). Each code sequence feeds an ``AudioStream`` whose windows the core decodes; a request's
 audio leaves in segment order. A code pass whose prompt (made longer by the refine pass or the voice
 sample) does not fit a KV slot is spoken in parts (``prompt_fit``), one after the other, as one sentence.
+A refined text too long even in parts is spoken unrefined (the refine pass is an enhancement); a sentence
+that cannot fit unrefined either ends its request as the client's error (``RequestOutput.bad_input``).
 
 The pipeline holds state and makes sequences; it runs no model. ``EngineCore`` queues the sequences it
 returns, runs the model, and hands results back.
@@ -46,6 +48,8 @@ class _Segment:
     """Position in the request; -1 for the voice step's segment (spoken, never emitted)."""
     text: str
     refined_text: str | None = None
+    unrefined: bool = False
+    """The refine pass's text did not fit a slot even in parts: the sentence is spoken as normalised."""
     stream: AudioStream | None = None
     hidden_row: tuple[int, int] | None = None
     """The stream's row of the pipeline's ``HiddenStore`` while it needs its hidden states."""
@@ -87,6 +91,8 @@ class _Request:
     status: FinishReason | None = None
     """Set when the request ends early ("aborted", "error")."""
     error: str | None = None
+    bad_input: bool = False
+    """The error is the request's own (its text cannot fit a slot), not the engine's."""
     num_steps: int = 0
     samples_out: int = 0
     """Samples emitted so far: where the next sentence starts (sentences are back to back, see ``outputs``)."""
@@ -167,12 +173,13 @@ class RequestPipeline:
             self.hidden_store.release(seg.hidden_row)
             seg.hidden_row = None
 
-    def end(self, request_id: str, status: FinishReason, error: str | None = None) -> bool:
-        """End a request early ("aborted" or "error"); its final output follows. False if not running."""
+    def end(self, request_id: str, status: FinishReason, error: str | None = None, bad_input: bool = False) -> bool:
+        """End a request early ("aborted" or "error"; ``bad_input``: the request's fault); its final output
+        follows. False if not running."""
         req = self.requests.get(request_id)
         if req is None or req.status is not None:
             return False
-        req.status, req.error = status, error
+        req.status, req.error, req.bad_input = status, error, bad_input
         return True
 
     def has_requests(self) -> bool:
@@ -275,6 +282,22 @@ class RequestPipeline:
         seg.parts = [_Segment(seg.index, part.text, fitted=part) for part in parts]
         return seg.parts
 
+    def _fit_or_unrefined(self, req: _Request, seg: _Segment) -> list[_Segment]:
+        """``_fit``; when the refined text cannot fit even in parts, the sentence's unrefined text (the refine
+        pass only enhances it), said in an INFO log and in its ``SegmentResult.unrefined``. Raises ValueError
+        when that does not fit either."""
+        try:
+            return self._fit(req, seg)
+        except ValueError as exc:
+            source = req.segments[max(seg.index, 0)]
+            if source.refined_text is None:
+                raise
+            logger.info("request %s: %s; speaking its unrefined text", req.request_id, exc)
+            source.refined_text, source.unrefined = None, True
+            if seg is req.voice:
+                seg.text = source.text
+            return self._fit(req, seg)
+
     def _code_passes(self, req: _Request) -> list[Sequence]:
         """Every code pass whose text is ready: the voice step first (when the request has one), then,
         once its sample exists, each segment's own (or its parts'). Ends the request when one cannot be
@@ -282,13 +305,15 @@ class RequestPipeline:
         todo = [req.voice] if req.voice is not None else req.segments
         out = []
         for seg in todo:
-            text_ready = not req.params.refine_text or req.segments[max(seg.index, 0)].refined_text is not None
+            source = req.segments[max(seg.index, 0)]
+            text_ready = not req.params.refine_text or source.refined_text is not None or source.unrefined
             if seg.code_queued or not text_ready:
                 continue
             try:
-                seqs = [(unit, self._new_sequence(req, unit)) for unit in self._fit(req, seg)]
-            except ValueError as exc:
-                self._fail(req.request_id, str(exc))
+                seqs = [(unit, self._new_sequence(req, unit)) for unit in self._fit_or_unrefined(req, seg)]
+            except ValueError as exc:  # the client's text: a 400 (or an error event), never an engine error
+                logger.info("request %s: refused: %s", req.request_id, exc)
+                self._fail(req.request_id, str(exc), bad_input=True)
                 return []
             seg.code_queued = True
             for unit, seq in seqs:
@@ -353,8 +378,10 @@ class RequestPipeline:
             req.voice.text = seg.refined_text  # the reference's voice step speaks the refined text
         return self._code_passes(req)
 
-    def _fail(self, request_id: str, message: str = "internal error (see the server log)") -> None:
-        if self.end(request_id, "error", message):
+    def _fail(
+        self, request_id: str, message: str = "internal error (see the server log)", bad_input: bool = False
+    ) -> None:
+        if self.end(request_id, "error", message, bad_input):
             self._failed.append(request_id)
 
     def take_failed(self) -> list[str]:
@@ -416,9 +443,9 @@ class RequestPipeline:
                         outputs.append(out)
                     continue
             # Aborted or failed: a final output, no more audio.
-            outputs.append(
-                RequestOutput(req.request_id, np.zeros(0, np.float32), True, req.status, req.error, req.num_steps)
-            )
+            out = RequestOutput(req.request_id, np.zeros(0, np.float32), True, req.status, req.error, req.num_steps)
+            out.bad_input = req.bad_input
+            outputs.append(out)
             self.drop(req.request_id)
         return outputs
 
@@ -461,7 +488,7 @@ class RequestPipeline:
         codes = [np.asarray(u.stream.codes, dtype=np.int64).reshape(-1, self.num_vq) for u in seg.units]
         reasons = [u.finish_reason for u in seg.units]
         reason = "length" if "length" in reasons else reasons[0]
-        return SegmentResult(seg.spoken_text, np.concatenate(codes), reason, span)
+        return SegmentResult(seg.spoken_text, np.concatenate(codes), reason, span, seg.unrefined)
 
     def _caption(self, text: str) -> str:
         """A sentence's text without the control tokens it may hold (``[uv_break]`` from SSML, ``[laugh]``)."""

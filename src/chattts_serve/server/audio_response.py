@@ -25,13 +25,22 @@ from fastapi import Request
 from ..audio.encode import StreamingEncoder
 from ..audio.policy import StreamPolicy
 from ..audio.stretch import StreamingStretcher
-from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineError, ShutdownError
+from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineError, ShutdownError, UnspeakableInput
+from ..engine.input_processor import AudioBudgetExceeded
 from ..engine.outputs import RequestOutput
 from ..engine.scheduler import QueueFullError
 from ..sampling_params import SamplingParams
 from ..text.bound import TextTooLong
 from .cache import CACHE_HEADER, ResultCache
-from .errors import APIError, ClientGone, StreamEndedByShutdown, StreamFailed, TimedStreamingResponse, busy
+from .errors import (
+    APIError,
+    ClientGone,
+    InputRefusedMidway,
+    StreamEndedByShutdown,
+    StreamFailed,
+    TimedStreamingResponse,
+    busy,
+)
 from .limits import Limits
 from .metrics import Metrics
 from .params import tenant_of
@@ -191,8 +200,10 @@ class AudioResponse:
     def _translate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, ClientGone):  # nobody reads this answer; it only ends the request cleanly
             return APIError(499, "client closed the request", code="client_closed")
-        if isinstance(exc, TextTooLong):  # max_input_chars, passed by an expansion (text.bound)
-            return APIError(400, str(exc), code="input_too_long")
+        if isinstance(exc, (TextTooLong, UnspeakableInput)):  # max_input_chars passed by an expansion (text.bound),
+            return APIError(400, str(exc), code="input_too_long")  # or a sentence too long for a slot
+        if isinstance(exc, AudioBudgetExceeded):  # its minimum audio passes its budget (server.budget)
+            return APIError(400, str(exc), code="audio_limit")
         if isinstance(exc, ValueError):
             return APIError(400, str(exc))
         if isinstance(exc, QueueFullError):
@@ -232,6 +243,9 @@ class AudioResponse:
         except (asyncio.CancelledError, GeneratorExit):  # the client went away, or stopped reading
             self._status = "aborted"
             raise
+        except UnspeakableInput as exc:  # the client's text, found too long once running: not an engine error
+            self._status = "error"
+            raise InputRefusedMidway(str(exc)) from None
         except ShutdownError:
             logger.warning("request %s ended by the shutdown before it was done", self.request_id)
             self._status = "error"

@@ -126,6 +126,7 @@ class WebSocketConfig:
         "max_text_chars": "ws_max_text_chars",
         "max_pending_sentences": "ws_max_pending_sentences",
         "idle_timeout_s": "ws_idle_timeout_s",
+        "max_audio_seconds": "ws_max_audio_seconds",
     }
 
     max_message_bytes: int = 64 << 10
@@ -137,12 +138,17 @@ class WebSocketConfig:
     the socket until they are spoken (backpressure)."""
     idle_timeout_s: float = 300.0
     """A WebSocket session that sends nothing for this long (while nothing is being spoken) is closed."""
+    max_audio_seconds: float = 3600.0
+    """Audio one stream (a WebSocket stream, a Wyoming streamed synthesis) gives its client in all, counted as
+    ``server.budget`` counts a request's (a slow-down stretch at its stretched length): each part is one engine
+    request within ``max_audio_seconds``, and without this bound 100,000 characters of parts would buy
+    50,000 of them."""
 
     def __post_init__(self) -> None:
         _require(
             self,
             at_least_one=("max_message_bytes", "max_text_chars", "max_pending_sentences"),
-            positive=("idle_timeout_s",),
+            positive=("idle_timeout_s", "max_audio_seconds"),
         )
 
 

@@ -63,6 +63,15 @@ class StreamEndedByShutdown(StreamFailed):
         )
 
 
+class InputRefusedMidway(StreamFailed):
+    """The engine found, after the response started, that the request's own text cannot be spoken (a
+    sentence too long for a slot even unrefined and in parts: ``engine.async_engine.UnspeakableInput``). The
+    client's error: each transport ends the response with it as a 400-class error event, not a 500."""
+
+    def __init__(self, message: str) -> None:
+        APIError.__init__(self, 400, message, code="input_too_long")
+
+
 class ClientGone(Exception):
     """The client disconnected before the response started."""
 

@@ -12,6 +12,9 @@ wire. What both protocols promise lives here, once:
   messages wait in the socket buffers;
 * the idle clock: ``ws_idle_timeout_s`` without a message while nothing is being spoken or waiting;
 * the text limit: ``ws_max_text_chars`` per stream; parts of at most ``max_input_chars`` (``text_parts``);
+* the audio limit: ``ws_max_audio_seconds`` per stream, counted as the client gets it (``server.budget``'s way:
+  a slow-down stretch at its stretched length); each part's engine budget is what the stream has left, so a
+  part whose minimum would pass it is refused before it is spoken and a longer one is cut at the limit;
 * a part the engine refuses (bad input) is reported to the sink and skipped; any other failure ends the session;
 * the first part's voice: every later part of a stream is spoken with it.
 
@@ -37,6 +40,7 @@ import numpy as np
 from ..audio.policy import StreamPolicy
 from ..engine.async_engine import EngineDeadError, EngineError
 from ..engine.outputs import RequestOutput
+from ..models.chattts.config import TOKENS_PER_SECOND
 from ..models.chattts.speaker import MIN_VOICE_SAMPLES
 from ..sampling_params import SamplingParams
 from ..text.ssml import is_ssml
@@ -62,7 +66,7 @@ class ErrorKind(enum.Enum):
     TOO_LARGE = "too_large"
     """One message over the size limit."""
     OVER_LIMIT = "over_limit"
-    """The stream's text over ``ws_max_text_chars``."""
+    """The stream's text over ``ws_max_text_chars``, or its audio at ``ws_max_audio_seconds``."""
     IDLE = "idle"
     """Nothing received for ``ws_idle_timeout_s`` while nothing was being spoken."""
     OVERLOADED = "overloaded"
@@ -154,6 +158,9 @@ class TextStream:
         """The sink's time stretch: a slowed-down part's audio counts at its stretched length (``server.budget``)."""
         self.segmenter = Segmenter(session.cfg.max_input_chars)
         self.text_chars = 0
+        self.audio_s = 0.0
+        """The stream's audio so far, counted at its longest: stretched when slowed down, the model's when sped
+        up (``server.budget``); ``ws_max_audio_seconds`` bounds it."""
         self.num_parts = 0
         """Parts started so far: the next part's index (a refused part does not count)."""
 
@@ -281,11 +288,19 @@ class TextSession:
         resp = AudioResponse(st.engine, st.metrics, st.limits, self.endpoint, self.cfg.timeouts.queue_wait_s)
         request_id = f"{self.request_prefix}{self.id}-{self.num_requests}"
         self.num_requests += 1
-        # each part as one request: its stretched audio within max_audio_seconds (server.budget)
-        budget = st.engine.max_audio_seconds * stream.stretch if stream.stretch < 1.0 else None
+        # each part as one request: its stretched audio within max_audio_seconds and what the stream has left
+        # of ws_max_audio_seconds (server.budget)
+        limit, longest = self.cfg.ws.max_audio_seconds, min(1.0, stream.stretch)
+        room, engine_limit = limit - stream.audio_s, st.engine.max_audio_seconds
+        if room * TOKENS_PER_SECOND < 1:  # not one step left
+            raise _audio_limit(limit, stream.audio_s)
+        budget = min(engine_limit, room) * longest
         try:
-            await resp.start(text, stream.params, stream.policy, request_id, max_audio_seconds=budget)
+            bound = budget if budget < engine_limit else None
+            await resp.start(text, stream.params, stream.policy, request_id, max_audio_seconds=bound)
         except APIError as exc:
+            if exc.code == "audio_limit" and room < engine_limit:  # the stream's limit, not the request's
+                raise _audio_limit(limit, stream.audio_s, str(exc.detail)) from None
             error = error_from_api(exc)
             if error.kind is not ErrorKind.BAD_INPUT:
                 raise error from None
@@ -304,6 +319,7 @@ class TextSession:
         except (APIError, EngineError, EngineDeadError) as exc:  # StreamFailed: it failed after it started
             raise _failure(exc) from None
         finally:
+            stream.audio_s += resp.samples / st.engine.sample_rate / longest
             stream.sink.part_done()
 
 
@@ -316,6 +332,12 @@ async def _until_done(reading: asyncio.Task, speaking: asyncio.Task) -> None:
         for task in done:
             if task.exception() is not None:
                 raise task.exception()
+
+
+def _audio_limit(limit: float, spoken: float, why: str = "") -> SessionError:
+    """The stream has spoken ``spoken`` of its ``limit`` seconds, and its next part does not fit (``why``)."""
+    message = f"the stream's audio would pass its limit of {limit:g} s (ws_max_audio_seconds; {spoken:.1f} s spoken)"
+    return SessionError(ErrorKind.OVER_LIMIT, f"{message}: {why}" if why else message, "audio_limit")
 
 
 def _failure(exc: Exception) -> SessionError:

@@ -32,6 +32,7 @@ as for HTTP requests:
   A message also over the protocol layer's cap (uvicorn's ``ws_max_size``, set by ``chattts-serve serve``) is
   refused there, before it is buffered whole: close 1009 without the event.
 * ``ws_max_text_chars``: once the session's text (the start's included) exceeds it: error ``text_limit`` + 1008.
+* ``ws_max_audio_seconds``: a part that would take the stream's audio past it: error ``audio_limit`` + 1008.
 * ``max_input_chars``: the start's ``text`` is checked as in ``POST /v1/tts`` (longer: error + 1008). Later text
   is cut into parts of at most this many characters: at the last sentence end that fits, else at the last
   space or comma in the second half of the limit, else at the limit itself. A run without a sentence end is
