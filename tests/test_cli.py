@@ -155,9 +155,12 @@ def test_checkpoint_random_for_each_registered_family(tmp_path, tiny_ckpt, capsy
     with registered():
         assert main(["checkpoint", "random", str(tmp_path / "s"), "--family", "sine", "--size", "full"]) == 0
     assert (tmp_path / "s" / CONFIG).is_file() and "random full sine checkpoint" in capsys.readouterr().out
+    assert main(["checkpoint", "random", str(tmp_path / "k"), "--family", "kokoro", "--size", "tiny"]) == 0
+    assert "random tiny kokoro checkpoint" in capsys.readouterr().out
+    assert {p.name for p in (tmp_path / "k").iterdir()} == {"config.json", "kokoro-v1_0.pth", "voices"}
     with pytest.raises(SystemExit):
-        main(["checkpoint", "random", str(tmp_path / "k"), "--family", "kokoro"])
-    assert "invalid choice: 'kokoro' (choose from 'chattts', 'vits')" in capsys.readouterr().err
+        main(["checkpoint", "random", str(tmp_path / "b"), "--family", "bark"])
+    assert "invalid choice: 'bark' (choose from 'chattts', 'vits', 'kokoro')" in capsys.readouterr().err
 
 
 def test_a_random_vits_checkpoint_is_written_detected_and_spoken(tmp_path, capsys):
