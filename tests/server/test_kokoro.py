@@ -276,3 +276,31 @@ def wait_for(predicate, timeout: float = 30.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_websocket_segment_events_carry_their_words(live):
+    from websockets.sync.client import connect
+
+    from .conftest import ws_url
+
+    with connect(ws_url(live[0]), open_timeout=10, close_timeout=5) as ws:
+        start = {"type": "start", "format": "pcm", "timestamps": True, "voice": "zf_xiaobei", "seed": 8}
+        ws.send(json.dumps(start))
+        ws.send(json.dumps({"type": "text", "text": TWO}))
+        ws.send(json.dumps({"type": "end"}))
+        segments, samples = [], 0
+        while True:
+            event = json.loads(ws.recv(timeout=TIMEOUT))
+            if event["type"] == "chunk" and event["bytes"]:
+                samples += len(ws.recv(timeout=TIMEOUT)) // 2
+            elif event["type"] == "segment":
+                assert round(event["end_s"] * RATE) <= samples  # after its audio
+                segments.append(event)
+            elif event["type"] in ("end", "error"):
+                assert event["type"] == "end", event
+                break
+    assert [[w["word"] for w in s["words"]] for s in segments] == [
+        ["今天天气", "很", "好"],
+        ["我们", "去", "公园", "散步", "吧"],
+    ]
+    assert segments[-1]["words"][-1]["end_time"] <= samples / RATE
