@@ -304,3 +304,14 @@ def test_websocket_segment_events_carry_their_words(live):
         ["我们", "去", "公园", "散步", "吧"],
     ]
     assert segments[-1]["words"][-1]["end_time"] <= samples / RATE
+
+
+def test_ssml_rate_breaks_and_voices(live):
+    base = live[0]
+    plain = tts(base, text="你好。世界，和平。", voice="zf_xiaobei", seed=9)
+    ssml = '<speak>你好<break time="500ms"/>世界<break time="100ms"/>和平。</speak>'
+    assert tts(base, text=ssml, voice="zf_xiaobei", seed=9) == plain
+    fast = tts(base, text=f'<speak><prosody rate="x-fast">{ssml[7:-8]}</prosody></speak>', voice="zf_xiaobei", seed=9)
+    assert len(fast) < 0.75 * len(plain)
+    two = tts(base, text='<speak>你好。<voice name="zm_yunjian">世界。</voice></speak>', voice="zf_xiaobei", seed=9)
+    assert len(two) > 0

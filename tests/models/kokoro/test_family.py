@@ -137,3 +137,19 @@ def test_phonemes_are_spoken_exactly_as_one_utterance(served):
     assert u.inputs.ids == tuple(phonemes_to_ids(ps, served.vocab)) and u.text == "Hello world"
     [s] = served.synthesize([u])
     assert [w.text for w in s.words] == ["həlˈO", "wˈɜːld"]
+
+
+def test_ssml_breaks_are_kokoros_pauses_and_prosody_its_speed(served):
+    params = SamplingParams(seed=2, speaker="zf_xiaobei")
+
+    def said(text: str) -> list[tuple[str, str, float]]:
+        return [(u.text, u.inputs.chunk.phonemes, u.inputs.speed) for u in served.utterances(text, params)]
+
+    # a long break ends a sentence, a short one is a comma; sub and say-as are read as for ChatTTS
+    assert said('<speak>你好<break time="500ms"/>世界<break time="100ms"/>和平。</speak>') == said("你好。世界，和平。")
+    assert said('<speak><sub alias="世界">地球</sub>。</speak>') == said("世界。")
+    assert said('<speak><prosody rate="x-fast">你好。</prosody></speak>') == [(t, p, 2.0) for t, p, _ in said("你好。")]
+    two = said('<speak><prosody rate="fast">你好。</prosody><prosody rate="slow">世界。</prosody>和平。</speak>')
+    assert [speed for _, _, speed in two] == [1.5, 0.75, 1.0]  # each stretch at its own rate (none: the request's)
+    with pytest.raises(ValueError, match="<voice>"):
+        served.utterances('<speak>你好<voice name="zm_yunjian">世界</voice></speak>', params)

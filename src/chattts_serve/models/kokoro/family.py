@@ -271,17 +271,23 @@ class LoadedKokoro(BatchModel):
         if not isinstance(text, str) or not text.strip():
             raise ValueError("text is empty")
         if options.phonemes is not None:  # exact control: the phonemes as given, one utterance (<= 510)
-            chunks = [replace(chunk_phonemes(options.phonemes, self.vocab), text=" ".join(text.split()))]
-        else:
-            chunks = self._chunks(_prepared(text, params), options.lang, params.split_text)
+            chunks = [
+                (replace(chunk_phonemes(options.phonemes, self.vocab), text=" ".join(text.split())), options.speed)
+            ]
+        else:  # an SSML document's <prosody rate> wins over the request's speed where it is set, as for ChatTTS
+            chunks = [
+                (chunk, options.speed if rate is None else min(max(rate, SPEED_RANGE[0]), SPEED_RANGE[1]))
+                for part, rate in _prepared(text, params)
+                for chunk in self._chunks(part, options.lang, params.split_text)
+            ]
         pack = self.voices.pack(options.voice)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         out = []
-        for i, chunk in enumerate(chunks):
+        for i, (chunk, speed) in enumerate(chunks):
             ids = tuple(phonemes_to_ids(chunk.phonemes, self.vocab))
             # The package styles a chunk by its phoneme string's length, symbols the vocab lacks included.
             style = style_for(pack, len(chunk.phonemes))
-            inputs = KokoroInputs(chunk, ids, style, options.speed, utterance_seed(seed, i))
+            inputs = KokoroInputs(chunk, ids, style, speed, utterance_seed(seed, i))
             out.append(Utterance(chunk.text, len(ids), inputs))
         return out
 
@@ -323,18 +329,29 @@ def _is_word(text: str) -> bool:
     return any(c.isalnum() for c in text)
 
 
-def _prepared(text: str, params) -> str:
-    """The common text options every family honours: markdown cleanup and the lexicon's replacements."""
+def _prepared(text: str, params) -> list[tuple[str, float | None]]:
+    """The text to phonemize, in stretches each with the rate an SSML document asks for there (None: the
+    request's), within ``params.max_text_chars``. SSML (``text.ssml``: say-as, sub, phoneme, breaks, rates) is
+    read as for ChatTTS, its break tokens becoming the punctuation Kokoro pauses at (a comma; a sentence end for
+    a long break); plain text gets the common options every family honours, markdown cleanup and the lexicon."""
+    from ...text.bound import check_chars
+    from ...text.lexicon import Lexicon
+    from ...text.ssml import is_ssml, parse_ssml
+
+    limit = params.max_text_chars
+    check_chars(text, limit, "the request")
+    lexicon = params.lexicon
+    if isinstance(lexicon, Mapping):
+        lexicon = Lexicon.from_entries(lexicon)
+    if is_ssml(text):
+        ssml = parse_ssml(text, params.lang, lexicon, limit)
+        runs = zip([t for t, _ in ssml.runs], ssml.run_rates, strict=True) if ssml.runs else [(ssml.text, ssml.rate)]
+        return [(t.replace("[uv_break]", ", ").replace("[lbreak]", ". "), rate) for t, rate in runs]
     if params.text_cleanup == "markdown":
         from ...text.cleanup import clean_markdown
 
-        text = clean_markdown(text)
-    if params.lexicon is not None:
-        from ...text.lexicon import Lexicon
-
-        lexicon = params.lexicon if isinstance(params.lexicon, Lexicon) else Lexicon.from_entries(params.lexicon)
-        text = lexicon.apply(text)
-    return text
+        text = check_chars(clean_markdown(text), limit, "markdown cleanup")
+    return [(lexicon.apply(text, limit) if lexicon is not None else text, None)]
 
 
 class KokoroFamily(ModelFamily):
