@@ -37,10 +37,11 @@ def live(tmp_path_factory):
     """The server, on a tiny random checkpoint in the official layout (detected from its files)."""
     tmp = tmp_path_factory.mktemp("kokoro-server")
     root = models.get("kokoro").write_random(tmp / "kokoro", "tiny")
-    config = app_config(root, tmp, port=free_port(), max_num_seqs=8)
+    wyoming = free_port()
+    config = app_config(root, tmp, port=free_port(), max_num_seqs=8, wyoming_uri=f"tcp://127.0.0.1:{wyoming}")
     app = create_app(config)
     with serving(app, config) as srv:
-        yield srv.base, app.state.engine
+        yield srv.base, app.state.engine, wyoming
 
 
 @pytest.fixture
@@ -99,7 +100,7 @@ def test_models_list_the_family_and_its_rate(live):
 
 def test_served_audio_is_the_model_called_directly(live):
     """One sentence, seed 7: the server's pcm is ``KokoroModel.synthesize``'s waveform, quantised; nothing else."""
-    base, engine = live
+    base, engine, _ = live
     got = tts(base, text=ONE, voice="zf_xiaobei", seed=7)
     [chunk] = sentence_chunks(G2P("z"), ONE)
     loaded = engine.engine.family_model
@@ -233,7 +234,7 @@ def test_concurrent_requests_batch_and_sound_as_they_do_alone(live, batches):
     """While the first request's batch is held, three more arrive; they run together in the next batch, and
     every request's audio is its audio alone (lengths exact; waveform within the model's batch bound, which
     int16 rounding may turn into 1)."""
-    base, engine = live
+    base, engine, _ = live
     texts = ["你好。", "世界和平。", "再见。", "早上好。"]
     alone = [pcm(tts(base, text=t, voice="zm_yunjian", seed=10 + i)) for i, t in enumerate(texts)]
     batches.clear()
@@ -315,3 +316,30 @@ def test_ssml_rate_breaks_and_voices(live):
     assert len(fast) < 0.75 * len(plain)
     two = tts(base, text='<speak>你好。<voice name="zm_yunjian">世界。</voice></speak>', voice="zf_xiaobei", seed=9)
     assert len(two) > 0
+
+
+def test_wyoming_speaks_a_kokoro_voice_as_http_does(live):
+    import asyncio
+
+    from wyoming.audio import AudioChunk
+    from wyoming.client import AsyncTcpClient
+    from wyoming.info import Describe, Info
+    from wyoming.tts import Synthesize, SynthesizeVoice
+
+    async def speak():
+        async with AsyncTcpClient("127.0.0.1", live[2], connect_timeout=10, read_timeout=TIMEOUT) as c:
+            await c.write_event(Describe().event())
+            info = Info.from_event(await c.read_event())
+            await c.write_event(Synthesize(text=ONE, voice=SynthesizeVoice(name="zm_yunjian")).event())
+            audio = b""
+            while (event := await c.read_event()) is not None and event.type != "audio-stop":
+                assert event.type != "error", event
+                if AudioChunk.is_type(event.type):
+                    audio += AudioChunk.from_event(event).audio
+            return info, audio
+
+    info, audio = asyncio.run(speak())
+    assert "zm_yunjian" in [v.name for v in info.tts[0].voices]
+    heard = pcm(audio)
+    http = pcm(tts(live[0], text=ONE, voice="zm_yunjian"))  # unseeded: another draw of the noise
+    assert len(heard) == len(http) > 0  # durations do not depend on the noise
