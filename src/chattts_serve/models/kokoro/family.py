@@ -11,7 +11,7 @@ Voices are the checkpoint's packs by name (``af_heart``, ``zf_xiaobei``, ...). A
 a blend in Kokoro-FastAPI's syntax with normalised weights (``af_bella(0.666667)+af_sky(0.333333)``): the
 weighted mean of the packs. Five OpenAI voice names have namesake packs in Kokoro v1.0 (``alloy`` ->
 ``af_alloy``, ``echo``, ``fable``, ``nova``, ``onyx``) and are built-in aliases for them where the checkpoint
-has them; OpenAI's other names are unknown voices (a 400 listing none of them silently mapped).
+has them; OpenAI's other names are unknown voices (a 400: none is silently given another voice).
 
 Its options (``SamplingParams.options``): ``speed`` (Kokoro's own duration scale; OpenAI's ``speed`` maps to it),
 ``phonemes`` (speak these phonemes exactly, one utterance) and ``lang_code`` (Kokoro-FastAPI's name: the G2P's
