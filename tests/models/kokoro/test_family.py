@@ -153,3 +153,10 @@ def test_ssml_breaks_are_kokoros_pauses_and_prosody_its_speed(served):
     assert [speed for _, _, speed in two] == [1.5, 0.75, 1.0]  # each stretch at its own rate (none: the request's)
     with pytest.raises(ValueError, match="<voice>"):
         served.utterances('<speak>你好<voice name="zm_yunjian">世界</voice></speak>', params)
+
+
+def test_text_without_a_phoneme_of_the_vocabulary_is_refused_not_sent_to_the_batch(served):
+    params = SamplingParams(seed=1, speaker="zf_xiaobei")
+    with pytest.raises(ValueError, match="nothing Kokoro can speak"):
+        served.utterances("™™", params)
+    assert [u.text for u in served.utterances("你好。™™", params)] == ["你好."]  # the rest is spoken

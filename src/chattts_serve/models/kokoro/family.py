@@ -280,11 +280,15 @@ class LoadedKokoro(BatchModel):
                 for part, rate in _prepared(text, params)
                 for chunk in self._chunks(part, options.lang, params.split_text)
             ]
+        # A chunk of symbols the vocabulary lacks only (they are dropped, as the package drops them) has nothing
+        # to speak: it would fail the model's whole batch, other requests' rows included.
+        spoken = [(c, ids, v) for c, v in chunks if len(ids := tuple(phonemes_to_ids(c.phonemes, self.vocab))) > 2]
+        if not spoken:
+            raise ValueError(f"text: nothing Kokoro can speak (no phoneme its vocabulary has) in {text[:60]!r}")
         pack = self.voices.pack(options.voice)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         out = []
-        for i, (chunk, speed) in enumerate(chunks):
-            ids = tuple(phonemes_to_ids(chunk.phonemes, self.vocab))
+        for i, (chunk, ids, speed) in enumerate(spoken):
             # The package styles a chunk by its phoneme string's length, symbols the vocab lacks included.
             style = style_for(pack, len(chunk.phonemes))
             inputs = KokoroInputs(chunk, ids, style, speed, utterance_seed(seed, i))
