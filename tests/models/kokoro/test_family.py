@@ -160,3 +160,19 @@ def test_text_without_a_phoneme_of_the_vocabulary_is_refused_not_sent_to_the_bat
     with pytest.raises(ValueError, match="nothing Kokoro can speak"):
         served.utterances("™™", params)
     assert [u.text for u in served.utterances("你好。™™", params)] == ["你好."]  # the rest is spoken
+
+
+def _english() -> bool:
+    from chattts_serve.models.kokoro.text import en
+
+    return en.spacy_available() or en.espeak_available()
+
+
+@pytest.mark.skipif(
+    not _english(), reason="English needs spaCy's en_core_web_sm or espeak-ng (the kokoro-espeak extra)"
+)
+def test_english_follows_an_english_voice_sentence_by_sentence(served):
+    utts = served.utterances("Hello world. How are you today?", SamplingParams(seed=1, speaker="bf_emma"))
+    assert [u.text for u in utts] == ["Hello world.", "How are you today?"]
+    assert served._g2p.keys() >= {"b"}  # British, from the voice's first letter
+    assert [w.text for w in served.synthesize(utts[:1])[0].words] == ["Hello", "world"]
