@@ -155,9 +155,12 @@ def test_checkpoint_random_for_each_registered_family(tmp_path, tiny_ckpt, capsy
     with registered():
         assert main(["checkpoint", "random", str(tmp_path / "s"), "--family", "sine", "--size", "full"]) == 0
     assert (tmp_path / "s" / CONFIG).is_file() and "random full sine checkpoint" in capsys.readouterr().out
+    assert main(["checkpoint", "random", str(tmp_path / "k"), "--family", "kokoro", "--size", "tiny"]) == 0
+    assert "random tiny kokoro checkpoint" in capsys.readouterr().out
+    assert {p.name for p in (tmp_path / "k").iterdir()} == {"config.json", "kokoro-v1_0.pth", "voices"}
     with pytest.raises(SystemExit):
-        main(["checkpoint", "random", str(tmp_path / "k"), "--family", "kokoro"])
-    assert "invalid choice: 'kokoro' (choose from 'chattts', 'vits')" in capsys.readouterr().err
+        main(["checkpoint", "random", str(tmp_path / "b"), "--family", "bark"])
+    assert "invalid choice: 'bark' (choose from 'chattts', 'vits', 'kokoro')" in capsys.readouterr().err
 
 
 def test_a_random_vits_checkpoint_is_written_detected_and_spoken(tmp_path, capsys):
@@ -189,3 +192,18 @@ def test_a_broken_vits_checkpoint_is_one_line_not_a_traceback(tmp_path, capsys):
     (root / "vocab.json").unlink()
     assert main(["synthesize", "Hello.", "-o", str(tmp_path / "x.wav"), "--model", str(root), "--family", "vits"]) == 2
     assert "incomplete; missing: vocab.json" in capsys.readouterr().err
+
+
+def test_synthesize_detects_a_kokoro_checkpoint(tmp_path, capsys):
+    """``--model DIR`` of a Kokoro checkpoint: its family from the files, its voice names as ``--speaker``, its
+    rate in the file; a ChatTTS-only flag is an error that names the option and both families."""
+    from chattts_serve.cli import main
+
+    assert main(["checkpoint", "random", str(tmp_path / "k"), "--family", "kokoro"]) == 0
+    out = tmp_path / "x.wav"
+    args = ["synthesize", "你好，世界。", "-o", str(out), "--model", str(tmp_path / "k"), "--seed", "1"]
+    assert main([*args, "--speaker", "zf_xiaobei"]) == 0
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 24000 and w.getnframes() > 0
+    assert main([*args, "--temperature", "0.5"]) == 2
+    assert "option 'temperature' belongs to the chattts family; this model is a kokoro model" in capsys.readouterr().err

@@ -137,3 +137,20 @@ def test_config_validation(value):
         SchedulerConfig(max_batch_work=value)
     with pytest.raises(ValueError, match="admission"):
         SchedulerConfig(admission="tokens")
+
+
+def test_a_requests_first_utterance_runs_without_its_later_ones():
+    """Streaming by sentence: a lone request's first sentence is a batch of its own (its audio leaves after one
+    sentence's work); the rest follow together, and other requests' utterances fill the first batch."""
+    sched = make(max_batch_work=1000, max_num_seqs=16)
+    text = [utt("a", 10, rank=i) for i in range(4)]
+    for s in text:
+        sched.add(s)
+    assert run_step(sched).prefill == text[:1]
+    assert run_step(sched).prefill == text[1:]
+    b = [utt("b", 10, rank=i, arrival=1) for i in range(2)]
+    c = utt("c", 10, arrival=2)
+    for s in (*b, c):
+        sched.add(s)
+    assert run_step(sched).prefill == [b[0], c]  # b's second waits; c's first does not
+    assert run_step(sched).prefill == [b[1]]

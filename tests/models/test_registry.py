@@ -15,16 +15,16 @@ from chattts_serve.sampling_params import SamplingParams, option_defaults
 from tests.support.sine_family import SineFamily, registered
 
 
-def test_chattts_and_vits_are_built_in_and_others_are_registered_for_as_long_as_asked():
-    assert models.names() == ["chattts", "vits"]
+def test_the_built_in_families_and_others_registered_for_as_long_as_asked():
+    assert models.names() == ["chattts", "vits", "kokoro"]
     with registered() as sine:
-        assert models.names() == ["chattts", "vits", "sine"] and models.get("sine") is sine
-    assert models.names() == ["chattts", "vits"]
+        assert models.names() == ["chattts", "vits", "kokoro", "sine"] and models.get("sine") is sine
+    assert models.names() == ["chattts", "vits", "kokoro"]
 
 
 def test_an_unknown_family_names_the_known_ones():
-    with pytest.raises(models.UnknownFamilyError, match=r"family 'kokoro'; the families are: chattts, vits"):
-        models.get("kokoro")
+    with pytest.raises(models.UnknownFamilyError, match=r"family 'bark'; the families are: chattts, vits, kokoro"):
+        models.get("bark")
 
 
 def test_a_family_name_is_checked():
@@ -40,7 +40,7 @@ def test_a_local_directory_is_detected_by_its_files(tiny_ckpt, tmp_path):
         assert models.detect(sine.write_random(tmp_path / "s")) is sine
         assert models.detect(tiny_ckpt, family="sine") is sine  # --family wins
         (tmp_path / "empty").mkdir()
-        with pytest.raises(models.UnknownFamilyError, match="families are: chattts, vits, sine.*--family"):
+        with pytest.raises(models.UnknownFamilyError, match="families are: chattts, vits, kokoro, sine.*--family"):
             models.detect(tmp_path / "empty")
 
 

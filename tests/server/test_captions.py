@@ -180,3 +180,26 @@ def test_segment_clock_places_a_part_in_the_stream_and_reports_each_sentence_onc
     assert clock.feed(last) == [_span(5, 1010, 1030)]  # the final segments fill in the missing one
     assert clock.take() == clock.spans == [_span(4, 1000, 1010), _span(5, 1010, 1030)]
     assert clock.take() == []
+
+
+def test_word_times_ride_on_their_sentence_and_may_be_the_cues():
+    from chattts_serve.models.family import Word
+    from chattts_serve.server.captions import segment_fields
+    from chattts_serve.server.protocol import Segment
+
+    words = (Word("Hello", 0, 9600), Word("world", 9600, 21600), Word("", 21600, 21600))
+    timed = SegmentSpan(0, "Hello world.", 0, 24000, 24000, words)
+    fields = segment_fields(timed)
+    assert fields["words"][:2] == [
+        {"word": "Hello", "start_time": 0.0, "end_time": 0.4},
+        {"word": "world", "start_time": 0.4, "end_time": 0.9},
+    ]
+    assert Segment(**fields).model_dump() == fields
+    assert Segment(**segment_fields(_span(0, 0, 10))).model_dump() == segment_fields(_span(0, 0, 10))  # no "words"
+    assert "words" not in segment_fields(_span(0, 0, 10))
+    srt = subtitles([timed], "srt", "word")
+    assert srt == "1\n00:00:00,000 --> 00:00:00,400\nHello\n\n2\n00:00:00,400 --> 00:00:00,900\nworld\n"
+    assert subtitles([timed], "vtt", "word").count("-->") == 2
+    assert subtitles([_span(0, 0, 10)], "srt", "word") == ""  # a sentence-timed span has no word cues
+    with pytest.raises(ValueError, match="sentence or word"):
+        subtitles([timed], "srt", "syllable")

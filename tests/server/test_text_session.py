@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from chattts_serve import models
 from chattts_serve.audio.policy import StreamPolicy
 from chattts_serve.engine.async_engine import EngineError
 from chattts_serve.engine.outputs import RequestOutput, SegmentResult
@@ -29,6 +30,7 @@ class FakeEngine:
 
     sample_rate = 24000
     max_audio_seconds = 600.0
+    family = models.get("chattts")  # the family with the voice step (its voice samples)
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, SamplingParams]] = []

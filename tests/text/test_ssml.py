@@ -41,6 +41,17 @@ def test_breaks_are_chattts_break_tokens(tag, token):
 def test_prosody_rate_is_the_requests_speed(rate, speed):
     out = parse_ssml(f'<speak><prosody rate="{rate}">慢慢说。再说一次。</prosody><break/></speak>')
     assert out == SsmlText("慢慢说。再说一次。[uv_break]", f"[speed_{speed}]")
+    rates = {
+        "x-slow": 0.5,
+        "slow": 0.75,
+        "medium": 1.0,
+        "fast": 1.5,
+        "x-fast": 2.0,
+        "50%": 0.5,
+        "200%": 2.0,
+        "1.0": 1.0,
+    }
+    assert out.rate == rates[rate]  # the number the prompt was made from (Kokoro's speed)
 
 
 def test_relative_rates_and_one_rate_in_nested_prosody():
@@ -58,6 +69,7 @@ def test_text_at_several_rates_is_cut_into_its_rate_runs():
         '<speak><break/><prosody rate="fast">a<break/></prosody> <prosody rate="slow">b</prosody>c</speak>'
     )
     assert out.runs == (("[uv_break]a[uv_break] ", "[speed_6]"), ("b", "[speed_4]"), ("c", None))
+    assert out.run_rates == (1.5, 0.75, None)  # the numbers the prompts were made from (Kokoro's speeds)
     assert out.text == "".join(t for t, _ in out.runs) and out.speed is None
     # A rate inside a sentence cuts it; the same rate again is a run of its own (runs are in order).
     out = parse_ssml('<speak>快<prosody rate="fast">慢</prosody>快</speak>')

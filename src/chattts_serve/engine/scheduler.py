@@ -165,14 +165,23 @@ class Scheduler:
         return out
 
     def _admit_batch(self, out: SchedulerOutput) -> SchedulerOutput:
-        """ "work" admission: this step's batch, in queue order, while it fits the work budget and the rows."""
+        """ "work" admission: this step's batch, in queue order, while it fits the work budget and the rows. A
+        request's first utterance runs in a batch without its later ones, so its first audio leaves after one
+        sentence's work (streaming by sentence), not after the whole text's; they wait one step."""
         budget, rows = self.config.max_batch_work, self.config.max_num_seqs
-        while self.waiting and len(out.prefill) < rows:
-            seq = self.waiting[0]
+        starting: set[str] = set()  # requests whose first utterance is in this batch
+        i = 0
+        while i < len(self.waiting) and len(out.prefill) < rows:
+            seq = self.waiting[i]
+            if seq.rank > 0 and seq.request_id in starting:
+                i += 1
+                continue
             if out.prefill and seq.prompt_len > budget:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             budget -= seq.prompt_len
+            if seq.rank == 0:
+                starting.add(seq.request_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.prefill.append(seq)

@@ -18,6 +18,7 @@ from .family import ModelFamily, foreign_options
 _BUILTIN: dict[str, str] = {
     "chattts": "chattts_serve.models.chattts.family:ChatTTSFamily",
     "vits": "chattts_serve.models.vits.family:VitsFamily",
+    "kokoro": "chattts_serve.models.kokoro.family:KokoroFamily",
 }
 """name -> "module:class" of the families that ship with the package, in detection order."""
 

@@ -1,9 +1,11 @@
-"""Sentence timestamps: each sentence's place in the audio as events (SSE, WebSocket) and as subtitles.
+"""Sentence and word timestamps: each sentence's place in the audio as events (SSE, WebSocket) and as subtitles.
 
 The engine counts them (``engine.outputs.SegmentSpan``: sentences are back to back in the audio, so sentence
 i starts where sentence i-1 ends, in samples at the model's rate); nothing here estimates. A caption's text is the
 sentence as normalised, without control tokens. Word timing is counted where the model predicts durations
-(``SegmentSpan.words``, a family with word timestamps).
+(``SegmentSpan.words``, a family whose ``capabilities.timestamps`` is "word": Kokoro): a sentence's event and its
+JSON segment then carry its ``words`` in Kokoro-FastAPI's captioned-speech shape (``word``, ``start_time``,
+``end_time``), and subtitles may have one cue per word.
 Times are seconds of the model's audio; at another ``sample_rate`` the resampled audio has the same duration.
 """
 
@@ -53,24 +55,33 @@ def segment_event(span: SegmentSpan, event_type: str) -> dict:
 
 
 def segment_fields(span: SegmentSpan) -> dict:
-    return {"index": span.index, "text": span.text, "start_s": span.start_s, "end_s": span.end_s}
+    fields = {"index": span.index, "text": span.text, "start_s": span.start_s, "end_s": span.end_s}
+    if span.words:
+        rate = span.sample_rate
+        fields["words"] = [{"word": w.text, "start_time": w.start / rate, "end_time": w.end / rate} for w in span.words]
+    return fields
 
 
-def subtitles(spans: list[SegmentSpan], fmt: str) -> str:
-    """SubRip (``srt``) or WebVTT (``vtt``): one cue per sentence, times rounded to the millisecond (a cue
-    ends where the next begins). Sentences without audio or without text have no cue."""
-    cues = [s for s in spans if s.end > s.start and s.text.strip()]
+def subtitles(spans: list[SegmentSpan], fmt: str, unit: str = "sentence") -> str:
+    """SubRip (``srt``) or WebVTT (``vtt``): one cue per sentence (``unit`` "word": per word, for a model with
+    word timestamps), times rounded to the millisecond (a sentence's cue ends where the next begins). Sentences
+    or words without audio or without text have no cue."""
+    if unit == "word":
+        cues = [(w.start, w.end, w.text, s.sample_rate) for s in spans for w in s.words]
+    elif unit == "sentence":
+        cues = [(s.start, s.end, s.text, s.sample_rate) for s in spans]
+    else:
+        raise ValueError(f"unknown caption unit {unit!r}; choose sentence or word")
+    cues = [c for c in cues if c[1] > c[0] and c[2].strip()]
     if fmt == "srt":
         return "\n".join(
-            f"{n}\n{_timestamp(s.start, s.sample_rate, ',')} --> {_timestamp(s.end, s.sample_rate, ',')}\n"
-            f"{_one_line(s.text)}\n"
-            for n, s in enumerate(cues, 1)
+            f"{n}\n{_timestamp(start, rate, ',')} --> {_timestamp(end, rate, ',')}\n{_one_line(text)}\n"
+            for n, (start, end, text, rate) in enumerate(cues, 1)
         )
     if fmt == "vtt":
         body = [
-            f"{_timestamp(s.start, s.sample_rate, '.')} --> {_timestamp(s.end, s.sample_rate, '.')}\n"
-            f"{_vtt_text(s.text)}\n"
-            for s in cues
+            f"{_timestamp(start, rate, '.')} --> {_timestamp(end, rate, '.')}\n{_vtt_text(text)}\n"
+            for start, end, text, rate in cues
         ]
         return "\n".join(["WEBVTT\n", *body])
     raise ValueError(f"unknown caption format {fmt!r}; choose one of {', '.join(CAPTION_MEDIA_TYPES)}")

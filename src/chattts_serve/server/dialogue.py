@@ -103,7 +103,12 @@ def _turns(st, body: DialogueRequest, tenant: str | None) -> list[Turn]:
             check_length(turn.text, cfg.max_input_chars, "text")
             voice = resolve_voice(st.voices, st.engine, turn.speaker or turn.voice, cfg.voices.default, "voice", tenant)
             params = build_params(
-                turn, voice, defaults=defaults, lexicon=cfg.lexicon, max_text_chars=cfg.max_input_chars
+                turn,
+                voice,
+                defaults=defaults,
+                lexicon=cfg.lexicon,
+                max_text_chars=cfg.max_input_chars,
+                family=st.engine.family,
             )
         except APIError as exc:
             raise _in_turn(exc, i) from None

@@ -21,7 +21,7 @@ from ..sampling_params import SamplingParams
 from .audio_response import AudioResponse, read_spool
 from .captions import CAPTION_MEDIA_TYPES, SegmentClock, segment_fields, subtitles
 from .dialogue import Turn
-from .errors import ClientGone, TimedStreamingResponse
+from .errors import APIError, ClientGone, TimedStreamingResponse
 from .limits import synthesis
 from .openapi import audio_responses, errors
 from .params import output_rate, tenant_of, tts_params
@@ -68,13 +68,16 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
     st = request.app.state
     if body.format not in CAPTION_MEDIA_TYPES:
         output_rate(st.engine, body.format, body.sample_rate)
+    if body.caption_unit == "word" and st.engine.family.capabilities.timestamps != "word":
+        message = f"caption_unit: this model ({st.engine.family.name}) times sentences, not words"
+        raise APIError(400, message, param="caption_unit", code="invalid_request")
     turns, policy, _ = await _turns(st, body, request)  # (no stretch: CaptionedRequest)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "captioned", st.config.timeouts.queue_wait_s)
     await start_turns(resp, st.engine, turns, policy, request.state.request_id, request)
     if body.format in CAPTION_MEDIA_TYPES:
         spans = await _spans(resp, request)
         media_type = f"{CAPTION_MEDIA_TYPES[body.format]}; charset=utf-8"  # SubRip has no other way to say it
-        return Response(subtitles(spans, body.format), media_type=media_type)
+        return Response(subtitles(spans, body.format, body.caption_unit), media_type=media_type)
     clock = SegmentClock()
     spool, _ = await resp.spool(body.format, body.sample_rate, request, on_chunk=clock.feed)
     doc = CaptionedSpeech(
@@ -83,7 +86,7 @@ async def tts_captioned(body: CaptionedRequest, request: Request):
         sample_rate=check_rate(body.format, body.sample_rate, st.engine.sample_rate),
         duration_s=resp.samples / st.engine.sample_rate,
         segments=[segment_fields(s) for s in clock.spans],
-        captions=subtitles(clock.spans, body.captions) if body.captions else None,
+        captions=subtitles(clock.spans, body.captions, body.caption_unit) if body.captions else None,
     ).model_dump_json()
     head = '{"audio":"'  # the audio goes after it, base64, straight from the spool (its field comes first)
     if not doc.startswith(head + '"'):

@@ -17,7 +17,7 @@ from ..audio.encode import check_rate
 from ..audio.policy import StreamPolicy
 from ..audio.stretch import plan_speed
 from ..models.family import ModelFamily, foreign_options
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, option_defaults
 from ..text.lexicon import Lexicon, load_lexicon
 from .auth import principal
 from .blend import BlendError, is_blend, parse_blend, shown_term
@@ -125,8 +125,12 @@ def _given(**values):
     return {k: v for k, v in values.items() if v is not None}
 
 
-# The request fields that are sampling options (the same names as SamplingParams.from_options).
-_SAMPLING_OPTIONS = tuple(name for name in ChatTTSOptions.model_fields if name not in ("prompt", "lexicon"))
+# The request fields that are sampling options (the same names as SamplingParams.from_options); the rest of
+# ChatTTSOptions' fields are a family's own (``ModelFamily.owned_options``) and travel in ``options``.
+_PARAMS_FIELDS = frozenset(option_defaults())
+_SAMPLING_OPTIONS = tuple(
+    name for name in ChatTTSOptions.model_fields if name in _PARAMS_FIELDS and name not in ("prompt", "lexicon")
+)
 
 
 @functools.lru_cache(maxsize=4)
@@ -155,18 +159,25 @@ def build_params(
 
     ``family``: the served model's (``engine.family``). An option another family owns is a 400 naming it and
     its family (the server's defaults keep only the options this family takes). A family that does not take
-    ChatTTS's prompt gets the implied speed as its own option instead (``model_speed``, ``SpeedPlan.model``).
-    None: every option is taken (ChatTTS's rules)."""
-    foreign = set()
-    if family is not None and family.name != "chattts":
+    ChatTTS's prompt gets the implied speed as its own option instead (``model_speed``, ``SpeedPlan.model``),
+    and its own request fields (``ModelFamily.owned_options`` that are not ``SamplingParams``': Kokoro's
+    ``phonemes``, ``lang_code``) in ``SamplingParams.options``. None: every option is taken (ChatTTS's rules)."""
+    given_options = _given(**opts.model_dump())
+    foreign: set[str] = set()
+    own: dict = {}
+    if family is not None:
         owners = models.option_owners()
-        message = foreign_options(family.name, _given(**opts.model_dump()), owners)
+        message = foreign_options(family.name, given_options, owners)
         if message is not None:
-            name = next(n for n in _given(**opts.model_dump()) if owners.get(n, family.name) != family.name)
+            name = next(n for n in given_options if owners.get(n, family.name) != family.name)
             raise APIError(400, message, param=name, code="unsupported_option")
-        foreign = {n for n, owner in owners.items() if owner != family.name}
-        prompt = None  # the speed goes to the family's own option
-    extra = {"options": {"speed": model_speed}} if foreign and model_speed != 1.0 else {}
+        if family.name != "chattts":
+            foreign = {n for n, owner in owners.items() if owner != family.name}
+            prompt = None  # the speed goes to the family's own option
+        # The family's own request fields that are not SamplingParams' (Kokoro's phonemes) travel in its options.
+        own = {n: v for n, v in given_options.items() if owners.get(n) == family.name and n not in _PARAMS_FIELDS}
+    family_options = ({"speed": model_speed} if foreign and model_speed != 1.0 else {}) | own
+    extra = {"options": family_options} if family_options else {}
 
     def given(name: str):
         value = getattr(opts, name)

@@ -6,7 +6,16 @@ import json
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from ..audio.resample import MAX_RATE, MIN_RATE
@@ -85,6 +94,12 @@ class ChatTTSOptions(_Strict):
     split_text: bool | None = None
     first_sentence_voice: bool | None = None
     """With split text: speak the first sentence first and take every sentence's voice from it."""
+    # Kokoro's own (models.kokoro.family.OWNED_OPTIONS): another family's model refuses them by name.
+    phonemes: str | None = Field(None, min_length=1, max_length=2048)
+    """Kokoro: speak these phonemes (its vocabulary's symbols, at most 510) exactly, instead of the text's."""
+    lang_code: str | None = Field(None, min_length=1, max_length=8)
+    """Kokoro: the text's language ("a" American English, "b" British English, "z" Mandarin; default: the
+    voice's first letter), as Kokoro-FastAPI's ``lang_code``."""
 
     @field_validator(
         "temperature", "top_p", "repetition_penalty", "refine_temperature", "refine_top_p", "refine_repetition_penalty"
@@ -208,11 +223,22 @@ class CaptionedRequest(TTSRequest):
     stream: Literal[False] = False
     captions: CaptionFormat | None = None
     """Subtitles in the JSON too, in this format."""
+    caption_unit: Literal["sentence", "word"] = "sentence"
+    """The subtitles' cues: one per sentence, or one per word (a model with word timestamps: Kokoro)."""
 
     @model_validator(mode="after")
     def _timed(self) -> CaptionedRequest:
         _unstretched(True, self.speed, self.speed_mode, "captions")
         return self
+
+
+class WordTime(BaseModel):
+    """One word's place in the audio, as Kokoro-FastAPI's captioned speech gives it (exact: counted from the
+    durations the model predicted, not estimated)."""
+
+    word: str
+    start_time: float
+    end_time: float
 
 
 class Segment(BaseModel):
@@ -223,6 +249,15 @@ class Segment(BaseModel):
     """As normalised, without control tokens."""
     start_s: float
     end_s: float
+    words: list[WordTime] | None = None
+    """Its words' places: only from a model with word timestamps (``/v1/models``' ``capabilities.timestamps``)."""
+
+    @model_serializer(mode="wrap")
+    def _words_only_when_timed(self, handler):
+        data = handler(self)
+        if self.words is None:  # a sentence-timed model's segments stay as they always were
+            data.pop("words", None)
+        return data
 
 
 class CaptionedSpeech(BaseModel):

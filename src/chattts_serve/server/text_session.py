@@ -37,6 +37,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
+from .. import models
 from ..audio.policy import StreamPolicy
 from ..engine.async_engine import EngineDeadError, EngineError
 from ..engine.outputs import RequestOutput
@@ -307,7 +308,8 @@ class TextSession:
             await stream.sink.refused(stream.num_parts, text, error)  # this part only: the stream goes on
             return
         part, stream.num_parts = stream.num_parts, stream.num_parts + 1
-        first_part_audio = [] if stream.keep_first_voice and _voice_from_first_part(stream.params) else None
+        keep = stream.keep_first_voice and _voice_from_first_part(stream.params, st.engine.family.name)
+        first_part_audio = [] if keep else None
         try:
             async with aclosing(resp.chunks()) as chunks:  # closing it (cancelled, failed) aborts the request
                 async for chunk in chunks:
@@ -348,8 +350,12 @@ def _failure(exc: Exception) -> SessionError:
     return SessionError(ErrorKind.INTERNAL, "synthesis failed; the server log has the cause", "synthesis_failed")
 
 
-def _voice_from_first_part(params: SamplingParams) -> bool:
-    """Split text with the first-sentence voice step and no voice sample given: the first part sets the voice."""
+def _voice_from_first_part(params: SamplingParams, family: str) -> bool:
+    """Split text with the first-sentence voice step and no voice sample given: the first part sets the voice.
+    Only for a family that has the voice step (ChatTTS: it owns ``first_sentence_voice``); another family's voice
+    is its voice string, the same in every part."""
+    if models.option_owners().get("first_sentence_voice") != family:
+        return False
     return params.split_text and params.first_sentence_voice and params.speaker_sample is None
 
 

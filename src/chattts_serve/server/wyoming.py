@@ -395,6 +395,7 @@ class Connection(AsyncEventHandler):
                 defaults=request_defaults(self.cfg.default_options),
                 lexicon=self.cfg.lexicon,
                 max_text_chars=self.cfg.max_input_chars,
+                family=self.st.engine.family,
             )
         except ValidationError as exc:
             first = exc.errors()[0]

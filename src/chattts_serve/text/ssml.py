@@ -119,6 +119,11 @@ class SsmlText:
     """With text at several rates: (text, ``[speed_N]`` or None for the request's prompt) of each stretch at
     one rate, in order (their texts joined are ``text``); breaks belong to the stretch they follow. Empty
     when there is one rate."""
+    rate: float | None = field(default=None, compare=False)
+    """The rate ``speed`` was made from (1 = normal), for a model whose speed is a number (Kokoro); ``speed``
+    says the same for ChatTTS, so equality is theirs (and ``run_rates``')."""
+    run_rates: tuple[float | None, ...] = field(default=(), compare=False)
+    """The rate each of ``runs`` was made from (None: the request's)."""
 
 
 @dataclass(slots=True)
@@ -176,10 +181,11 @@ def _spoken(root: _Element, lang: str | None, lexicon: Lexicon | None, limit: in
     text = "".join(spoken).strip()
     if len(runs) <= 1:
         rate = runs[0][1] if runs else None
-        return SsmlText(text, speed_prompt(rate) if rate is not None else None)
+        return SsmlText(text, speed_prompt(rate) if rate is not None else None, rate=rate)
     spoken[0], spoken[-1] = spoken[0].lstrip(), spoken[-1].rstrip()
     speeds = [speed_prompt(rate) if rate is not None else None for _, rate in runs]
-    return SsmlText(text, None, tuple(zip(spoken, speeds, strict=True)))
+    rates = tuple(rate for _, rate in runs)
+    return SsmlText(text, None, tuple(zip(spoken, speeds, strict=True)), run_rates=rates)
 
 
 def _neutral(piece: str) -> bool:
