@@ -122,7 +122,8 @@ def test_speech_is_the_models_own_output_with_a_time_for_every_word(served):
     utts = served.utterances(ZH, SamplingParams(seed=5, speaker="zf_xiaobei"))
     speech = served.synthesize(utts)
     rows = [Row(list(u.inputs.ids), u.inputs.style, 1.0, torch.Generator().manual_seed(u.inputs.seed)) for u in utts]
-    for u, s, direct in zip(utts, speech, served.model.synthesize(rows), strict=True):
+    alone = [r for row in rows for r in served.model.synthesize([row])]  # on a CPU each row runs alone
+    for u, s, direct in zip(utts, speech, alone, strict=True):
         assert (s.audio == direct.audio.numpy()).all()  # the seam adds nothing
         words = [t.text for t in u.inputs.chunk.tokens if any(c.isalnum() for c in t.text)]
         assert [w.text for w in s.words] == words
