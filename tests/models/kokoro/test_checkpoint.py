@@ -86,7 +86,7 @@ def test_resolve_errors(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="not a Hugging Face repo id"):
         resolve("./nowhere")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(CheckpointError, match="could not get the Kokoro weights for 'hexgrad/Kokoro-82M'"):
+    with pytest.raises(CheckpointError, match="could not get 'hexgrad/Kokoro-82M'.*Download the Kokoro weights"):
         resolve("hexgrad/Kokoro-82M")
 
 

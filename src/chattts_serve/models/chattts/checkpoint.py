@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..hub import local_or_hub
 from .config import DEFAULT_MODEL, ConvStackConfig, DecoderConfig, DVAEConfig, GPTConfig, ModelConfig, VocosConfig
 from .dvae import DVAE, GFSQ, Decoder
 from .embed import Embed, fold_weight_norm
@@ -79,35 +80,19 @@ class LoadedModel:
 
 def resolve(path_or_repo: str | os.PathLike, revision: str | None = None) -> Path:
     """A local checkpoint directory, or a Hugging Face repo id downloaded (and cached) on demand."""
-    path = Path(path_or_repo).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise CheckpointError(f"{path} is a file; expected a checkpoint directory containing asset/")
-        missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
-        if missing:
-            raise CheckpointError(f"checkpoint directory {path} is incomplete; missing: {', '.join(missing)}")
-        return path
-    repo = str(path_or_repo)
-    if repo.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
-        raise CheckpointError(f"no checkpoint directory {str(path)!r} (and it is not a Hugging Face repo id)")
-    return _download(repo, revision)
-
-
-def _download(repo: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-
-    patterns = ["asset/gpt/*", "asset/*.safetensors", "asset/tokenizer/*"]
-    try:
-        root = snapshot_download(repo_id=repo, revision=revision, allow_patterns=patterns)
-    except Exception as exc:  # network, auth, offline mode: one clear message, no traceback
-        raise CheckpointError(
-            f"could not get the ChatTTS weights for {repo!r} ({type(exc).__name__}: {exc}). "
-            "Download them on a machine with internet access, e.g. "
+    return local_or_hub(
+        path_or_repo,
+        revision,
+        required=REQUIRED_FILES,
+        patterns=("asset/gpt/*", "asset/*.safetensors", "asset/tokenizer/*"),
+        error=CheckpointError,
+        kind="ChatTTS checkpoint directory (asset/)",
+        offline_advice=lambda repo: (
+            "Download the ChatTTS weights on a machine with internet access, e.g. "
             f"`huggingface-cli download {repo} --local-dir ./ChatTTS`, then pass that directory "
-            "(--model ./ChatTTS). For a random-weight test checkpoint run "
-            "`chattts-serve checkpoint random ./ckpt`."
-        ) from None
-    return resolve(root)
+            "(--model ./ChatTTS). For a random-weight test checkpoint run `chattts-serve checkpoint random ./ckpt`."
+        ),
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..hub import local_or_hub
 from .config import KokoroConfig
 from .layers import weight_normed
 from .model import KokoroModel
@@ -52,33 +53,19 @@ def is_kokoro_dir(path: str | os.PathLike) -> bool:
 
 def resolve(path_or_repo: str | os.PathLike, revision: str | None = None) -> Path:
     """A local checkpoint directory, or a Hugging Face repo id (e.g. hexgrad/Kokoro-82M) fetched on demand."""
-    path = Path(path_or_repo).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise CheckpointError(f"{path} is a file; expected a Kokoro checkpoint directory")
-        missing = [f for f in KOKORO_FILES if not (path / f).is_file()]
-        if missing:
-            raise CheckpointError(f"Kokoro checkpoint directory {path} is incomplete; missing: {', '.join(missing)}")
-        return path
-    repo = str(path_or_repo)
-    if repo.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
-        raise CheckpointError(f"no checkpoint directory {str(path)!r} (and it is not a Hugging Face repo id)")
-    return _download(repo, revision)
-
-
-def _download(repo: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-
-    try:
-        root = snapshot_download(repo_id=repo, revision=revision, allow_patterns=HUB_PATTERNS)
-    except Exception as exc:  # network, auth, offline mode: one clear message, no traceback
-        raise CheckpointError(
-            f"could not get the Kokoro weights for {repo!r} ({type(exc).__name__}: {exc}). "
-            "Download them on a machine with internet access, e.g. "
+    return local_or_hub(
+        path_or_repo,
+        revision,
+        required=KOKORO_FILES,
+        patterns=HUB_PATTERNS,
+        error=CheckpointError,
+        kind="Kokoro checkpoint directory",
+        offline_advice=lambda repo: (
+            "Download the Kokoro weights on a machine with internet access, e.g. "
             f"`huggingface-cli download {repo} --local-dir ./Kokoro-82M`, then pass that directory. "
             "For a random-weight test checkpoint run `chattts-serve checkpoint random --family kokoro DIR`."
-        ) from None
-    return resolve(root)
+        ),
+    )
 
 
 def official_state_dicts(model: KokoroModel) -> dict[str, dict[str, torch.Tensor]]:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
 
+from ..hub import local_or_hub
 from .config import ConfigError, VitsConfig
 from .flow import WNConv1d
 from .model import VitsModel
@@ -58,34 +58,20 @@ def is_vits_dir(path: str | os.PathLike) -> bool:
 
 def resolve(path_or_repo: str | os.PathLike, revision: str | None = None) -> Path:
     """A local checkpoint directory, or a Hugging Face repo id (e.g. facebook/mms-tts-eng) fetched on demand."""
-    path = Path(path_or_repo).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise CheckpointError(f"{path} is a file; expected a VITS checkpoint directory")
-        missing = [f for f in VITS_FILES if not (path / f).is_file()]
-        if missing:
-            raise CheckpointError(f"VITS checkpoint directory {path} is incomplete; missing: {', '.join(missing)}")
-        return path
-    repo = str(path_or_repo)
-    if repo.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
-        raise CheckpointError(f"no checkpoint directory {str(path)!r} (and it is not a Hugging Face repo id)")
-    return _download(repo, revision)
-
-
-def _download(repo: str, revision: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-
-    try:
-        root = snapshot_download(repo_id=repo, revision=revision, allow_patterns=HUB_PATTERNS)
-    except Exception as exc:  # network, auth, offline mode: one clear message, no traceback
-        raise CheckpointError(
-            f"could not get the VITS checkpoint {repo!r} ({type(exc).__name__}: {exc}). "
-            "Download it on a machine with internet access, e.g. "
+    return local_or_hub(
+        path_or_repo,
+        revision,
+        required=VITS_FILES,
+        patterns=HUB_PATTERNS,
+        error=CheckpointError,
+        kind="VITS checkpoint directory",
+        offline_advice=lambda repo: (
+            "Download the VITS checkpoint on a machine with internet access, e.g. "
             f"`huggingface-cli download {repo} --local-dir ./{repo.split('/')[-1]}`, then pass that directory. "
             "For a random-weight test checkpoint run `chattts-serve checkpoint random --family vits DIR`. "
             + LICENSE_NOTE
-        ) from None
-    return resolve(root)
+        ),
+    )
 
 
 def hub_state_dict(model: VitsModel) -> dict[str, torch.Tensor]:
