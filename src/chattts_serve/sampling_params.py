@@ -19,6 +19,8 @@ from .text.cleanup import TEXT_CLEANUPS
 
 LANGS = ("zh", "en")
 """``SamplingParams.lang``'s values (None: detect)."""
+SPEED_MODES = ("prompt", "stretch", "both")
+"""``SamplingParams.speed_mode``'s values (``audio.stretch.SPEED_MODES``)."""
 
 
 def _check_common(owner: str, p) -> None:
@@ -134,6 +136,14 @@ class SamplingParams:
     ``<sub>`` and ``<say-as>``, markdown cleanup, normalisation): the input processor counts as it expands
     and refuses the request (``text.bound.TextTooLong``) as soon as the text passes it. The server sets its
     ``max_input_chars`` here."""
+    speed_mode: str = "prompt"
+    """How SSML's ``<prosody rate>`` is had (the server's ``speed_mode``, ``audio.stretch``): "prompt" (the
+    default) each rate run's ``[speed_N]``; "stretch" each rate run's audio time-stretched by its rate instead,
+    by the server's encoder (``PreparedRequest.stretches``); "both" the two. The offline API stretches nothing."""
+    stretch: float = 1.0
+    """The response's own time-stretch factor (``SpeedPlan.stretch``), which a run without a rate keeps: with
+    ``speed_mode`` "stretch" or "both", a run's rate stands in for it, as its ``[speed_N]`` stands in for the
+    request's prompt."""
     options: Any = None
     """A model family's own options by name (a mapping, e.g. Kokoro's ``{"speed": 1.2}``), validated by the
     family (``FamilyModel.check_options``); None: its defaults. ChatTTS has none."""
@@ -156,6 +166,10 @@ class SamplingParams:
             raise ValueError(f"lang must be 'zh', 'en' or None, got {self.lang!r}")
         if isinstance(self.max_text_chars, bool) or not isinstance(self.max_text_chars, int) or self.max_text_chars < 1:
             raise ValueError(f"max_text_chars must be an int >= 1, got {self.max_text_chars!r}")
+        if self.speed_mode not in SPEED_MODES:
+            raise ValueError(f"speed_mode must be one of {', '.join(SPEED_MODES)}, got {self.speed_mode!r}")
+        if isinstance(self.stretch, bool) or not isinstance(self.stretch, int | float) or not 0.25 <= self.stretch <= 4:
+            raise ValueError(f"stretch must be a number between 0.25 and 4, got {self.stretch!r}")
         if not isinstance(self.refine, RefineParams):
             raise ValueError(f"refine must be RefineParams, got {type(self.refine).__name__}")
         if self.options is not None and not isinstance(self.options, Mapping):

@@ -7,6 +7,7 @@ import pytest
 from chattts_serve import SamplingParams
 from chattts_serve.engine.input_processor import InputProcessor
 from chattts_serve.models.chattts.config import TOKENS_PER_SECOND
+from chattts_serve.sampling_params import speed_prompt
 
 TEXT = "今天天气很好。我们去公园散步吧。明天见。"  # three sentences
 
@@ -192,3 +193,26 @@ def test_a_document_at_several_rates_is_its_runs_spoken_as_requests(tiny_engine)
     assert [s.text for s in mixed.segments] == [first.text[0], slow.text[0]]
     assert (mixed.segments[0].codes == first.segments[0].codes).all()
     assert (mixed.segments[1].codes == slow.segments[0].codes).all()
+
+
+def test_stretch_mode_gives_each_rate_run_a_stretch_factor_not_a_prompt(inputs):
+    """speed_mode "stretch": a rate run keeps the request's prompt and gets its rate as its factor (a run
+    without one: the response's); "both": the prompt and the factor; "prompt": as before, no factors."""
+    stretched = inputs.prepare(MIXED, p(speed_mode="stretch", first_sentence_voice=False))
+    assert stretched.prompts is None and stretched.stretches == (1.0, 0.75)
+    both = inputs.prepare(MIXED, p(speed_mode="both", stretch=2.0, first_sentence_voice=False))
+    assert both.prompts == ["[speed_5]", speed_prompt(0.75)] and both.stretches == (2.0, 0.75)
+    assert inputs.prepare(MIXED, p(first_sentence_voice=False)).stretches is None
+    assert inputs.prepare(TEXT, p(speed_mode="stretch", stretch=0.5)).stretches is None  # the response's alone
+    whole = inputs.prepare('<speak><prosody rate="10">快。</prosody></speak>', p(speed_mode="stretch"))
+    assert whole.stretches == (4.0,) and whole.params.prompt == "[speed_5]"  # clamped to what a stretch takes
+
+
+def test_a_slowed_rate_run_counts_at_its_stretched_length(inputs):
+    """Each run counted at the slowest factor: x-slow (0.5) halves the model audio the budget allows."""
+    doc = '<speak>快一点。<prosody rate="x-slow">慢一点。</prosody></speak>'
+    budget = int(10.0 * TOKENS_PER_SECOND)
+    prompted = inputs.prepare(doc, p(max_new_tokens=2048, first_sentence_voice=False))
+    stretched = inputs.prepare(doc, p(max_new_tokens=2048, first_sentence_voice=False, speed_mode="stretch"))
+    assert prompted.max_new_tokens == budget // 2
+    assert stretched.max_new_tokens == int(budget * 0.5) // 2

@@ -68,7 +68,7 @@ def test_chattts_owns_its_sampler_refine_prompt_and_voice_sample_options_and_not
     assert OWNED_OPTIONS <= flat
     assert flat - OWNED_OPTIONS == {
         *("seed", "speaker", "lang", "text_cleanup", "lexicon", "split_text", "do_text_normalization", "options"),
-        "max_text_chars",
+        *("max_text_chars", "speed_mode", "stretch"),  # set by the server, whatever the family
     }
     assert models.option_owners()["refine_text"] == "chattts"
 

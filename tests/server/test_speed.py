@@ -12,6 +12,7 @@ from openai import OpenAI
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from chattts_serve.audio.stretch import stretch
 from chattts_serve.sampling_params import speed_prompt
 
 from .conftest import HTTP_TIMEOUT, SR, check_openai_error, decode_audio, expected_samples, tts_body, ws_url
@@ -102,6 +103,47 @@ def test_native_tts_takes_speed_and_mode(http):
     assert streamed.content == whole.content
     prompt_mode = http.post("/v1/tts", json=tts_body(TOKENS, speed=2.0)).content
     assert prompt_mode == http.post("/v1/tts", json=tts_body(TOKENS, prompt=speed_prompt(2.0))).content
+
+
+RATES = '<speak>快一点。<prosody rate="slow">慢一点。</prosody></speak>'
+"""Two runs, the second at "slow" (0.75): with speed_mode "stretch", its audio alone is stretched."""
+
+
+def test_stretch_gives_each_ssml_rate_run_its_own_factor(http):
+    """speed_mode "stretch" on SSML at two rates: the unmarked run's audio is the model's, sample for sample;
+    the slow run's is stretched by 0.75 (the same codes: the prompt is left alone), to exactly its length
+    / 0.75; streamed and whole give the same bytes."""
+    seg = expected_samples(TOKENS)
+    body = tts_body(TOKENS, RATES, speed_mode="stretch")
+    streamed = http.post("/v1/tts", json=body)
+    whole = http.post("/v1/tts", json={**body, "stream": False})
+    assert streamed.status_code == whole.status_code == 200, streamed.text
+    assert streamed.content == whole.content
+    plain = http.post("/v1/tts", json=tts_body(TOKENS, "<speak>快一点。慢一点。</speak>"))  # unstretched, same prompt
+    ref, out = np.frombuffer(plain.content, "<i2"), np.frombuffer(streamed.content, "<i2")
+    assert len(ref) == 2 * seg
+    assert len(out) == seg + round(seg / 0.75)
+    assert np.abs(out[:seg].astype(np.int32) - ref[:seg]).max() <= 16  # (a request's batch may move an LSB)
+    slowed = stretch(ref[seg:].astype(np.float32) / 32768, 0.75, SR)
+    assert np.corrcoef(out[seg:] / 32768, slowed)[0, 1] > 0.95
+    # "prompt" (the default) is as before: each run's [speed_N], nothing stretched
+    prompted = http.post("/v1/tts", json=tts_body(TOKENS, RATES)).content
+    assert len(prompted) // 2 == 2 * seg and prompted != plain.content
+
+
+def test_stretch_follows_the_rate_of_each_voice_turn(http):
+    """SSML that changes voice (a dialogue's turns) in "stretch" mode: each turn's runs at their own factor,
+    the pause between turns at the request's (1: as it is)."""
+    seg = expected_samples(TOKENS)
+    doc = '<speak>快一点。<voice name="nova"><prosody rate="x-slow">慢一点。</prosody></voice></speak>'
+    got = http.post("/v1/tts", json=tts_body(TOKENS, doc, speed_mode="stretch"))
+    plain = http.post("/v1/tts", json=tts_body(TOKENS, '<speak>快一点。<voice name="nova">慢一点。</voice></speak>'))
+    assert got.status_code == plain.status_code == 200, got.text
+    pause = len(plain.content) // 2 - 2 * seg
+    assert pause > 0 and len(got.content) // 2 == seg + pause + round(seg / 0.5)
+    # the turns run side by side in the engine: their batch may differ by a step, and the samples by an LSB
+    first, same = np.frombuffer(got.content, "<i2")[: seg + pause], np.frombuffer(plain.content, "<i2")[: seg + pause]
+    assert np.abs(first.astype(np.int32) - same).max() <= 16
 
 
 def _ws_pcm(server, start: dict) -> tuple[bytes, dict]:

@@ -239,6 +239,7 @@ class AsyncEngine:
         prepared = await asyncio.to_thread(self.core.prepare, text, params, max_audio_seconds)
         rid, collector, t0 = self._submit(prepared, request_id, policy or self.stream_policy, priority)
         index, position, finished, spans = 0, 0, False, []
+        segment = 0  # the segment the audio to come belongs to (they are spoken, and their audio sent, in order)
         try:
             while True:
                 audio, new_spans, final, error = await collector.take()
@@ -260,6 +261,9 @@ class AsyncEngine:
                         "spans": spans,
                         "sample_rate": self.engine.sample_rate,
                     }
+                    if prepared.stretches is not None:
+                        runs, segment = _stretch_runs(prepared.stretches, segment, position, audio, spans)
+                        fields["stretches"] = runs
                     if done:
                         chunk = replace(final, audio=audio, **fields)
                     else:
@@ -460,3 +464,28 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+
+def _stretch_runs(
+    factors: tuple[float, ...], segment: int, position: int, audio: np.ndarray, spans: list[SegmentSpan]
+) -> tuple[tuple[tuple[int, float], ...], int]:
+    """A delta's audio as (samples, stretch factor) runs, and the segment the next delta's audio starts in.
+    ``segment``: the segment this delta's audio starts in; ``position``: its first sample in the request's
+    audio; ``spans``: the sentences it completes, whose ends are its cuts (a sentence's span comes with the
+    audio that ends it: ``_Collector``)."""
+    runs: list[tuple[int, float]] = []
+    done = 0
+    for span in spans:
+        end = min(max(span.end - position, done), len(audio))
+        if end > done:
+            runs.append((end - done, factors[min(segment, len(factors) - 1)]))
+        done, segment = end, span.index + 1
+    if len(audio) > done:
+        runs.append((len(audio) - done, factors[min(segment, len(factors) - 1)]))
+    merged: list[tuple[int, float]] = []
+    for n, f in runs:  # one run per factor: the encoder switches stretcher only where the factor changes
+        if merged and merged[-1][1] == f:
+            merged[-1] = (merged[-1][0] + n, f)
+        else:
+            merged.append((n, f))
+    return tuple(merged), segment

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..audio.stretch import MAX_SPEED, MIN_SPEED
 from ..models.chattts.config import AUDIO_EOS, TOKENS_PER_SECOND
 from ..models.chattts.speaker import decode_prompt_codes, decode_speaker
 from ..models.chattts.tokenizer import Tokenizer
@@ -52,6 +53,11 @@ class PreparedRequest:
     prompts: list[str] | None = None
     """Each segment's audio prompt where they differ (SSML at several ``<prosody rate>``: each rate run's
     sentences have their own ``[speed_N]``); None: ``params.prompt`` for every segment."""
+    stretches: tuple[float, ...] | None = None
+    """Each segment's time-stretch factor where one differs from the response's (``params.stretch``): SSML
+    ``<prosody rate>`` with ``params.speed_mode`` "stretch" or "both", the rate clamped to what a stretch
+    takes; the server's encoder switches factor where a segment's audio starts (``RequestOutput.stretches``).
+    None: ``params.stretch`` for all of it."""
 
     def prompt(self, index: int) -> str:
         """Segment ``index``'s audio prompt (the voice step, -1, speaks segment 0)."""
@@ -80,18 +86,21 @@ class InputProcessor:
         if len(text) > limit:
             raise ValueError(f"text has {len(text)} characters; the limit is {limit}")
         lexicon = _lexicon(params.lexicon)
-        runs: list[tuple[str, str | None]]  # (text, its [speed_N]; None: the request's prompt)
+        runs: list[tuple[str, str | None, float | None]]  # (text, its [speed_N], its rate; None: the request's)
         if is_ssml(text):  # SSML (text/ssml.py): its text, with break tokens, and perhaps its own rates
             ssml = parse_ssml(text, params.lang, lexicon, limit)
-            runs = list(ssml.runs) or [(ssml.text, None)]
-            if ssml.speed is not None:
+            if ssml.runs:
+                runs = [(t, speed, rate) for (t, speed), rate in zip(ssml.runs, ssml.run_rates, strict=True)]
+            else:
+                runs = [(ssml.text, None, ssml.rate)]
+            if ssml.speed is not None and params.speed_mode != "stretch":
                 params = replace(params, prompt=_with_speed(params.prompt, ssml.speed))
         else:
             if params.text_cleanup == "markdown":
                 text = check_chars(clean_markdown(text), limit, "markdown cleanup")
             if lexicon is not None:
                 text = lexicon.apply(text, limit)
-            runs = [(text, None)]
+            runs = [(text, None, None)]
         # An unknown [tag] in the text is text, as in the reference (markdown links, [oral] in prose: LLM
         # output is full of them); in the prompts, which hold only control tokens, it is a mistake.
         for what, value in (("prompt", params.prompt), ("refine.prompt", params.refine.prompt)):
@@ -101,9 +110,12 @@ class InputProcessor:
                 raise ValueError(f"{what} has unknown control token(s) {', '.join(unknown)}; known: {known}")
         # Each rate run is split on its own, so a sentence never spans two rates (split_text off: a run is
         # one segment).
-        segments, prompts, size = [], [], 0
-        for run, speed in runs:
-            prompt = _with_speed(params.prompt, speed) if speed is not None else params.prompt
+        # speed_mode "stretch": a rate is a time stretch instead of a [speed_N]; "both": the two.
+        prompted, stretched = params.speed_mode != "stretch", params.speed_mode != "prompt"
+        segments, prompts, factors, size = [], [], [], 0
+        for run, speed, rate in runs:
+            prompt = _with_speed(params.prompt, speed) if speed is not None and prompted else params.prompt
+            factor = min(MAX_SPEED, max(MIN_SPEED, rate)) if rate is not None and stretched else params.stretch
             for piece in split_text(run) if params.split_text else [run]:
                 norm = self.normalizer(
                     piece, params.do_text_normalization, params.do_homophone_replacement, params.lang
@@ -114,8 +126,9 @@ class InputProcessor:
                 if norm.strip():
                     segments.append(norm)
                     prompts.append(prompt)
+                    factors.append(factor)
         if not segments:
-            raise ValueError(f"nothing to speak after normalisation: {''.join(r for r, _ in runs)!r}")
+            raise ValueError(f"nothing to speak after normalisation: {''.join(r for r, _, _ in runs)!r}")
         speaker = decode_speaker(params.speaker, expected_dim=self.hidden_size) if params.speaker is not None else None
         sample = None
         if params.speaker_sample is not None:
@@ -124,6 +137,11 @@ class InputProcessor:
                 raise ValueError("speaker_sample does not hold valid [4, T] audio codes")
         voice_step = params.split_text and params.first_sentence_voice and sample is None and len(segments) > 1
         limit = self.max_audio_seconds if max_audio_seconds is None else min(max_audio_seconds, self.max_audio_seconds)
+        stretches = tuple(factors) if any(f != params.stretch for f in factors) else None
+        if stretches is not None:
+            # The server fitted the request at its own factor (server.budget); a run slowed down further makes
+            # more audio: every run is counted at the slowest factor (conservative, and known before a step).
+            limit *= min(1.0, *stretches) / min(1.0, params.stretch)
         return PreparedRequest(
             segments,
             params,
@@ -132,6 +150,7 @@ class InputProcessor:
             voice_step,
             _max_new_tokens(params, segments, voice_step, limit),
             prompts if len(set(prompts)) > 1 else None,
+            stretches,
         )
 
 

@@ -196,6 +196,10 @@ class RequestOutput:
     """The model's (``FamilyModel.sample_rate``): set on every output by ``EngineCore.step``."""
     spans: list[SegmentSpan] = field(default_factory=list)
     """The sentences whose audio ends in this delta (or before it), each once, in order."""
+    stretches: tuple[tuple[int, float], ...] | None = None
+    """This delta's audio as (samples, time-stretch factor) runs, in order, when its request's segments have
+    factors of their own (``PreparedRequest.stretches``: SSML rates with ``speed_mode`` "stretch"); set by
+    ``AsyncEngine.stream``. None: the response's one factor."""
 
 
 def build_result(

@@ -273,7 +273,7 @@ class AudioResponse:
             async for chunk in self.chunks():
                 if on_chunk is not None:
                     on_chunk(chunk)
-                data = await encoder.write(chunk.audio)
+                data = await encoder.write(chunk.audio, chunk.stretches)
                 if chunk.finished:
                     data += await encoder.finish()
                 if data:
@@ -376,11 +376,18 @@ async def _replay(outputs: Sequence[RequestOutput], request_id: str, t0: float) 
 class ThreadedEncoder:
     """A ``StreamingEncoder`` whose work runs in a worker thread: a 5 s mp3 or opus frame takes a few hundred ms
     to encode, which on the event loop would stall every other client of the server. With ``stretch`` other
-    than 1, a ``StreamingStretcher`` (one per response, so its joins are seamless) comes before the encoder."""
+    than 1, a ``StreamingStretcher`` (one per response, so its joins are seamless) comes before the encoder.
+
+    Audio written with runs of factors of its own (``RequestOutput.stretches``: SSML rates, speed_mode
+    "stretch") gets each run's: where the factor changes, the stretcher in use is flushed (its output is then
+    exactly its input / its factor, nothing lost) and one with the new factor takes over; audio without runs
+    gets the response's ``stretch``."""
 
     def __init__(self, fmt: str, sample_rate: int | None = None, stretch: float = 1.0, *, model_rate: int) -> None:
         """``model_rate``: the rate of the PCM written (the model's)."""
         self._encoder = StreamingEncoder(fmt, sample_rate, model_rate=model_rate)
+        self._stretch, self._model_rate = stretch, model_rate
+        self._factor = stretch
         self._stretcher = StreamingStretcher(stretch, model_rate) if stretch != 1.0 else None
         self._work: asyncio.Future | None = None
 
@@ -394,13 +401,36 @@ class ThreadedEncoder:
         """Samples encoded so far, at ``sample_rate`` (read between writes)."""
         return self._encoder.samples_out
 
-    async def write(self, pcm: np.ndarray) -> bytes:
-        """The bytes ready after encoding ``pcm`` (maybe none)."""
-        return await self._in_thread(self._write, pcm)
+    async def write(self, pcm: np.ndarray, stretches: Sequence[tuple[int, float]] | None = None) -> bytes:
+        """The bytes ready after encoding ``pcm`` (maybe none); ``stretches``: its (samples, factor) runs."""
+        if stretches is None and self._factor == self._stretch:  # (always so without runs: as before them)
+            return await self._in_thread(self._write, pcm)
+        if stretches is None:
+            stretches = ((len(pcm), self._stretch),)
+        return await self._in_thread(self._write_runs, pcm, stretches)
 
     async def finish(self) -> bytes:
         """The bytes that complete the file; ``close`` then has nothing left to free."""
         return await self._in_thread(self._finish)
+
+    def _write_runs(self, pcm: np.ndarray, stretches: Sequence[tuple[int, float]]) -> bytes:
+        out, at = [], 0
+        for n, factor in stretches:
+            if factor != self._factor:
+                out.append(self._switch(factor))
+            out.append(self._write(pcm[at : at + n]))
+            at += n
+        if at < len(pcm):  # (runs that fall short: the rest at the response's factor)
+            out.append(self._switch(self._stretch) if self._factor != self._stretch else b"")
+            out.append(self._write(pcm[at:]))
+        return b"".join(out)
+
+    def _switch(self, factor: float) -> bytes:
+        """Flush the stretcher in use and take one with ``factor``; the bytes the flush completes."""
+        tail = self._encoder.write(self._stretcher.flush()) if self._stretcher is not None else b""
+        self._factor = factor
+        self._stretcher = StreamingStretcher(factor, self._model_rate) if factor != 1.0 else None
+        return tail
 
     def _write(self, pcm: np.ndarray) -> bytes:
         return self._encoder.write(self._stretcher.process(pcm) if self._stretcher is not None else pcm)

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 async def tts(body: TTSRequest, request: Request):
     st = request.app.state
     output_rate(st.engine, body.format, body.sample_rate)
-    turns, policy, factor = await _turns(st, body, request)
+    turns, policy, factor = await _turns(st, body, request, rates_stretched=True)
     resp = AudioResponse(st.engine, st.metrics, st.limits, "tts", st.config.timeouts.queue_wait_s)
     await start_turns(resp, st.engine, turns, policy, request.state.request_id, request, factor)
     if body.stream:
@@ -104,15 +104,19 @@ async def _json_around(spool: AsyncIterator[bytes], head: bytes, tail: bytes) ->
     yield tail
 
 
-async def _turns(st, body: TTSRequest, request: Request) -> tuple[list[Turn], StreamPolicy, float]:
-    """The request's turns (``server.ssml_turns``: one, unless its SSML changes voice), chunking and stretch."""
+async def _turns(
+    st, body: TTSRequest, request: Request, rates_stretched: bool = False
+) -> tuple[list[Turn], StreamPolicy, float]:
+    """The request's turns (``server.ssml_turns``: one, unless its SSML changes voice), chunking and stretch
+    (``rates_stretched``: ``tts_params``'s)."""
     tenant = tenant_of(request.scope)
-    params, policy, factor = await asyncio.to_thread(tts_params, st, body, tenant)  # voices: store reads, blends
+    # voices: store reads, blends
+    params, policy, factor = await asyncio.to_thread(tts_params, st, body, tenant, rates_stretched)
 
     def params_for(voice: str | None) -> SamplingParams:
         if voice is None:
             return params
-        return tts_params(st, body.model_copy(update={"voice": voice, "speaker": None}), tenant)[0]
+        return tts_params(st, body.model_copy(update={"voice": voice, "speaker": None}), tenant, rates_stretched)[0]
 
     return await text_turns(body.text, params_for, "text"), policy, factor
 

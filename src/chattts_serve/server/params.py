@@ -222,10 +222,14 @@ def build_policy(default: StreamPolicy, opts: StreamOptions | None) -> StreamPol
         raise APIError(400, str(exc), param="chunking") from None
 
 
-def tts_params(state, body: TTSRequest, tenant: str | None) -> tuple[SamplingParams, StreamPolicy, float]:
+def tts_params(
+    state, body: TTSRequest, tenant: str | None, rates_stretched: bool = False
+) -> tuple[SamplingParams, StreamPolicy, float]:
     """A native request (``/v1/tts``, ``/v1/tts/captioned``, the WebSocket's start message) as what the engine
     and the response need: its ``SamplingParams``, its chunking policy and its time-stretch factor (1: none).
-    ``state``: the app's state (config, voices, engine)."""
+    ``state``: the app's state (config, voices, engine). ``rates_stretched``: the response's encoder stretches
+    each SSML rate run by its rate (``speed_mode`` "stretch" or "both" on ``/v1/tts``); elsewhere a rate stays a
+    ``[speed_N]``, as the sentence timings those routes give are counted in the model's samples."""
     cfg = state.config
     check_length(body.text, cfg.max_input_chars, "text")
     voice = resolve_voice(state.voices, state.engine, body.speaker or body.voice, cfg.voices.default, "voice", tenant)
@@ -241,4 +245,6 @@ def tts_params(state, body: TTSRequest, tenant: str | None) -> tuple[SamplingPar
         family=state.engine.family,
         model_speed=speed.model,
     )
+    if rates_stretched and body.speed_mode != "prompt":
+        params = replace(params, speed_mode=body.speed_mode, stretch=speed.stretch)
     return params, build_policy(state.engine.stream_policy, body.chunking), speed.stretch
