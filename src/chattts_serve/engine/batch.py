@@ -34,6 +34,9 @@ class BatchRequest:
     params: object
     max_samples: int
     """Its audio budget in samples: the engine's ``max_audio_seconds`` or the tighter one it was prepared with."""
+    stretches: tuple[float, ...] | None = None
+    """No per-run stretch factors (``PreparedRequest.stretches``): a batch family speaks an SSML rate with its
+    own speed (Kokoro, VITS), so the response's stretch is the request's alone."""
 
 
 @dataclass(eq=False)
