@@ -39,7 +39,7 @@ from .budget import turn_budget
 from .errors import APIError, TimedStreamingResponse, check_length
 from .limits import synthesis
 from .openapi import audio_responses, errors
-from .params import build_params, build_policy, output_rate, request_defaults, resolve_voice, tenant_of
+from .params import build_policy, output_rate, resolve_voice, server_params, tenant_of
 from .protocol import MEDIA_TYPES, DialogueRequest
 
 router = APIRouter()
@@ -96,20 +96,12 @@ def _turns(st, body: DialogueRequest, tenant: str | None) -> list[Turn]:
     """Each turn's voice and options (on the server's defaults, as ``/v1/tts``'s); a bad one is a 400 that
     names it (``param``: ``turns.I.FIELD``)."""
     cfg = st.config
-    defaults = request_defaults(cfg.default_options)
     turns = []
     for i, turn in enumerate(body.turns):
         try:
             check_length(turn.text, cfg.max_input_chars, "text")
             voice = resolve_voice(st.voices, st.engine, turn.speaker or turn.voice, cfg.voices.default, "voice", tenant)
-            params = build_params(
-                turn,
-                voice,
-                defaults=defaults,
-                lexicon=cfg.lexicon,
-                max_text_chars=cfg.max_input_chars,
-                family=st.engine.family,
-            )
+            params = server_params(st, turn, voice)
         except APIError as exc:
             raise _in_turn(exc, i) from None
         turns.append(Turn(turn.text, params))

@@ -18,7 +18,7 @@ from .captions import SegmentClock, segment_event
 from .errors import APIError, ResponseCut, StreamFailed, TimedStreamingResponse, check_length
 from .limits import synthesis
 from .openapi import audio_responses, errors
-from .params import build_params, output_rate, request_defaults, resolve_voice, tenant_of
+from .params import output_rate, resolve_voice, server_params, tenant_of
 from .protocol import MEDIA_TYPES, ModelCard, ModelList, SpeechRequest
 from .ssml_turns import start_turns, text_turns
 
@@ -67,17 +67,7 @@ async def speech(body: SpeechRequest, request: Request):
         """The request's params; in voice ``voice_name`` (an SSML <voice>: server.ssml_turns) if one is given."""
         name = body.voice if voice_name is None else voice_name
         voice = resolve_voice(st.voices, st.engine, name, cfg.voices.default, "voice", tenant)
-        defaults = request_defaults(cfg.default_options)
-        return build_params(
-            body,
-            voice,
-            prompt=speed.prompt,
-            defaults=defaults,
-            lexicon=cfg.lexicon,
-            max_text_chars=cfg.max_input_chars,
-            family=st.engine.family,
-            model_speed=speed.model,
-        )
+        return server_params(st, body, voice, speed)
 
     turns = await text_turns(body.input, params_for, "input")
     resp = AudioResponse(st.engine, st.metrics, st.limits, "speech", cfg.timeouts.queue_wait_s)

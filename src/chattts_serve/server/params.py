@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from .. import models
 from ..audio.encode import check_rate
 from ..audio.policy import StreamPolicy
-from ..audio.stretch import plan_speed
+from ..audio.stretch import SpeedPlan, plan_speed
 from ..models.family import ModelFamily, foreign_options
 from ..sampling_params import SamplingParams, option_defaults
 from ..text.lexicon import Lexicon, load_lexicon
@@ -212,6 +212,23 @@ def output_rate(engine, fmt: str, sample_rate: int | None) -> int:
         raise APIError(400, f"sample_rate: {exc}", param="sample_rate", code="invalid_request") from None
 
 
+def server_params(state, opts: ChatTTSOptions, voice: ResolvedVoice, speed: SpeedPlan | None = None) -> SamplingParams:
+    """``build_params`` with what the server decides for every route: its default options, its lexicon, its
+    input bound and the served family, read from ``state`` (the app's state: config and engine); ``speed``: the
+    request's ``plan_speed`` (None: no speed of its own)."""
+    cfg = state.config
+    return build_params(
+        opts,
+        voice,
+        prompt=None if speed is None else speed.prompt,
+        defaults=request_defaults(cfg.default_options),
+        lexicon=cfg.lexicon,
+        max_text_chars=cfg.max_input_chars,
+        family=state.engine.family,
+        model_speed=1.0 if speed is None else speed.model,
+    )
+
+
 def build_policy(default: StreamPolicy, opts: StreamOptions | None) -> StreamPolicy:
     if opts is None:
         return default
@@ -234,17 +251,7 @@ def tts_params(
     check_length(body.text, cfg.max_input_chars, "text")
     voice = resolve_voice(state.voices, state.engine, body.speaker or body.voice, cfg.voices.default, "voice", tenant)
     speed = plan_speed(body.speed, body.speed_mode)
-    defaults = request_defaults(cfg.default_options)
-    params = build_params(
-        body,
-        voice,
-        prompt=speed.prompt,
-        defaults=defaults,
-        lexicon=cfg.lexicon,
-        max_text_chars=cfg.max_input_chars,
-        family=state.engine.family,
-        model_speed=speed.model,
-    )
+    params = server_params(state, body, voice, speed)
     if rates_stretched and body.speed_mode != "prompt":
         params = replace(params, speed_mode=body.speed_mode, stretch=speed.stretch)
     return params, build_policy(state.engine.stream_policy, body.chunking), speed.stretch

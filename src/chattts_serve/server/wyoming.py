@@ -56,7 +56,7 @@ from ..audio.encode import to_pcm16
 from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .errors import APIError, check_length
-from .params import build_params, request_defaults, resolve_voice
+from .params import resolve_voice, server_params
 from .protocol import ChatTTSOptions
 from .text_session import (
     MAX_ERROR_CHARS,
@@ -389,14 +389,7 @@ class Connection(AsyncEventHandler):
             if opts.lang is None and lang in LANGUAGES:
                 opts = opts.model_copy(update={"lang": lang})
             chosen = resolve_voice(self.st.voices, self.st.engine, name, self.cfg.voices.default, "voice")
-            return build_params(
-                opts,
-                chosen,
-                defaults=request_defaults(self.cfg.default_options),
-                lexicon=self.cfg.lexicon,
-                max_text_chars=self.cfg.max_input_chars,
-                family=self.st.engine.family,
-            )
+            return server_params(self.st, opts, chosen)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(x) for x in first.get("loc", ()))
