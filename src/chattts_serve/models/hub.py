@@ -4,6 +4,7 @@ the same whatever the model; each family names its files, its hub patterns and i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -44,3 +45,16 @@ def local_or_hub(
     return local_or_hub(
         root, None, required=required, patterns=patterns, error=error, kind=kind, offline_advice=offline_advice
     )
+
+
+def checkpoint_config(root: str | os.PathLike, config_file: str, weights_file: str) -> dict | None:
+    """The parsed ``config_file`` of a directory that holds ``weights_file`` beside it; None when either is
+    missing or the config is not a JSON object. Reads no weights: families detect their checkpoints with it."""
+    root = Path(root)
+    if not (root / weights_file).is_file() or not (root / config_file).is_file():
+        return None
+    try:
+        raw = json.loads((root / config_file).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..hub import local_or_hub
+from ..hub import checkpoint_config, local_or_hub
 from .config import KokoroConfig
 from .layers import weight_normed
 from .model import KokoroModel
@@ -39,16 +39,8 @@ class CheckpointError(RuntimeError):
 
 def is_kokoro_dir(path: str | os.PathLike) -> bool:
     """A directory with Kokoro's weights file and a config.json that has Kokoro's sections."""
-    path = Path(path)
-    if not (path / WEIGHTS_FILE).is_file() or not (path / CONFIG_FILE).is_file():
-        return False
-    try:
-        import json
-
-        raw = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and {"istftnet", "plbert", "vocab"} <= raw.keys()
+    raw = checkpoint_config(path, CONFIG_FILE, WEIGHTS_FILE)
+    return raw is not None and {"istftnet", "plbert", "vocab"} <= raw.keys()
 
 
 def resolve(path_or_repo: str | os.PathLike, revision: str | None = None) -> Path:

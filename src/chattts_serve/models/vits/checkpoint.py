@@ -15,13 +15,12 @@ for bit. The posterior encoder (training only) is checked, then freed.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
-from ..hub import local_or_hub
+from ..hub import checkpoint_config, local_or_hub
 from .config import ConfigError, VitsConfig
 from .flow import WNConv1d
 from .model import VitsModel
@@ -46,14 +45,8 @@ class CheckpointError(RuntimeError):
 
 def is_vits_dir(path: str | os.PathLike) -> bool:
     """A directory with the safetensors weights and a config.json whose model_type is "vits" (reads no weights)."""
-    path = Path(path)
-    if not (path / WEIGHTS_FILE).is_file() or not (path / CONFIG_FILE).is_file():
-        return False
-    try:
-        raw = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and raw.get("model_type") == "vits"
+    raw = checkpoint_config(path, CONFIG_FILE, WEIGHTS_FILE)
+    return raw is not None and raw.get("model_type") == "vits"
 
 
 def resolve(path_or_repo: str | os.PathLike, revision: str | None = None) -> Path:

@@ -17,7 +17,6 @@ The MMS-TTS weights are CC-BY-NC 4.0 (non-commercial use only): choosing one is 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...audio.stretch import MAX_SPEED, MIN_SPEED
 from ..family import BatchModel, Capabilities, ModelFamily, Size, Speech, Utterance, Word
+from ..hub import checkpoint_config
 from .text import Piece, pieces
 from .voices import Mix, VitsVoices
 
@@ -223,14 +223,9 @@ class VitsFamily(ModelFamily):
     hub_repos: ClassVar[tuple[str, ...]] = MmsRepos(("facebook/mms-tts-eng", "facebook/mms-tts-kor"))
 
     def is_checkpoint(self, root: Path) -> bool:
-        # checkpoint.is_vits_dir's test plus the vocabulary, read here: that module imports torch.
-        if not all((root / name).is_file() for name in ("config.json", "model.safetensors", "vocab.json")):
-            return False
-        try:
-            raw = json.loads((root / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return False
-        return isinstance(raw, dict) and raw.get("model_type") == "vits"
+        # checkpoint.is_vits_dir's test plus the vocabulary, without that module (it imports torch).
+        raw = checkpoint_config(root, "config.json", "model.safetensors")
+        return raw is not None and raw.get("model_type") == "vits" and (root / "vocab.json").is_file()
 
     def resolve(self, path_or_repo: str | Path) -> Path:
         from .checkpoint import CheckpointError, resolve
