@@ -29,6 +29,7 @@ from tests.support.servers import (  # noqa: F401 - moved to tests/support; the 
     check_openai_error,
     free_port,
     serving,
+    wait_until,
 )
 
 SR = 24000
@@ -289,11 +290,3 @@ def metric(base: str, name: str, labels: dict[str, str] | None = None, *, text: 
     return 0.0
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from chattts_serve.server.app import create_app
-from tests.support.servers import app_config, check_openai_error, free_port, serving
+from tests.support.servers import app_config, check_openai_error, free_port, serving, wait_until
 from tests.support.sine_family import FRAME, RATE, registered
 
 TEXT = "One two three. Four five!"
@@ -161,11 +161,11 @@ def test_concurrent_requests_run_in_one_batch(live, model):
 
     first = threading.Thread(target=post, args=(0,))
     first.start()
-    assert wait_for(lambda: engine.stats().num_running == 1)  # held in the model
+    assert wait_until(lambda: engine.stats().num_running == 1, 30)  # held in the model
     others = [threading.Thread(target=post, args=(i,)) for i in (1, 2, 3)]
     for t in others:
         t.start()
-    assert wait_for(lambda: len(engine._collectors) == 4)  # submitted, behind the held step
+    assert wait_until(lambda: len(engine._collectors) == 4, 30)  # submitted, behind the held step
     model.gate.release(10)
     for t in (first, *others):
         t.join(TIMEOUT)
@@ -181,19 +181,8 @@ def test_a_client_that_leaves_ends_its_request(live, model):
     body = {"text": "One one. Two two. Three three.", "format": "pcm"}
     with httpx.stream("POST", base + "/v1/tts", json=body, timeout=TIMEOUT) as r:
         first = next(r.iter_bytes())
-        assert first and wait_for(lambda: len(model.batches) == 1 and engine.stats().num_running == 1)
-    assert wait_for(lambda: not engine._collectors)  # the server saw the client go and aborted
+        assert first and wait_until(lambda: len(model.batches) == 1 and engine.stats().num_running == 1, 30)
+    assert wait_until(lambda: not engine._collectors, 30)  # the server saw the client go and aborted
     model.gate.release(10)
-    assert wait_for(lambda: not engine.core.has_unfinished())
+    assert wait_until(lambda: not engine.core.has_unfinished(), 30)
     assert model.batches == [1, 1]
-
-
-def wait_for(predicate, timeout: float = 30.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True

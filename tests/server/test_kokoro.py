@@ -22,7 +22,7 @@ from chattts_serve.models.kokoro.sentences import sentence_chunks
 from chattts_serve.models.kokoro.text import G2P, phonemes_to_ids
 from chattts_serve.models.kokoro.voices import style_for
 from chattts_serve.server.app import create_app
-from tests.support.servers import app_config, check_openai_error, free_port, serving
+from tests.support.servers import app_config, check_openai_error, free_port, serving, wait_until
 
 from .conftest import decode_audio
 
@@ -246,11 +246,11 @@ def test_concurrent_requests_batch_and_sound_as_they_do_alone(live, batches):
 
     first = threading.Thread(target=post, args=(0,))
     first.start()
-    assert wait_for(lambda: engine.stats().num_running == 1)
+    assert wait_until(lambda: engine.stats().num_running == 1, 30)
     others = [threading.Thread(target=post, args=(i,)) for i in (1, 2, 3)]
     for t in others:
         t.start()
-    assert wait_for(lambda: len(engine._collectors) == 4)
+    assert wait_until(lambda: len(engine._collectors) == 4, 30)
     batches.gate.release(10)
     for t in (first, *others):
         t.join(TIMEOUT)
@@ -266,17 +266,6 @@ def test_a_dialogue_of_kokoro_voices(live):
     assert r.status_code == 200, r.text
     a, b = (tts(base, text=ONE, voice=v, seed=1) for v in ("zf_xiaobei", "zm_yunjian"))
     assert len(r.content) == len(a) + len(b) + 2 * RATE // 10
-
-
-def wait_for(predicate, timeout: float = 30.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_websocket_segment_events_carry_their_words(live):

@@ -15,7 +15,7 @@ import pytest
 
 from chattts_serve.models.vits.random_checkpoint import write_random
 from chattts_serve.server.app import create_app
-from tests.support.servers import app_config, check_openai_error, free_port, serving
+from tests.support.servers import app_config, check_openai_error, free_port, serving, wait_until
 
 RATE = 16000
 TEXT = "Hello, World! The quick brown fox."
@@ -191,11 +191,11 @@ def test_concurrent_requests_share_a_batch_and_each_equals_itself_alone(live, ga
 
     first = threading.Thread(target=post, args=(0,))
     first.start()
-    assert wait_for(lambda: engine.stats().num_running == 1)  # held in the model
+    assert wait_until(lambda: engine.stats().num_running == 1, 30)  # held in the model
     others = [threading.Thread(target=post, args=(i,)) for i in (1, 2, 3)]
     for t in others:
         t.start()
-    assert wait_for(lambda: len(engine._collectors) == 4)  # submitted, behind the held step
+    assert wait_until(lambda: len(engine._collectors) == 4, 30)  # submitted, behind the held step
     permits.release(100)
     for t in (first, *others):
         t.join(TIMEOUT)
@@ -205,17 +205,6 @@ def test_concurrent_requests_share_a_batch_and_each_equals_itself_alone(live, ga
         assert len(alone) == len(results[i])  # durations exact
         a, b = (np.frombuffer(x, "<i2").astype(np.int32) for x in (alone, results[i]))
         assert int(np.abs(a - b).max()) <= 1  # the waveforms within BATCH_BOUND: at most 1 LSB of s16
-
-
-def wait_for(predicate, timeout: float = 30.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_wyoming_speaks_it_at_the_models_rate(live):

@@ -98,3 +98,14 @@ def check_openai_error(resp: httpx.Response, status: int) -> dict:
     assert isinstance(err.get("type"), str) and err["type"], err
     assert "param" in err and "code" in err, err
     return err
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
