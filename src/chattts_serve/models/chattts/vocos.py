@@ -76,6 +76,16 @@ def istft(
     return (_overlap_add(y, length) / env)[:, n // 2 : length - n // 2]
 
 
+def spectrum_of_projection(x: torch.Tensor) -> torch.Tensor:
+    """The head's projection [B, F, N + 2] (log-magnitudes, then phases) -> complex STFT [B, N/2 + 1, F]
+    in fp32. Apart from ``ISTFTHead`` so a runtime that ran the convolutions up to the projection
+    (``audio.graph``) finishes the same way."""
+    x = x.float().transpose(1, 2)
+    log_mag, phase = x.chunk(2, dim=1)
+    mag = torch.clip(torch.exp(log_mag), max=1e2)
+    return mag * (torch.cos(phase) + 1j * torch.sin(phase))
+
+
 class ISTFTHead(nn.Module):
     def __init__(self, cfg: VocosConfig) -> None:
         super().__init__()
@@ -87,10 +97,7 @@ class ISTFTHead(nn.Module):
     def spectrum(self, x: torch.Tensor) -> torch.Tensor:
         """[B, F, dim] -> complex STFT [B, 513, F], in fp32 (a no-op in fp32; under bf16 autocast the
         projection's output is upcast once: there is no bf16 complex FFT)."""
-        x = self.out(x).float().transpose(1, 2)
-        log_mag, phase = x.chunk(2, dim=1)
-        mag = torch.clip(torch.exp(log_mag), max=1e2)
-        return mag * (torch.cos(phase) + 1j * torch.sin(phase))
+        return spectrum_of_projection(self.out(x))
 
     def envelope(self, num_frames: int) -> torch.Tensor:
         """``window_envelope`` of ``num_frames`` frames, kept for the most recent lengths (window
