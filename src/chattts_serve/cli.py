@@ -100,6 +100,8 @@ def _build_parser() -> argparse.ArgumentParser:
         ("streams", "concurrent streams in one process: first chunk, RTF, underruns (vs the reference)"),
         ("serve", "drive a running server over HTTP: concurrency sweep or Poisson arrivals"),
         ("attention", "decode attention over the KV cache against the memory read floor (full-size shapes)"),
+        ("kernels", "the trunk's weight matmuls per library and kernel against the weight-read floor"),
+        ("audio", "the audio stage (Decoder + Vocos) per window in torch, ONNX Runtime and OpenVINO"),
     ):
         _bench_command(bench_sub.add_parser(name, help=help_), name)
     overhead = bench_sub.add_parser("host-overhead", help="host time of a decode step per sequence at 64 / 256 / 512")
@@ -148,11 +150,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+_MODULES = {"audio": "audio_stage"}
+"""Commands whose module has another name (``bench/audio.py`` would read as the ``audio`` package)."""
+
+
 def _bench_command(p: argparse.ArgumentParser, name: str) -> None:
     """A command whose flags and ``main`` live in ``bench/<name>.py``."""
     import importlib
 
-    module = importlib.import_module(f".bench.{name}", __package__)
+    module = importlib.import_module(f".bench.{_MODULES.get(name, name)}", __package__)
     module.add_arguments(p)
     p.set_defaults(func=module.main)
 
