@@ -1,0 +1,86 @@
+"""The audio stage (Decoder + Vocos) as one graph in another CPU runtime: ONNX Runtime or OpenVINO.
+
+The graph holds every convolution and the Vocos head's projection (hidden states [G, S, hidden] ->
+projection [G, 2S, n_fft + 2]); the spectrum and the inverse STFT stay in torch
+(``vocos.spectrum_of_projection``, ``vocos.istft``), as the torch path computes them. Graphs are built
+once per model and runtime (a trace of the torch modules; the weights are the loaded ones).
+
+Rows are decoded as one batch of equal length: right-padded batches need the torch path's padding
+masks (``audio.decode._padding_masked``), so the caller decodes ragged rows apart.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+RUNTIMES = ("ort-fp32", "ov-fp32", "ov-bf16")
+
+
+class _Convolutions(nn.Module):
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.decoder, self.backbone, self.out = model.decoder, model.vocos.backbone, model.vocos.head.out
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(self.backbone(self.decoder(h.transpose(1, 2))))
+
+
+class AudioGraph:
+    """``decode(h)``: hidden states [G, S, hidden] fp32 -> waveform [G, 512 S - 256] fp32 (torch)."""
+
+    def __init__(self, model: Any, runtime: str, threads: int | None = None) -> None:
+        if runtime not in RUNTIMES:
+            raise ValueError(f"audio runtime must be one of {', '.join(RUNTIMES)}; got {runtime!r}")
+        self.runtime, self.model = runtime, model
+        threads = threads or torch.get_num_threads()
+        net = _Convolutions(model).eval()
+        example = torch.zeros(1, 8, model.config.gpt.hidden_size)
+        if runtime.startswith("ov-"):
+            import openvino as ov
+
+            with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+                warnings.simplefilter("ignore")  # its TorchScript trace's deprecation notices
+                graph = ov.convert_model(net, example_input=example)
+            config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
+            config["INFERENCE_PRECISION_HINT"] = "f32" if runtime == "ov-fp32" else "bf16"
+            compiled = ov.Core().compile_model(graph, "CPU", config)
+            self._request = compiled.create_infer_request()
+            self._run = lambda x: self._request.infer({0: x})[0]
+        else:
+            import onnxruntime as ort
+
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "audio.onnx"
+                with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+                    warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
+                    torch.onnx.export(
+                        net,
+                        (example,),
+                        str(path),
+                        input_names=["h"],
+                        output_names=["x"],
+                        dynamic_axes={"h": {0: "rows", 1: "steps"}, "x": {0: "rows", 1: "frames"}},
+                        dynamo=False,
+                        opset_version=17,
+                    )
+                so = ort.SessionOptions()
+                so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
+                so.log_severity_level = 3
+                sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+            self._run = lambda x: sess.run(None, {"h": x})[0]
+
+    @torch.inference_mode()
+    def decode(self, h: torch.Tensor) -> torch.Tensor:
+        from ..models.chattts.vocos import istft, spectrum_of_projection
+
+        x = torch.from_numpy(np.asarray(self._run(np.ascontiguousarray(h.float().numpy()))))
+        head = self.model.vocos.head
+        spec = spectrum_of_projection(x)
+        return istft(spec, head.istft.window, head.envelope(spec.shape[2]))
