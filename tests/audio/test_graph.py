@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from chattts_serve.audio.decode import _decode_batch
-from chattts_serve.audio.graph import AudioGraph
+from chattts_serve.audio.decode import _decode_batch, decode_windows, resolve_audio_dtype
+from chattts_serve.audio.graph import AudioGraph, graph_for
 from chattts_serve.models.chattts.checkpoint import load
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,3 +47,55 @@ def test_graph_gives_the_torch_waveform(model, runtime, min_db, module):
 def test_an_unknown_runtime_is_refused(model):
     with pytest.raises(ValueError, match="audio runtime must be one of"):
         AudioGraph(model, "tensorrt")
+
+
+def _windows(model, lengths: list[int]):
+    from chattts_serve.audio.policy import StreamPolicy
+    from chattts_serve.audio.stream import AudioStream, Window
+
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for n in lengths:
+        stream = AudioStream(StreamPolicy.one_shot(), model.config.gpt.hidden_size, n, torch.device("cpu"))
+        stream.hidden.copy_(torch.randn(n, model.config.gpt.hidden_size, generator=g))
+        out.append(Window(stream, 0, n, 0, 512 * n - 256, n, True))
+    return out
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_audio_dtype_ort_fp32_decodes_each_window_as_fp32_does(model, buckets):
+    """Through ``decode_windows``: equal-length batches, and (buckets) right-padded rows, which the graph
+    decodes by their true length."""
+    pytest.importorskip("onnxruntime")
+    windows = _windows(model, [6, 6, 9, 3, 14, 6])
+    ref = decode_windows(model, windows, "fp32", buckets=buckets)
+    out = decode_windows(model, windows, "ort-fp32", buckets=buckets)
+    for n, a, b in zip([6, 6, 9, 3, 14, 6], ref, out, strict=True):
+        assert a.shape == b.shape == (512 * n - 256,)
+        assert _snr_db(torch.from_numpy(a), torch.from_numpy(b)) > 80
+    assert graph_for(model, "ort-fp32") is graph_for(model, "ort-fp32")  # built once per model
+
+
+def test_graph_runtimes_are_cpu_only_and_listed_in_the_config():
+    from chattts_serve.audio.decode import _DTYPES
+    from chattts_serve.engine.config import AUDIO_DTYPES
+
+    assert ("auto", *_DTYPES) == AUDIO_DTYPES
+    assert resolve_audio_dtype("ov-bf16", "cpu") == "ov-bf16"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_audio_dtype("ort-fp32", "cuda")
+
+
+def test_an_engine_with_audio_dtype_ort_fp32_gives_the_fp32_audio(tiny_ckpt):
+    pytest.importorskip("onnxruntime")
+    from chattts_serve import Engine, SamplingParams
+    from chattts_serve.engine.config import EngineConfig
+
+    params = SamplingParams(seed=3, refine_text=False, min_new_tokens=30, max_new_tokens=30)
+    audio = {}
+    for dtype in ("fp32", "ort-fp32"):
+        engine = Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(1, audio_dtype=dtype))
+        [result] = engine.synthesize("今天天气真不错。", params)
+        audio[dtype] = torch.from_numpy(result.audio)
+    assert audio["fp32"].shape == audio["ort-fp32"].shape
+    assert _snr_db(audio["fp32"], audio["ort-fp32"]) > 80  # the same codes; only the audio stage's rounding

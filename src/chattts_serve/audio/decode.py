@@ -26,6 +26,8 @@ from ..device import pinned_copy
 from ..models.chattts.checkpoint import LoadedModel
 from ..models.chattts.config import N_FFT, SAMPLES_PER_TOKEN, ModelConfig
 from ..tf32 import fp32_scope, tf32_scope
+from .graph import RUNTIMES as GRAPH_RUNTIMES
+from .graph import graph_for
 from .stream import Window
 
 logger = logging.getLogger(__name__)
@@ -35,7 +37,8 @@ AUDIO_BATCH_BYTES = 1 << 30
 steps (e.g. 45 ten-second windows, or 170 streaming windows of 122 steps). Unbounded, 256 windows of
 10 s took ~6 GB at once. Inside ``distributed.memory.ACTIVATION_RESERVE`` of any replica of >= 8 GiB."""
 
-_DTYPES = ("fp32", "tf32", "bf16")
+_DTYPES = ("fp32", "tf32", "bf16", *GRAPH_RUNTIMES)
+"""torch's dtypes, and the CPU graph runtimes of ``audio.graph`` (opt-in: not bit-exact to fp32)."""
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -94,6 +97,8 @@ def resolve_audio_dtype(dtype: str, device_type: str) -> str:
         return "bf16" if device_type == "cuda" else "fp32"
     if dtype not in _DTYPES:
         raise ValueError(f"audio dtype must be auto or one of {', '.join(_DTYPES)}; got {dtype!r}")
+    if dtype in GRAPH_RUNTIMES and device_type != "cpu":
+        raise ValueError(f"audio dtype {dtype} runs on the CPU only; on {device_type} use bf16, tf32 or fp32")
     return dtype
 
 
@@ -227,6 +232,8 @@ def _decode_batch(model: LoadedModel, h: torch.Tensor, dtype: str, steps: list[i
     """Hidden states ``[G, S, hidden]`` -> audio ``[G, 512 * S - 256]`` fp32 on the device. ``steps``:
     each row's true length when rows are right-padded (None: all are ``S`` long)."""
     device = h.device
+    if dtype in GRAPH_RUNTIMES:
+        return _decode_graph(graph_for(model, dtype), h, steps)
     with _precision(dtype, device.type):
         if steps is None:
             wav = model.vocos(model.decoder(h.transpose(1, 2)))
@@ -236,6 +243,19 @@ def _decode_batch(model: LoadedModel, h: torch.Tensor, dtype: str, steps: list[i
             with _padding_masked((model.decoder, model.vocos), drop):
                 wav = model.vocos(model.decoder(h.transpose(1, 2)), frames)
     return wav.float()
+
+
+def _decode_graph(graph, h: torch.Tensor, steps: list[int] | None) -> torch.Tensor:
+    """``_decode_batch`` through an ``audio.graph`` runtime. It has no padding masks, so right-padded
+    rows go by their true length, each group unpadded (what the masks make the torch path compute),
+    their audio right-padded with zeros to the batch's length (the caller keeps each row's own)."""
+    if steps is None or all(s == h.shape[1] for s in steps):
+        return graph.decode(h)
+    wav = h.new_zeros(h.shape[0], SAMPLES_PER_TOKEN * h.shape[1] - SAMPLES_PER_TOKEN // 2, dtype=torch.float32)
+    for n in sorted(set(steps)):
+        rows = [i for i, s in enumerate(steps) if s == n]
+        wav[rows, : SAMPLES_PER_TOKEN * n - SAMPLES_PER_TOKEN // 2] = graph.decode(h[rows, :n])
+    return wav
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

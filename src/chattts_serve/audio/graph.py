@@ -21,6 +21,29 @@ import torch
 from torch import nn
 
 RUNTIMES = ("ort-fp32", "ov-fp32", "ov-bf16")
+_INSTALL = {"ort": "pip install 'chattts-serve[onnx]'", "ov": "pip install 'chattts-serve[openvino]'"}
+
+
+def require(runtime: str) -> None:
+    """Raise ValueError with the install hint when ``runtime``'s library is missing."""
+    kind = runtime.split("-")[0]
+    try:
+        if kind == "ov":
+            import openvino  # noqa: F401
+        else:
+            import onnx  # noqa: F401
+            import onnxruntime  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"audio dtype {runtime} needs {exc.name}: {_INSTALL[kind]}") from None
+
+
+def graph_for(model: Any, runtime: str) -> AudioGraph:
+    """The model's graph in ``runtime``, built on first use (seconds) and kept with the model's Vocos
+    module (so it goes when the model does)."""
+    graphs = model.vocos.__dict__.setdefault("_runtime_graphs", {})
+    if runtime not in graphs:
+        graphs[runtime] = AudioGraph(model, runtime)
+    return graphs[runtime]
 
 
 class _Convolutions(nn.Module):
@@ -38,6 +61,7 @@ class AudioGraph:
     def __init__(self, model: Any, runtime: str, threads: int | None = None) -> None:
         if runtime not in RUNTIMES:
             raise ValueError(f"audio runtime must be one of {', '.join(RUNTIMES)}; got {runtime!r}")
+        require(runtime)
         self.runtime, self.model = runtime, model
         threads = threads or torch.get_num_threads()
         net = _Convolutions(model).eval()

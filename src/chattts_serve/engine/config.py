@@ -24,7 +24,8 @@ from .scheduler import SchedulerConfig
 
 DECODE_MODES = ("auto", "rows", "static")
 KV_CACHE_DTYPES = ("auto", "bf16")
-AUDIO_DTYPES = ("auto", "fp32", "tf32", "bf16")
+AUDIO_DTYPES = ("auto", "fp32", "tf32", "bf16", "ort-fp32", "ov-fp32", "ov-bf16")
+"""torch's dtypes, then the Decoder + Vocos as one ONNX Runtime / OpenVINO graph (CPU; ``audio.graph``)."""
 SWITCHES = ("auto", "on", "off")
 SAMPLING_NOISES = ("auto", "generator", "counter")  # engine.noise.NOISE_SOURCES (no torch here)
 
@@ -185,7 +186,8 @@ _HELP = {
     "graphs and counter noise; on: also eagerly on a CPU)",
     "max_audio_seconds": "audio one request may generate in all (its sentences x max_new_tokens are capped to fit)",
     "audio_dtype": "Decoder + Vocos dtype: fp32 (reference-exact, no TF32), tf32 (CUDA) or bf16 (faster on CPUs with "
-    "AVX-512 BF16 / AMX); auto: bf16 on CUDA, fp32 elsewhere",
+    "AVX-512 BF16 / AMX); CPU only, as one graph: ort-fp32 (ONNX Runtime), ov-fp32 / ov-bf16 (OpenVINO), "
+    "faster than torch's at the same dtype, not bit-exact; auto: bf16 on CUDA, fp32 elsewhere",
     "audio_overlap": "audio decode on its own CUDA stream, overlapping the next GPT step (auto: on for CUDA)",
     "audio_buckets": "pad audio windows to a few fixed lengths so shapes repeat (auto: on for CUDA)",
 }

@@ -14,6 +14,8 @@ import logging
 import torch
 
 from ...audio.decode import resolve_audio_dtype
+from ...audio.graph import RUNTIMES as GRAPH_RUNTIMES
+from ...audio.graph import graph_for
 from ...audio.overlap import AudioDecoder, Entry, split_failed
 from ...audio.policy import StreamPolicy
 from ...cpu import probe
@@ -64,8 +66,10 @@ class ChatTTSStage:
             tokenizer, gpt.hidden_size, gpt.num_vq, sc.max_model_len, self.device, sc.max_num_seqs
         )
         self.audio_dtype = resolve_audio_dtype(config.audio_dtype, self.device.type)
-        if self.audio_dtype == "bf16" and self.device.type == "cpu" and not probe().bf16:
-            logger.warning("audio_dtype bf16 on a CPU without AVX-512 BF16 or AMX: emulated, slower than fp32")
+        if self.audio_dtype in ("bf16", "ov-bf16") and self.device.type == "cpu" and not probe().bf16:
+            logger.warning("audio_dtype %s on a CPU without AVX-512 BF16 or AMX: emulated, slower", self.audio_dtype)
+        if self.audio_dtype in GRAPH_RUNTIMES:
+            graph_for(model, self.audio_dtype)  # built now (seconds), not in the first request
         self.decoder = AudioDecoder(
             model,
             self.device,
