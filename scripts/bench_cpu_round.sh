@@ -2,7 +2,9 @@
 # The CPU figures of BENCHMARKS.md and the README's per-CPU table, again on this machine: one stream
 # (94 tokens), offline 32 x 150 and 32 concurrent streams, per speed mode, in 3 alternating rounds (take
 # medians), the reference in the same rounds. Run it on a quiet machine (nothing else running); every
-# JSON line records the CPU. Usage:
+# JSON line records the CPU. First the per-op kernel table (bench kernels: every library's trunk matmuls
+# at 1/4/32 rows against the weight-read floor, 1 thread) and the audio stage per runtime (bench audio);
+# the load averages go in $O/uptime.log with each stage. Usage:
 #   scripts/bench_cpu_round.sh CKPT REFERENCE_PYTHON OUT_DIR [ONNX_CACHE_DIR]
 set -u
 CK=${1:?checkpoint directory (chattts-serve checkpoint random CKPT --size full)}
@@ -11,7 +13,15 @@ O=${3:?output directory}
 OC=${4:+--onnx-cache-dir $4}
 mkdir -p "$O"
 common="--model $CK --threads 2 $OC"
-run() { local out=$1; shift; chattts-serve "$@" >> "$O/$out.jsonl" 2>> "$O/err.log" || echo "failed: $*" >> "$O/err.log"; }
+run() {
+  local out=$1; shift
+  echo "$out $(uptime)" >> "$O/uptime.log"
+  chattts-serve "$@" >> "$O/$out.jsonl" 2>> "$O/err.log" || echo "failed: $*" >> "$O/err.log"
+}
+run kernels bench kernels --model "$CK" --threads 1 --rows 1,4,32 --rounds 5 --work-dir "$O"
+run kernels_2t bench kernels --model "$CK" --threads 2 --rows 1,32 --rounds 3 --work-dir "$O" \
+  --backends ort-int4-b32-a4,ort-int8,int4pack-g32-bf16,int4pack-g128-bf16,ov-int4-g128,ov-int8,onednn-bf16
+run audio bench audio --model "$CK" --threads 1 --windows 1x150,8x150,1x48 --rounds 5
 for round in 1 2 3; do
   run one_fp32_ref bench streams $common --precision fp32 --concurrency 1 --steps 94 --reference-python "$REF"
   for p in int8-static ort-int8 ort-int4 ort-auto; do

@@ -373,6 +373,8 @@ class OpenVinoBackend(Backend):
             kw = {"group_size": compress["group"], "ratio": 1.0, "all_layers": True} if "group" in compress else {}
             model = nncf.compress_weights(model, mode=mode, **kw)
         self.weight_bytes = sum(op.get_byte_size() for op in model.get_ops() if op.get_type_name() == "Constant")
+        if compress is None and hint == "bf16":
+            self.weight_bytes //= 2  # the plugin holds fp32 weights as bf16 when it computes in bf16
         config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
         if hint:
             config["INFERENCE_PRECISION_HINT"] = hint
