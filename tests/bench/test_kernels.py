@@ -66,6 +66,9 @@ def test_a_quick_run_gives_every_table_cell():
         for r in (1, 4):
             row = e[f"rows_{r}"]
             assert row["step_ms"] > 0 and row["of_floor"] > 0 and set(row["ops_ms"]) == set(OPS)
+    # against the float64 chain: fp32 to rounding, int8 weights with bf16 activations well above it
+    fp32_err = result["backends"]["torch-fp32"]["rows_4"]["rel_err"]
+    assert fp32_err < 1e-5 < 1e-3 < result["backends"]["int8w-bf16"]["rows_4"]["rel_err"] < 0.2
     table = kernels.markdown(result)
     assert "| int8w-bf16 |" in table and "per op, 4 row(s)" in table
 

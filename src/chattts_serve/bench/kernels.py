@@ -64,13 +64,14 @@ def trunk_shape(model: str | None, layers: int | None):
     )
 
 
-def build(shape, names: set[str] | None, work: Path, seed: int) -> dict[str, Any]:
-    """Every available backend (or the named ones), built from one set of random weights."""
-    import torch
+def build(shape, names: set[str] | None, work: Path, seed: int, xs: dict) -> tuple[dict[str, Any], dict]:
+    """Every available backend (or the named ones), built from one set of random weights, and the
+    chain's float64 output for each input of ``xs`` (what ``rel_err`` compares with)."""
 
     from . import trunk_backends as tb
 
     weights = tb.random_weights(shape, seed)
+    refs = {r: tb.reference_chain(shape, weights, x) for r, x in xs.items()}
     builders = dict(tb.torch_backends(shape, weights, names))
     graph_names = names is None or any(n.startswith(("ort-", "ov-")) for n in names)
     if graph_names:
@@ -90,8 +91,7 @@ def build(shape, names: set[str] | None, work: Path, seed: int) -> dict[str, Any
         if unknown:
             raise ValueError(f"unknown or unavailable backend(s): {', '.join(sorted(unknown))}")
     del weights
-    torch.set_num_threads(torch.get_num_threads())
-    return backends
+    return backends, refs
 
 
 def _timed(fn) -> float:
@@ -110,13 +110,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows_list = [int(r) for r in args.rows.split(",")]
     names = set(args.backends.split(",")) if args.backends else None
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
-        backends = build(shape, names, Path(tmp), args.seed)
+        g = torch.Generator().manual_seed(args.seed)
+        xs = {r: torch.randn(r, shape.hidden, generator=g) for r in rows_list}
+        backends, refs = build(shape, names, Path(tmp), args.seed, xs)
         failed = {n: f"{type(b).__name__}: {b}" for n, b in backends.items() if isinstance(b, Exception)}
         ok = {n: b for n, b in backends.items() if not isinstance(b, Exception)}
         buf = torch.ones(args.bandwidth_mb << 18)  # fp32: MB * 2**20 / 4
         dst = torch.empty_like(buf)
-        g = torch.Generator().manual_seed(args.seed)
-        xs = {r: torch.randn(r, shape.hidden, generator=g) for r in rows_list}
         op_x = {r: {o: torch.randn(r, shape.op_shape(o)[1], generator=g) for o in OPS} for r in rows_list}
         step: dict[int, dict[str, list[float]]] = {r: {n: [] for n in ok} for r in rows_list}
         ops: dict[int, dict[str, dict[str, list[float]]]] = {
@@ -124,9 +124,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
         read_s, copy_s = [], []
         with torch.inference_mode():
-            for r in rows_list:  # warm-up: first touches, lazy inits, per-shape kernel selection
-                for b in ok.values():
-                    b.step(xs[r])
+            rel_err: dict[str, dict[int, float]] = {n: {} for n in ok}
+            for r in rows_list:  # warm-up (first touches, lazy inits, per-shape kernels), and the error
+                for n, b in ok.items():
+                    y = b.output(xs[r]).double()
+                    rel_err[n][r] = float((y - refs[r]).norm() / refs[r].norm())
             for _ in range(args.rounds):
                 read_s.append(_timed(lambda: buf.sum().item()))
                 copy_s.append(_timed(lambda: dst.copy_(buf)))
@@ -175,7 +177,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 entry["note"] = b.note
             for r in rows_list:
                 ms = 1000 * statistics.median(step[r][n])
-                row: dict[str, Any] = {"step_ms": round(ms, 3), "of_floor": round(floor_ms / ms, 3)}
+                row: dict[str, Any] = {
+                    "step_ms": round(ms, 3),
+                    "of_floor": round(floor_ms / ms, 3),
+                    "rel_err": round(rel_err[n][r], 5),
+                }
                 if isinstance(b, TorchBackend):
                     op_ms = {o: 1000 * statistics.median(ops[r][n][o]) for o in OPS}
                 else:
@@ -205,12 +211,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"({result['threads']} thread(s)); "
         f"4-bit floor of the step {result['floor_int4_ms']} ms; medians of {result['rounds']} rounds",
         "",
-        "| backend | weights MB | floor ms | " + " | ".join(f"{r} row(s): ms (of floor)" for r in rows) + " |",
-        "| --- | ---: | ---: | " + " | ".join("---:" for _ in rows) + " |",
+        "| backend | weights MB | floor ms | rel. error | "
+        + " | ".join(f"{r} row(s): ms (of floor)" for r in rows)
+        + " |",
+        "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in rows) + " |",
     ]
     for n, e in result["backends"].items():
         cells = [f"{e[f'rows_{r}']['step_ms']} ({e[f'rows_{r}']['of_floor']})" for r in rows]
-        lines.append(f"| {n} | {e['weight_mb']} | {e['floor_ms']} | " + " | ".join(cells) + " |")
+        err = e[f"rows_{rows[-1]}"]["rel_err"]
+        lines.append(f"| {n} | {e['weight_mb']} | {e['floor_ms']} | {err} | " + " | ".join(cells) + " |")
     from .trunk_backends import OPS
 
     for r in (rows[0], rows[-1]) if len(rows) > 1 else rows:

@@ -84,6 +84,11 @@ def _chain(
     return linear("heads", 0, h)
 
 
+def reference_chain(shape: TrunkShape, weights: Weights, x: torch.Tensor) -> torch.Tensor:
+    """The chain in float64 on the fp32 weights: what each backend's output is compared with."""
+    return _chain(shape, lambda op, i, rows: rows @ weights[op][i].double().t(), x.double())
+
+
 class Backend:
     name: str
     weight_bytes: int
@@ -92,6 +97,10 @@ class Backend:
 
     def step(self, x: torch.Tensor) -> Any:
         raise NotImplementedError
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """``step``'s result as a tensor (the heads' outputs)."""
+        return torch.as_tensor(np.asarray(self.step(x)))
 
     def op(self, op: str, layer: int, x: torch.Tensor) -> Any:  # graph backends have no single-op call
         raise NotImplementedError
@@ -386,6 +395,9 @@ class OpenVinoBackend(Backend):
 
     def step(self, x: torch.Tensor) -> Any:
         return self.request.infer({0: x.numpy()})
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(np.array(self.step(x)[0]))
 
     def op_profile(self, x: torch.Tensor, runs: int) -> dict[str, float]:
         compiled = self.core.compile_model(self.model, "CPU", {**self.config, "PERF_COUNT": True})
