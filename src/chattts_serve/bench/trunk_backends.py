@@ -60,15 +60,21 @@ Weights = dict[str, list[torch.Tensor]]
 """op -> one fp32 [out, in] weight per layer (one for the heads)."""
 
 
+RESIDUAL_SCALE = 0.1
+"""The o and down projections' weights are scaled by this: with unit-variance weights and no norms
+the residual stream doubles per block and overflows within 20 layers; scaled, it stays of order 1 (as
+a trained model's does), so outputs can be compared. It changes nothing of any kernel's speed."""
+
+
 def random_weights(shape: TrunkShape, seed: int = 0) -> Weights:
     g = torch.Generator().manual_seed(seed)
-    return {
-        op: [
-            torch.randn(*shape.op_shape(op), generator=g) * shape.op_shape(op)[1] ** -0.5
-            for _ in range(shape.op_count(op))
-        ]
-        for op in OPS
-    }
+
+    def weight(op: str) -> torch.Tensor:
+        out, inp = shape.op_shape(op)
+        scale = inp**-0.5 * (RESIDUAL_SCALE if op in ("oproj", "down") else 1.0)
+        return torch.randn(out, inp, generator=g) * scale
+
+    return {op: [weight(op) for _ in range(shape.op_count(op))] for op in OPS}
 
 
 def _chain(
