@@ -87,11 +87,6 @@ class KVCache(nn.Module):
         runner's auto slots and a replica's memory budget both size the cache by it)."""
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * dtype.itemsize
 
-    @staticmethod
-    def dtype_for(kv_cache_dtype: str, trunk_dtype: torch.dtype) -> torch.dtype:
-        """The dtype the cache holds for ``RunnerConfig.kv_cache_dtype``: "bf16", or "auto" (the trunk's)."""
-        return torch.bfloat16 if kv_cache_dtype == "bf16" else trunk_dtype
-
     @property
     def num_slots(self) -> int:
         return self.k.shape[1]
