@@ -1,18 +1,20 @@
 """The decode path: how one step's running rows become their next tokens. One protocol, one module per path,
 chosen once from the execution plan (``engine.plan``: ``ExecutionPlan.decode``).
 
-    path           module                   trunk step                           heads and sampling
-    "rows"         ``engine.decode_rows``   ``GPT.decode``: each row its keys     eager, per kind
-    "static"       ``engine.decode_static`` ``GPT.decode_static`` (CUDA graphs)   eager, per kind
-    "step-graph"   ``engine.step_graph``    the static step                      inside one graph per bucket
-    "onnx"         ``engine.decode_onnx``   the ``ort-*`` session                 eager, per kind
+    path           module                   trunk step                           heads and sampling     prefill
+    "rows"         ``engine.decode_rows``   ``GPT.decode``: each row its keys     eager, per kind        torch
+    "static"       ``engine.decode_static`` ``GPT.decode_static`` (CUDA graphs)   eager, per kind        torch
+    "step-graph"   ``engine.step_graph``    the static step                      one graph per bucket   torch
+    "onnx"         ``engine.decode_onnx``   the ``ort-*`` session                 eager, per kind        ORT
 
 The runner (``engine.runner``) owns what every path shares (the KV cache, the slot state, the heads, the
 sampler: ``RunnerParts``), prefills the step's admissions and calls ``DecodePath.decode`` once per step with
 a ``DecodeStep``: the step's index plan, its decode rows and its admissions' first logits. A path returns each
 kind's tokens (admissions first, then decode rows: the order ``StepPlan`` samples in) and the code decode
 rows' hidden states; the runner reads the tokens back in the step's one copy. The three eager paths share
-``TrunkDecode`` and differ only in ``trunk``.
+``TrunkDecode`` and differ only in ``trunk``. A path also says how the step's prompts go through its trunk
+(``prefill``, called by ``engine.prefill_runner.Prefiller``, which embeds the prompts and runs the heads):
+``torch_prefill`` (packed prompts, ``models.chattts.prefill``) unless the trunk is not torch's.
 
 A new trunk backend is one module with a class that takes ``RunnerParts`` and implements ``DecodePath``
 (usually a ``TrunkDecode`` with its own ``trunk``), its entry in ``engine.runner.DECODE_PATHS``, and the rule
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .plan import ExecutionPlan
+from .prefill_runner import Pieces, Prefiller, torch_prefill
 from .request import Sequence
 from .slot_sampler import SlotSampler
 from .slot_state import SlotState
@@ -110,6 +113,10 @@ class DecodePath(Protocol):
 
     def decode(self, step: DecodeStep) -> Decoded: ...
 
+    def prefill(self, prefiller: Prefiller, seqs: list[Sequence]) -> Pieces:
+        """The prompts of ``seqs`` (slots assigned) through the trunk into their slots."""
+        ...
+
     def counters(self) -> dict[str, int]: ...
 
 
@@ -144,6 +151,9 @@ class TrunkDecode:
 
     def counters(self) -> dict[str, int]:
         return {}
+
+    def prefill(self, prefiller: Prefiller, seqs: list[Sequence]) -> Pieces:
+        return torch_prefill(prefiller, seqs)
 
     def decode(self, step: DecodeStep) -> Decoded:
         heads, sampler = self.parts.heads, self.parts.sampler

@@ -157,9 +157,6 @@ class ModelRunner:
         self.cache: KVCache = cache
         self.num_vq = model.config.gpt.num_vq
         self.text_eos_id = text_eos_id
-        # One slot, unprepared fp32: every matmul runs on exactly the rows a batch-1 reference run uses
-        # (bit-exact with chattts). More slots: packed weights or padded rows (see models.chattts.prepare).
-        self.prefiller = Prefiller(model, cache, trunk, layout.pad_rows_to, max_prefill_tokens)
         self.states: dict[int, int] = {}
         """seq_id -> slot of every sequence with sampling state (registered at prefill)."""
         self._owner: list[int | None] = [None] * num_slots
@@ -179,11 +176,17 @@ class ModelRunner:
         )
         self.decode_path: DecodePath = DECODE_PATHS[plan.decode](self.parts)
         """The one decode path, chosen once (``engine.decode_path``)."""
+        # One slot, unprepared fp32: every matmul runs on exactly the rows a batch-1 reference run uses
+        # (bit-exact with chattts). More slots: packed weights or padded rows (see models.chattts.prepare).
+        self.prefiller = Prefiller(
+            model, cache, trunk, layout.pad_rows_to, max_prefill_tokens, self.decode_path.prefill
+        )
 
     def use_decode_path(self, make: Callable[[RunnerParts], DecodePath]) -> DecodePath:
         """Run every later step's decode rows through ``make(parts)`` instead (``bench.host_overhead``
         stands in for the device's work this way); returns it."""
         self.decode_path = make(self.parts)
+        self.prefiller.trunk_rows = self.decode_path.prefill
         return self.decode_path
 
     @property

@@ -47,6 +47,8 @@ import torch
 from .cuda_graph import _TOLERANCE, _bucket
 from .decode_path import Decoded, DecodeStep, RunnerParts
 from .decode_static import static_decoder
+from .prefill_runner import Pieces, Prefiller, torch_prefill
+from .request import Sequence
 from .step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -143,6 +145,9 @@ class StepGraph:
         for k in step.plan.kinds:  # each kind: its admissions, then its decode rows (plan order)
             tokens += [t[k.kind] for t in (first, decoded) if k.kind in t]
         return Decoded(tokens, hidden)
+
+    def prefill(self, prefiller: Prefiller, seqs: list[Sequence]) -> Pieces:
+        return torch_prefill(prefiller, seqs)
 
     def counters(self) -> dict[str, int]:
         return {
