@@ -17,8 +17,9 @@ rows' hidden states; the runner reads the tokens back in the step's one copy. Th
 ``torch_prefill`` (packed prompts, ``models.chattts.prefill``) unless the trunk is not torch's.
 
 A new trunk backend is one module with a class that takes ``RunnerParts`` and implements ``DecodePath``
-(usually a ``TrunkDecode`` with its own ``trunk``), its entry in ``engine.runner.DECODE_PATHS``, and the rule
-in ``engine.plan.resolve_plan`` that picks it (with its name in ``engine.plan.DECODE_PATHS``).
+(usually a ``TrunkDecode`` with its own ``trunk``, and its own ``prefill`` unless the trunk is torch's), its
+entry in ``engine.runner.DECODE_PATHS``, and the rule in ``engine.plan.resolve_plan`` that picks it (with its
+name in ``engine.plan.DECODE_PATHS``). ``engine.decode_onnx`` is the example of a backend that is not torch.
 """
 
 from __future__ import annotations
