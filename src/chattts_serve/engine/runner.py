@@ -242,10 +242,9 @@ class ModelRunner:
         out = self.decode_path.decode(DecodeStep(plan, sched.decode, first, self._stage))
         if out.hidden is not None:
             code_hidden.append(out.hidden)
-        with self._stage("sampling"):
-            tokens = out.tokens
-            flat = self._readback.read(torch.cat(tokens) if len(tokens) > 1 else tokens[0])
-            # ^ the step's one device-to-host copy and its one wait
+        tokens = out.tokens
+        flat = self._readback.read(torch.cat(tokens) if len(tokens) > 1 else tokens[0])
+        # ^ the step's one device-to-host copy and its one wait
         return self._output(plan, flat, code_hidden)
 
     def _output(self, plan: StepPlan, flat: np.ndarray, code_hidden: list[torch.Tensor]) -> RunnerOutput:
