@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from chattts_serve.audio.decode import _decode_batch, decode_windows, resolve_audio_dtype
+from chattts_serve.audio.decode import _decode_batch, decode_windows
 from chattts_serve.audio.graph import AudioGraph, graph_for
 from chattts_serve.models.chattts.checkpoint import load
 
@@ -78,12 +78,14 @@ def test_audio_dtype_ort_fp32_decodes_each_window_as_fp32_does(model, buckets):
 
 def test_graph_runtimes_are_cpu_only_and_listed_in_the_config():
     from chattts_serve.audio.decode import _DTYPES
-    from chattts_serve.engine.config import AUDIO_DTYPES
+    from chattts_serve.audio.graph import RUNTIMES
+    from chattts_serve.engine.config import AUDIO_DTYPES, AUDIO_GRAPH_DTYPES, EngineConfig
+    from chattts_serve.engine.plan import resolve_plan
 
-    assert ("auto", *_DTYPES) == AUDIO_DTYPES
-    assert resolve_audio_dtype("ov-bf16", "cpu") == "ov-bf16"
+    assert ("auto", *_DTYPES) == AUDIO_DTYPES and RUNTIMES == AUDIO_GRAPH_DTYPES
+    assert resolve_plan(EngineConfig(audio_dtype="ov-bf16"), "cpu").audio_dtype == "ov-bf16"
     with pytest.raises(ValueError, match="CPU only"):
-        resolve_audio_dtype("ort-fp32", "cuda")
+        resolve_plan(EngineConfig(audio_dtype="ort-fp32"), "cuda")
 
 
 def test_an_engine_with_audio_dtype_ort_fp32_gives_the_fp32_audio(tiny_ckpt):
