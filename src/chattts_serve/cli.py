@@ -5,7 +5,7 @@ chattts-serve synthesize --input texts.txt --output-dir out/ [--max-num-seqs N] 
 chattts-serve ray serve --model DIR --num-replicas N      chattts-serve ray batch --input F --output-dir D
 chattts-serve speaker new [--model DIR|REPO] [--seed N]
 chattts-serve checkpoint random DIR [--family chattts|...] [--size tiny|full] [--seed N]
-chattts-serve export onnx --out DIR [--model DIR|REPO] [--quant fp32|int8|int4] [--provider cpu|cuda|tensorrt]
+chattts-serve export onnx --out DIR [--model DIR|REPO] [--quant fp32|int8|int4|int4-b128] [--provider cpu|cuda|tensorrt]
 chattts-serve bench offline|streams|serve|family|host-overhead ...   chattts-serve profile ...   chattts-serve eval ...
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import models
 from .engine.config import add_engine_arguments, add_max_num_seqs_argument
+from .kernels.onnx_runtime import WEIGHT_KINDS
 from .models.chattts.config import DEFAULT_MODEL
 from .models.family import SIZES
 from .sampling_params import SAMPLING_FLAGS, SamplingParams, add_sampling_arguments
@@ -128,9 +129,10 @@ def _build_parser() -> argparse.ArgumentParser:
     onnx.add_argument("--out", required=True, help="directory for model.onnx, model.onnx.data and manifest.json")
     onnx.add_argument(
         "--quant",
-        choices=("fp32", "int8", "int4"),
+        choices=WEIGHT_KINDS,
         default="fp32",
-        help="weights: fp32, int8 (per channel, activations quantised per call) or int4 (MatMulNBits, block 32)",
+        help="weights: fp32, int8 (per channel, activations quantised per call) or int4 / int4-b128 (MatMulNBits, "
+        "block 32 / 128)",
     )
     onnx.add_argument(
         "--provider",

@@ -174,3 +174,18 @@ def test_profile_splits_the_ort_step_by_op(tiny_ckpt, onnx_cache, capsys):
     # Splitting ORT's step needs ORT's step.
     assert main([*argv, "--ops"]) == 2
     assert "needs an ort-* precision" in capsys.readouterr().err
+
+
+def test_ort_int4_b128_runs_block_128_and_keeps_batch_invariance(tiny_ckpt, onnx_cache):
+    """The 4-bit export at block 128 (issue 33: faster at 1-8 rows): its MatMulNBits nodes carry block
+    128, and a text's codes are the same alone and batched (MLAS computes each row alone)."""
+    import onnx
+
+    engine = Engine.from_pretrained(tiny_ckpt, config=_config("ort-int4-b128", onnx_cache))
+    trunk = engine.layout.trunk
+    graph = onnx.load(str(trunk.directory / "model.onnx"), load_external_data=False).graph
+    blocks = {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
+    assert blocks == {128}
+    batched = engine.synthesize(TEXTS, PARAMS)
+    alone = engine.synthesize(TEXTS[1:2], PARAMS)[0]
+    np.testing.assert_array_equal(batched[1].codes, alone.codes)

@@ -3,7 +3,7 @@
 
     EngineConfig
     ├── precision     str               fp32 | bf16 | fp16 | int8 | int8-dynamic | int8-static | ort-*
-                                        (ort-fp32 | ort-int8 | ort-int4 | ort-auto)
+                                        (ort-fp32 | ort-int8 | ort-int4 | ort-int4-b128 | ort-auto)
     ├── scheduler     SchedulerConfig   KV slots, slot length, queue bound, prefill budget
     ├── runner        RunnerConfig      decode step: rows | static, CUDA graphs, torch.compile, KV dtype, ONNX cache
     └── stream        StreamPolicy      default chunking of streamed audio (per request overridable)
@@ -152,9 +152,9 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 _HELP = {
     "precision": "GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
-    "int8-static (CPU, int8 activations too), ort-fp32 / ort-int8 / ort-int4 (the trunk in ONNX Runtime, CPU; "
-    "needs the [onnx] extra), ort-auto (ort-int4 while few rows decode, ort-int8 from --ort-auto-crossover on); "
-    "see the README's quality table",
+    "int8-static (CPU, int8 activations too), ort-fp32 / ort-int8 / ort-int4 / ort-int4-b128 (the trunk in ONNX "
+    "Runtime, CPU; needs the [onnx] extra), ort-auto (ort-int4 while few rows decode, ort-int8 from "
+    "--ort-auto-crossover on); see the README's quality table",
     "max_num_seqs": "KV-cache slots: sequences decoding at once",
     "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence; at most the checkpoint's "
     "max_position_embeddings; fixed slots are shortened at load where memory does not hold them)",

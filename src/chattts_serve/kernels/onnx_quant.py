@@ -15,6 +15,9 @@ from ..cpu import CpuInfo, probe
 from .onnx_runtime import MODEL_FILE, WEIGHT_KINDS, save_model
 
 INT4_BLOCK_SIZE = 32
+INT4_BLOCKS = {"int4": INT4_BLOCK_SIZE, "int4-b128": 128}
+"""Block size of each 4-bit weight kind. Block 128 is 1.2-1.5x faster than 32 at 1-8 rows on a Zen 4
+(one thread; BENCHMARKS.md, issue 33) for coarser scales (1.2x block 32's error on random weights)."""
 INT4_ACCURACY_LEVEL = 4
 """int8 activations: 1.6x faster than fp32 activations (issue 12)."""
 
@@ -48,18 +51,20 @@ def quantize(
     dst: Path,
     weights: str,
     reduce_range: bool,
-    block_size: int = INT4_BLOCK_SIZE,
+    block_size: int | None = None,
     accuracy_level: int = INT4_ACCURACY_LEVEL,
 ) -> None:
     """Quantize ``src``'s MatMul weights into ``dst`` (both directories holding ``model.onnx``).
-    ``block_size`` and ``accuracy_level``: int4 only (``bench kernels`` compares the others)."""
+    ``block_size`` and ``accuracy_level``: 4-bit kinds only (``bench kernels`` compares others); the
+    block size defaults to the kind's (``INT4_BLOCKS``)."""
     # The quantizers log every node at INFO, and quantize_dynamic advises pre-processing (for CNNs).
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     root = logging.getLogger()
     advice = _DropMessage("Please consider to run pre-processing")
     root.addFilter(advice)
     try:
-        _run_quantizer(src, dst, weights, reduce_range, block_size, accuracy_level)
+        block = block_size or INT4_BLOCKS.get(weights, INT4_BLOCK_SIZE)
+        _run_quantizer(src, dst, weights, reduce_range, block, accuracy_level)
     finally:
         root.removeFilter(advice)
 
@@ -94,7 +99,7 @@ def _run_quantizer(
             extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
         )
         save_model(onnx.load(str(quantized)), dst)
-    elif weights == "int4":
+    elif weights in INT4_BLOCKS:
         quant = _nbits_quantizer()(
             onnx.load(str(src / MODEL_FILE)),
             bits=4,

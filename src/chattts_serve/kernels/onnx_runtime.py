@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-WEIGHT_KINDS = ("fp32", "int8", "int4")
+WEIGHT_KINDS = ("fp32", "int8", "int4", "int4-b128")
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 """The weight kinds an export may hold: fp32, or quantised by ``kernels.onnx_quant``."""

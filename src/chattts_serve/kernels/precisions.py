@@ -15,5 +15,6 @@ PRECISIONS: tuple[str, ...] = (
     "ort-fp32",
     "ort-int8",
     "ort-int4",
+    "ort-int4-b128",
     "ort-auto",
 )
