@@ -24,9 +24,10 @@ run kernels_2t bench kernels --model "$CK" --threads 2 --rows 1,32 --rounds 3 --
 run audio bench audio --model "$CK" --threads 1 --windows 1x150,8x150,1x48 --rounds 5
 for round in 1 2 3; do
   run one_fp32_ref bench streams $common --precision fp32 --concurrency 1 --steps 94 --reference-python "$REF"
-  for p in int8-static ort-int8 ort-int4 ort-auto; do
+  for p in int8-static ort-int8 ort-int4 ort-int4-b128 ort-auto; do
     run "one_$p" bench streams $common --precision $p --audio-dtype bf16 --concurrency 1 --steps 94
   done
+  run one_ort-auto-ovbf16 bench streams $common --precision ort-auto --audio-dtype ov-bf16 --concurrency 1 --steps 94
   run one_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
     --concurrency 1 --steps 94
   if [ "$round" = 1 ]; then
