@@ -104,7 +104,7 @@ def test_budget_sizes_kv_slots_by_the_kv_cache_dtype(tiny_ckpt, monkeypatch):
     bf16_kv = EngineConfig.with_slots(4, runner=RunnerConfig(kv_cache_dtype="bf16"))
     dev = torch.device("cuda", 0)
     max_len = fp32.scheduler.max_model_len
-    row = HiddenStore.bytes_per_row(g.hidden_size, max_len)  # the stream's hidden states: fp32 always
+    row = HiddenStore.bytes_per_slot(g.hidden_size, max_len)  # hidden states and headroom: fp32 always
     full = budget_for(str(tiny_ckpt), fp32, dev, 0.5).bytes_per_slot
     assert full == KVCache.bytes_per_slot(g, max_len, torch.float32) + row
     half = budget_for(str(tiny_ckpt), bf16_kv, dev, 0.5).bytes_per_slot

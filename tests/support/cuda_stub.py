@@ -1,8 +1,8 @@
 """Stand-in ``torch.cuda`` calls for CPU tests of the CUDA path: every call is recorded with the device
 it names (or, for calls that take none, the thread's stand-in current device), so a test can assert
-that an engine on ``cuda:1`` never touches another card. Tensors stay on the CPU: pinned allocations
-and copies to a CUDA device are CPU ones, and graphs record nothing (``replay`` does nothing unless a
-test gives the ``FakeGraph`` something to do).
+that an engine on ``cuda:1`` never touches another card. Tensors stay on the CPU: pinned allocations,
+copies to a CUDA device and ``torch.empty`` / ``zeros`` / ``full`` on one are CPU ones, and graphs
+record nothing (``replay`` does nothing unless a test gives the ``FakeGraph`` something to do).
 
     calls = FakeCuda.install(monkeypatch)
     ...  # code under test, with a CUDA device label
@@ -163,11 +163,18 @@ class FakeCuda:
             calls.add("synchronize", _dev(device) if device is not None else calls.current())
 
         real_empty, real_to, real_pin = torch.empty, torch.Tensor.to, torch.Tensor.pin_memory
+        real_zeros, real_full = torch.zeros, torch.full
+
+        def on_cpu(k: dict) -> dict:  # a device tensor: recorded, allocated on the CPU
+            if "device" in k and str(k["device"]).startswith("cuda"):
+                calls.add("alloc", _dev(k["device"]))
+                k = {**k, "device": CPU}
+            return k
 
         def empty(*a, pin_memory=False, **k):
             if pin_memory:
                 calls.add("pinned", calls.current())
-            return real_empty(*a, **k)
+            return real_empty(*a, **on_cpu(k))
 
         def pin_memory(self, *a, **k):
             calls.add("pinned", calls.current())
@@ -198,6 +205,8 @@ class FakeCuda:
         }.items():
             monkeypatch.setattr(torch.cuda, name, value)
         monkeypatch.setattr(torch, "empty", empty)
+        monkeypatch.setattr(torch, "zeros", lambda *a, **k: real_zeros(*a, **on_cpu(k)))
+        monkeypatch.setattr(torch, "full", lambda *a, **k: real_full(*a, **on_cpu(k)))
         monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
         monkeypatch.setattr(torch.Tensor, "to", to)
         del real_pin

@@ -213,3 +213,6 @@ class BatchStage:
 
     def counters(self) -> dict[str, int]:
         return {}
+
+    def code_room(self) -> int | None:
+        return None

@@ -121,7 +121,7 @@ class EngineCore:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(code_room=self.stage.code_room())
         result = self._execute(sched)
         updates = self.scheduler.update(sched, result) if result is not None else []
         self._queue(self.stage.update(updates, result))

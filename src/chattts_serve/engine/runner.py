@@ -104,8 +104,8 @@ def free_bytes(device: torch.device) -> int:
 
 def slot_bytes(cfg: GPTConfig, max_len: int, kv_dtype: torch.dtype) -> int:
     """Device bytes one sequence slot holds: its keys and values (``KVCache.bytes_per_slot``) and its
-    audio stream's row of hidden states (``HiddenStore.bytes_per_row``; the first block has one per slot)."""
-    return KVCache.bytes_per_slot(cfg, max_len, kv_dtype) + HiddenStore.bytes_per_row(cfg.hidden_size, max_len)
+    audio stream's row of hidden states and its share of the rows' headroom (``HiddenStore.bytes_per_slot``)."""
+    return KVCache.bytes_per_slot(cfg, max_len, kv_dtype) + HiddenStore.bytes_per_slot(cfg.hidden_size, max_len)
 
 
 def slots_that_fit(free_bytes: int, fraction: float, bytes_per_slot: int) -> int:

@@ -140,7 +140,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, code_room: int | None = None) -> SchedulerOutput:
+        """The step's sequences. ``code_room``: "code" sequences that may be admitted (each needs the
+        stage's room for its audio stream: ``Stage.code_room``); None: no bound. A code sequence at the
+        head of the queue with no room waits, and so does everything behind it (queue order is kept)."""
         out = SchedulerOutput(finished=self._finished)
         self._finished = []
         for seq in [s for s in self.running if s.status.is_finished]:
@@ -156,6 +159,10 @@ class Scheduler:
             seq = self.waiting[0]
             if out.prefill and seq.prompt_len > budget:
                 break
+            if seq.kind == "code" and code_room is not None:
+                if code_room < 1:
+                    break
+                code_room -= 1
             self.waiting.pop(0)
             budget -= seq.prompt_len
             seq.slot = self.slots.allocate()

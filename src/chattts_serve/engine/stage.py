@@ -38,6 +38,10 @@ class Stage(Protocol):
     ) -> list[Sequence]:
         """Register a prepared request; its first sequences (the core queues them). Raises ValueError."""
 
+    def code_room(self) -> int | None:
+        """How many "code" sequences (audio streams) may be admitted now; None: no bound. ChatTTS: its
+        hidden-state rows free (a fixed store, never grown mid-serving)."""
+
     def execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         """Forget ``sched.finished``, then run ``sched``'s sequences (None when there are none). Raising fails
         the step's requests."""

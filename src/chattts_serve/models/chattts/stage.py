@@ -109,6 +109,9 @@ class ChatTTSStage:
 
     # ------------------------------------------------------------------ one step
 
+    def code_room(self) -> int:
+        return self.pipeline.code_rows_free()
+
     def execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         self.runner.release(sched.finished)
         return None if sched.is_empty else self.runner.execute(sched)
