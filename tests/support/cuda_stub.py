@@ -43,6 +43,9 @@ class FakeStream:
     def wait_event(self, event: FakeEvent) -> None:
         self.calls.add("wait_event", self.device)
 
+    def synchronize(self) -> None:
+        self.calls.add("stream.synchronize", self.device)
+
     def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
         event = event or FakeEvent(calls=self.calls)
         event.record(self)
@@ -100,6 +103,8 @@ class FakeCuda:
         self.streams: list[FakeStream] = []
         self.graphs: list[FakeGraph] = []
         self.captures: list[tuple[FakeGraph, FakeStream | None, dict]] = []
+        self.pinned_ptrs: set[int] = set()
+        """Data pointers of the host tensors pinned under the stand-in (``h2d`` vs ``h2d blocking``)."""
 
     def current(self) -> torch.device:
         return getattr(self._local, "device", torch.device("cuda", 0))
@@ -172,15 +177,23 @@ class FakeCuda:
             return k
 
         def empty(*a, pin_memory=False, **k):
+            t = real_empty(*a, **on_cpu(k))
             if pin_memory:
                 calls.add("pinned", calls.current())
-            return real_empty(*a, **on_cpu(k))
+                calls.pinned_ptrs.add(t.data_ptr())
+            return t
 
         def pin_memory(self, *a, **k):
             calls.add("pinned", calls.current())
-            return self
+            pinned = self.clone()
+            calls.pinned_ptrs.add(pinned.data_ptr())
+            return pinned
 
         def to(self, *a, **k):  # a copy to a CUDA device: recorded, done on the CPU
+            cuda = [x for x in (*a, k.get("device")) if isinstance(x, torch.device | str) and str(x).startswith("cuda")]
+            if cuda:  # "h2d": from pinned memory without blocking; anything else makes the host wait
+                quiet = k.get("non_blocking", False) and self.data_ptr() in calls.pinned_ptrs
+                calls.add("h2d" if quiet else "h2d blocking", _dev(cuda[0]))
             a = tuple(CPU if isinstance(x, torch.device | str) and str(x).startswith("cuda") else x for x in a)
             if "device" in k and str(k["device"]).startswith("cuda"):
                 k["device"] = CPU

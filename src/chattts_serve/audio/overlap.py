@@ -148,7 +148,7 @@ class AudioDecoder:
     ) -> None:
         """``dtype``: resolved (``decode.resolve_audio_dtype``). ``overlap``: collect at a later step
         (on CUDA: the decode runs on its own stream). ``buckets``: pad windows to fixed lengths.
-        ``max_in_flight``: submissions not yet collected before ``submit`` waits for the oldest."""
+        ``max_in_flight``: submissions not yet collected before the decoder is ``full``."""
         self.model, self.dtype, self.overlap, self.buckets = model, dtype, overlap, buckets
         self.device = device
         self.streams = streams or (CudaStreams(device) if device.type == "cuda" else InlineStreams())
@@ -165,14 +165,20 @@ class AudioDecoder:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    @property
+    def full(self) -> bool:
+        """``max_in_flight`` submissions are not collected yet: ``submit`` refuses more (the caller keeps its
+        windows for a later step instead of the host waiting for the oldest)."""
+        return len(self._pending) >= self.max_in_flight
+
     def submit(self, entries: list[Entry]) -> list[tuple[list[Entry], list[np.ndarray | Exception]]]:
-        """Queue the decode of ``entries`` (none of whose streams may be ``busy``); returns what had to
-        be collected first to stay within ``max_in_flight`` (usually nothing)."""
+        """Queue the decode of ``entries`` (none of whose streams may be ``busy``; not while ``full``).
+        Returns nothing: the audio comes from ``collect`` (kept as a list for callers that add to it)."""
         if any(self.busy(w.stream) for _, _, w in entries):
             raise ValueError("a window of this stream is already being decoded")
-        out = []
-        while len(self._pending) >= self.max_in_flight:
-            out.append(self._take(self._pending.popleft()))
+        if entries and self.full:
+            raise RuntimeError(f"{self.in_flight} audio submissions in flight: collect one first")
+        out: list[tuple[list[Entry], list[np.ndarray | Exception]]] = []
         if not entries:
             return out
         s = self.streams

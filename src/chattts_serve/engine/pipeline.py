@@ -25,6 +25,7 @@ import torch
 
 from ..audio.policy import StreamPolicy
 from ..audio.stream import AudioStream, Window
+from ..device import pinned_copy
 from ..models.chattts.config import AUDIO_EOS, SAMPLE_RATE
 from ..models.chattts.speaker import encode_prompt_codes, normalized_speaker_embedding
 from ..models.chattts.tokenizer import Tokenizer, code_prompt, refine_prompt
@@ -131,7 +132,8 @@ class RequestPipeline:
             raise ValueError(f"request id {request_id!r} is already running")
         speaker = None
         if prepared.speaker is not None:
-            speaker = normalized_speaker_embedding(torch.from_numpy(prepared.speaker)).to(self.device)
+            # Through pinned memory: a pageable upload would block the engine thread on the device.
+            speaker = pinned_copy(normalized_speaker_embedding(torch.from_numpy(prepared.speaker)), self.device)
         req = _Request(
             request_id,
             prepared,

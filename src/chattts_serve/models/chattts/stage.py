@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from ...audio.decode import resolve_audio_dtype
-from ...audio.overlap import AudioDecoder, Entry, split_failed
+from ...audio.overlap import AudioDecoder, Entry, Event, split_failed
 from ...audio.policy import StreamPolicy
 from ...cpu import probe
+from ...device import host_empty, pinned_copy
 from ...engine.config import EngineConfig
 from ...engine.input_processor import InputProcessor, PreparedRequest
 from ...engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepOutput
@@ -48,6 +50,9 @@ class ChatTTSStage:
         """``model`` prepared by ``models.chattts.prepare.prepare_model`` (which returned ``layout``)."""
         self.model = model
         self._failed: list[str] = []
+        self._encoding: dict[str, tuple[torch.Tensor, Event] | None] = {}
+        """Voice steps whose DVAE encode is queued: request id -> (codes' host buffer, its event), or None
+        (too little audio: no sample)."""
         sc = config.scheduler
         gpt = model.config.gpt
         if sc.max_model_len > gpt.max_position_embeddings:
@@ -126,13 +131,17 @@ class ChatTTSStage:
         turn finished voice steps into voice samples (their code passes follow)."""
         self._accept(self.decoder.collect(wait=wait))
         self._decode_windows()
-        return self._make_voice_samples()
+        return self._make_voice_samples(wait)
 
     def outputs(self) -> list[RequestOutput]:
         return self.pipeline.outputs()
 
     def reset(self) -> None:
         self.decoder.drop()
+        for pending in self._encoding.values():
+            if pending is not None:
+                pending[1].synchronize()  # its buffers must outlive the kernels
+        self._encoding.clear()
         self.runner.states.clear()
 
     def counters(self) -> dict[str, int]:
@@ -152,6 +161,8 @@ class ChatTTSStage:
     def _decode_windows(self) -> None:
         """Decoder + Vocos on every window ready this step, batched across requests: submitted, and
         (without overlap) collected at once. A stream with a window in flight waits for it."""
+        if self.decoder.full:  # the device is behind: the windows wait a step rather than the host
+            return
         windows = [e for e in self.pipeline.windows() if not self.decoder.busy(e[2].stream)]
         try:
             done = self.decoder.submit(windows)
@@ -173,23 +184,52 @@ class ChatTTSStage:
                 self._fail(request_id, f"audio decode failed: {exc}")
             self.pipeline.accept([windows[i] for i in ok], [pcm[i] for i in ok])
 
-    def _make_voice_samples(self) -> list[Sequence]:
-        """DVAE-encode each finished voice step's audio into its request's voice sample."""
-        follow = []
+    def _make_voice_samples(self, wait: bool) -> list[Sequence]:
+        """DVAE-encode each finished voice step's audio into its request's voice sample: the encode is
+        queued on the device and its codes come back by a non-blocking copy into pinned memory, taken at
+        a later step once its event has happened (``wait``: now; there is nothing else to overlap), so
+        the engine thread never waits on the device for a voice step."""
         for request_id, wav in self.pipeline.voice_steps_done():
+            if request_id in self._encoding:
+                continue
             try:
                 # Too little audio to take a voice from: the request keeps its speaker embedding only.
-                codes = self.voice_codes(torch.from_numpy(wav)) if len(wav) >= MIN_VOICE_SAMPLES else None
-                follow += self.pipeline.set_voice_sample(request_id, codes)
+                self._encoding[request_id] = self._encode(wav) if len(wav) >= MIN_VOICE_SAMPLES else None
+            except Exception as exc:
+                logger.exception("voice step failed")
+                self._fail(request_id, f"voice step failed: {exc}")
+        follow = []
+        for request_id, pending in list(self._encoding.items()):
+            if pending is not None and not (wait or pending[1].query()):
+                continue
+            del self._encoding[request_id]
+            req = self.pipeline.requests.get(request_id)
+            if req is None or req.status is not None:  # ended while its encode ran
+                continue
+            try:
+                if pending is not None:
+                    pending[1].synchronize()  # has happened (or ``wait``): returns at once
+                follow += self.pipeline.set_voice_sample(request_id, None if pending is None else pending[0])
             except Exception as exc:
                 logger.exception("voice step failed")
                 self._fail(request_id, f"voice step failed: {exc}")
         return follow
 
-    def voice_codes(self, wav: torch.Tensor) -> torch.Tensor:
-        """A 1-D 24 kHz waveform -> DVAE codes [4, T_s] on the CPU (a voice sample)."""
+    def _encode(self, wav: np.ndarray) -> tuple[torch.Tensor, Event]:
+        """Queue the DVAE encode of a voice step's waveform: (its codes' host buffer, the event after
+        which that buffer holds them)."""
         with torch.inference_mode(), fp32_scope():  # the DVAE is fp32: no TF32 convolutions
-            return self.model.dvae.encode(wav.to(self.device)).cpu()
+            codes = self.model.dvae.encode(pinned_copy(torch.from_numpy(wav), self.device))
+            host = host_empty(tuple(codes.shape), codes.dtype, self.device)
+            host.copy_(codes, non_blocking=True)
+        streams = self.decoder.streams
+        return host, streams.record(streams.current())
+
+    def voice_codes(self, wav: torch.Tensor) -> torch.Tensor:
+        """A 1-D 24 kHz waveform -> DVAE codes [4, T_s] on the CPU (a voice sample), waiting for them
+        (``Engine.speaker_from_audio``, between steps)."""
+        with torch.inference_mode(), fp32_scope():  # the DVAE is fp32: no TF32 convolutions
+            return self.model.dvae.encode(pinned_copy(wav, self.device)).cpu()
 
     def _fail(self, request_id: str, message: str) -> None:
         """End a request with an error; the core removes its sequences (``take_failed``)."""
