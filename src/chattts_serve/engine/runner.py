@@ -30,12 +30,12 @@ from ..models.chattts.gpt import KVCache
 from ..models.chattts.prepare import ModelLayout
 from .config import RunnerConfig
 from .cuda_graph import GraphStore, StaticDecoder
-from .hidden_store import HiddenStore
 from .noise import CounterNoise, GeneratorNoise, resolve_noise, seed_value
 from .outputs import RunnerOutput, SchedulerOutput
 from .prefill_runner import KindPrefill, Prefiller, SeqInputs, StepSampling
 from .request import Sequence
 from .sampler import PENALTY_WINDOW, batched_probs, sample_with_noise
+from .slot_memory import slot_cost
 from .slot_state import Admission, HostStaging, SlotState, TokenReadback
 from .step_graph import StepGraph, step_graphs_apply
 from .step_plan import KindRows, StepPlan, bind, build_plan
@@ -68,7 +68,8 @@ def auto_num_slots(
     ``MAX_AUTO_SLOTS``."""
     if fraction is None:
         fraction = AUTO_SLOTS_FRACTION.get(device.type, 0.5)
-    return slots_that_fit(free_bytes(device), fraction, slot_bytes(model.config.gpt, max_len, dtype))
+    cost = slot_bytes(model.config.gpt, max_len, dtype, graphs=device.type == "cuda")
+    return slots_that_fit(free_bytes(device), fraction, cost)
 
 
 MIN_FITTED_MODEL_LEN = 2048 + 256
@@ -88,8 +89,11 @@ def fitted_model_len(
     as memory allows up to the checkpoint's positions."""
     if fraction is None:
         fraction = AUTO_SLOTS_FRACTION.get(device.type, 0.5)
-    per_position = slot_bytes(model.config.gpt, 1, dtype)
-    fit = int(free_bytes(device) * fraction // (num_slots * per_position))
+    graphs = device.type == "cuda"
+    # A slot's bytes are affine in its length (``slot_memory``): fixed + per_position * length.
+    one, two = (slot_bytes(model.config.gpt, n, dtype, graphs) for n in (1, 2))
+    per_position, fixed = two - one, 2 * one - two
+    fit = int((free_bytes(device) * fraction / num_slots - fixed) // per_position)
     return max(min(max_len, MIN_FITTED_MODEL_LEN), min(max_len, fit))
 
 
@@ -102,10 +106,11 @@ def free_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def slot_bytes(cfg: GPTConfig, max_len: int, kv_dtype: torch.dtype) -> int:
-    """Device bytes one sequence slot holds: its keys and values (``KVCache.bytes_per_slot``) and its
-    audio stream's row of hidden states and its share of the rows' headroom (``HiddenStore.bytes_per_slot``)."""
-    return KVCache.bytes_per_slot(cfg, max_len, kv_dtype) + HiddenStore.bytes_per_slot(cfg.hidden_size, max_len)
+def slot_bytes(cfg: GPTConfig, max_len: int, kv_dtype: torch.dtype, graphs: bool = False) -> int:
+    """Device bytes one sequence slot holds (``slot_memory.slot_cost``): its keys and values with the
+    scratch position, its audio stream's hidden-state row and headroom, and (``graphs``: CUDA) its row
+    of the step graphs' pool."""
+    return slot_cost(cfg, max_len, kv_dtype, graphs).total
 
 
 def slots_that_fit(free_bytes: int, fraction: float, bytes_per_slot: int) -> int:
