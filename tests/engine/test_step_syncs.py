@@ -77,7 +77,7 @@ def drive(runner: ModelRunner, seqs: list[Sequence], steps: int) -> list[tuple[i
     for seq in seqs:
         seq.tokens.append(out.tokens[seq.seq_id])
     for _ in range(steps):
-        counter = SyncCounter(host_buffers=(runner._readback.host, runner._staging.host))
+        counter = SyncCounter(host_buffers=(*runner._readback.hosts, *runner._staging.hosts))
         with counter:
             out = runner.execute(SchedulerOutput(decode=seqs))
         counted.append((len(seqs), counter))
@@ -93,7 +93,7 @@ def drive(runner: ModelRunner, seqs: list[Sequence], steps: int) -> list[tuple[i
 def with_a_token_event(runner: ModelRunner, monkeypatch) -> None:
     """The readback waits on an event, as on CUDA (stand-in ``torch.cuda`` calls: ``cuda_stub``)."""
     FakeCuda.install(monkeypatch)
-    monkeypatch.setattr(runner._readback, "_event", torch.cuda.Event())
+    monkeypatch.setattr(runner._readback, "_events", [torch.cuda.Event(), torch.cuda.Event()])
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +54,8 @@ class _Request:
 
 
 class BatchStage:
+    can_run_ahead = False
+
     def __init__(self, model: BatchModel, config: EngineConfig) -> None:
         self.model = model
         self.config = config
@@ -216,3 +219,9 @@ class BatchStage:
 
     def code_room(self) -> int | None:
         return None
+
+    def launch(self, sched: SchedulerOutput) -> Any:
+        raise NotImplementedError("a batch family runs whole utterances: no step to run ahead")
+
+    def collect(self, launched: Any) -> RunnerOutput:
+        raise NotImplementedError("a batch family runs whole utterances: no step to run ahead")

@@ -105,6 +105,10 @@ class EngineConfig:
     """"on": the audio decode runs on a CUDA stream of its own, overlapping the next GPT step, and its
     audio is taken at a later step (``audio.overlap``); "off": inside the step, as on a CPU. "auto": on
     for CUDA."""
+    host_ahead: str = "auto"
+    """"on": the host schedules and queues step n+1 before it reads step n's tokens (they live on the
+    device; the host needs them only for stops and audio), so its work overlaps the device's; a sequence
+    that ended runs one discarded step (``EngineCore``). "off": one step at a time. "auto": on for CUDA."""
     audio_buckets: str = "auto"
     """"on": windows padded to a few fixed lengths (``audio.decode.window_bucket``; the padding masked,
     so only float rounding changes), so the kernels see repeating shapes. "auto": on for CUDA."""
@@ -114,7 +118,7 @@ class EngineConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
         if self.audio_dtype not in AUDIO_DTYPES:
             raise ValueError(f"audio_dtype must be one of {', '.join(AUDIO_DTYPES)}; got {self.audio_dtype!r}")
-        for name in ("audio_overlap", "audio_buckets"):
+        for name in ("audio_overlap", "audio_buckets", "host_ahead"):
             if getattr(self, name) not in SWITCHES:
                 raise ValueError(f"{name} must be one of {', '.join(SWITCHES)}; got {getattr(self, name)!r}")
         if not self.max_audio_seconds > 0:
@@ -127,6 +131,9 @@ class EngineConfig:
 
     def resolve_audio_overlap(self, device_type: str) -> bool:
         return self.audio_overlap == "on" or (self.audio_overlap == "auto" and device_type == "cuda")
+
+    def resolve_host_ahead(self, device_type: str) -> bool:
+        return self.host_ahead == "on" or (self.host_ahead == "auto" and device_type == "cuda")
 
     def resolve_audio_buckets(self, device_type: str) -> bool:
         return self.audio_buckets == "on" or (self.audio_buckets == "auto" and device_type == "cuda")
@@ -159,6 +166,7 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "audio_dtype": ("audio_dtype",),
     "audio_overlap": ("audio_overlap",),
     "audio_buckets": ("audio_buckets",),
+    "host_ahead": ("host_ahead",),
 }
 _HELP = {
     "precision": "GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
@@ -188,6 +196,8 @@ _HELP = {
     "AVX-512 BF16 / AMX); auto: bf16 on CUDA, fp32 elsewhere",
     "audio_overlap": "audio decode on its own CUDA stream, overlapping the next GPT step (auto: on for CUDA)",
     "audio_buckets": "pad audio windows to a few fixed lengths so shapes repeat (auto: on for CUDA)",
+    "host_ahead": "queue step n+1 before reading step n's tokens, the host's work overlapping the device's "
+    "(auto: on for CUDA)",
 }
 
 
@@ -247,6 +257,7 @@ def add_engine_arguments(
                 "audio_dtype": AUDIO_DTYPES,
                 "audio_overlap": SWITCHES,
                 "audio_buckets": SWITCHES,
+                "host_ahead": SWITCHES,
             }.get(name)
             kind = str if default is None else type(default)
             p.add_argument(flag, type=kind, choices=choices, help=f"{_HELP[name]} {shown}".strip(), **kw)

@@ -18,6 +18,7 @@ reference-identical).
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -41,6 +42,21 @@ from .step_graph import StepGraph, step_graphs_apply
 from .step_plan import KindRows, StepPlan, bind, build_plan
 
 __all__ = ["ModelRunner", "SeqInputs", "StepSampling", "auto_num_slots", "fitted_model_len"]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A step queued on the device whose tokens the host has not read yet (``ModelRunner.launch``)."""
+
+    plan: StepPlan
+    copy: tuple[int, int]
+    """The tokens' copy to the host (``TokenReadback.start``)."""
+    hidden: torch.Tensor | None
+    """The code rows' hidden states (a tensor of its own: no later step writes it)."""
+
+
+def _one(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else None
 
 
 class StageTimer(Protocol):
@@ -219,8 +235,14 @@ class ModelRunner:
                 if self._generator_noise is not None:
                     self._generator_noise.release(slot)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run the step and read its tokens (``launch``, then ``collect``)."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Queue the step on the device, its tokens' copy to the host included, without waiting for
+        anything: the host may schedule and queue the next step before ``collect`` reads this one."""
         logits: dict[str, list[torch.Tensor]] = {"code": [], "text": []}
         code_hidden: list[torch.Tensor] = []  # in the code kind's sampling order: prefills, then decodes
         admissions: list[Admission] = []
@@ -245,9 +267,13 @@ class ModelRunner:
                             code_hidden.append(h_dec.index_select(0, k.dec_pos))
         with self._stage("sampling"):
             sampled = [self._sample(k, torch.cat(logits[k.kind])) for k in plan.kinds]
-            flat = self._readback.read(torch.cat(sampled) if len(sampled) > 1 else sampled[0])
-            # ^ the step's one device-to-host copy and its one wait
-        return self._output(plan, flat, code_hidden)
+            copy = self._readback.start(torch.cat(sampled) if len(sampled) > 1 else sampled[0])
+            # ^ the step's one device-to-host copy (its one wait is ``collect``'s)
+        return LaunchedStep(plan, copy, _one(code_hidden))
+
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's tokens (the step's one wait) and hand them out per sequence."""
+        return self._output(step.plan, self._readback.finish(step.copy), step.hidden)
 
     def _execute_graph(
         self,
@@ -255,7 +281,7 @@ class ModelRunner:
         plan: StepPlan,
         prefill_logits: dict[str, list[torch.Tensor]],
         code_hidden: list[torch.Tensor],
-    ) -> RunnerOutput:
+    ) -> LaunchedStep:
         """The step with its decode rows in one graph (``engine.step_graph``): the admissions' first
         tokens are sampled eagerly first (they are not in the graph's rows), then the graph runs every
         decode row; the tokens come back in one copy, in the order ``_output`` reads."""
@@ -275,12 +301,16 @@ class ModelRunner:
         parts = []
         for k in plan.kinds:  # each kind: its admissions, then its decode rows (plan order)
             parts += [t[k.kind] for t in (first, decoded) if k.kind in t]
-        flat = self._readback.read(torch.cat(parts) if len(parts) > 1 else parts[0])  # the step's one wait
-        return self._output(plan, flat, code_hidden + ([h] if h is not None else []))
+        copy = self._readback.start(torch.cat(parts) if len(parts) > 1 else parts[0])
+        # The graph's hidden states are its static output, rewritten by the next replay, which the host
+        # may queue before this step's hidden states are written to the streams: a copy of its own.
+        if h is not None:  # with admissions ``_one`` concatenates (a copy); alone, a copy of its own
+            code_hidden = [*code_hidden, h] if code_hidden else [h.clone()]
+        return LaunchedStep(plan, copy, _one(code_hidden))
 
-    def _output(self, plan: StepPlan, flat: np.ndarray, code_hidden: list[torch.Tensor]) -> RunnerOutput:
+    def _output(self, plan: StepPlan, flat: np.ndarray, hidden: torch.Tensor | None) -> RunnerOutput:
         """The step's tokens per sequence from the host copy ``flat`` (kinds in plan order), and the code
-        sequences' hidden states as one tensor."""
+        sequences' hidden states (one tensor)."""
         tokens: dict[int, tuple[int, ...]] = {}
         hidden_rows: dict[int, int] = {}
         pos = 0
@@ -290,7 +320,6 @@ class ModelRunner:
             pos += n
             if k.kind == "code":
                 hidden_rows = {seq_id: row for row, seq_id in enumerate(k.ids)}
-        hidden = (torch.cat(code_hidden) if len(code_hidden) > 1 else code_hidden[0]) if code_hidden else None
         return RunnerOutput(tokens, hidden, hidden_rows)
 
     # ------------------------------------------------------------------ pieces

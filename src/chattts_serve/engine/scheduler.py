@@ -152,7 +152,9 @@ class Scheduler:
         self.waiting.sort(key=lambda s: (-s.priority, s.rank, s.arrival, s.seq_id))
         if self.config.admission == "work":
             return self._admit_batch(out)
-        out.decode = list(self.running)
+        # A sequence whose queued steps reach its max_new_tokens ends there: no step after them (the
+        # host knows it without their tokens). One that ends by EOS runs one discarded step.
+        out.decode = [s for s in self.running if s.num_generated + s.queued < s.max_new_tokens]
 
         budget = self.config.max_prefill_tokens
         while self.waiting and self.slots.num_free:
@@ -194,11 +196,22 @@ class Scheduler:
             out.prefill.append(seq)
         return out
 
+    def launched(self, sched: SchedulerOutput) -> None:
+        """``sched``'s step is queued on the device: its sequences' positions count it until its
+        ``update`` (``Sequence.ahead``)."""
+        for seq in (*sched.prefill, *sched.decode):
+            seq.ahead += 1
+
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[StepOutput]:
         """Append each sampled token, apply the stop rules, and free the slots of finished sequences; a
-        sequence the step ran whole (``result.done``) finishes."""
+        sequence the step ran whole (``result.done``) finishes. A step queued before its sequence left
+        the running set (``Sequence.discard``) gives it nothing."""
         outputs = []
         for seq in (*sched.prefill, *sched.decode):
+            seq.ahead = max(seq.ahead - 1, 0)
+            if seq.discard:
+                seq.discard -= 1
+                continue
             if seq.status.is_finished:  # aborted while this step ran
                 outputs.append(StepOutput(seq, None, finished=True))
                 continue
@@ -230,6 +243,7 @@ class Scheduler:
         return outputs
 
     def _release(self, seq: Sequence) -> None:
+        seq.discard = seq.ahead  # every step still queued for it: their tokens are not its
         if seq in self.running:
             self.running.remove(seq)
         if seq.slot is not None:

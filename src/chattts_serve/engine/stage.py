@@ -27,6 +27,8 @@ class Stage(Protocol):
     """Hz of the audio ``outputs`` gives (the family model's)."""
     requests: Container[str]
     """The ids of the requests it holds (started, final output not yet given)."""
+    can_run_ahead: bool
+    """``launch`` and ``collect`` split a step (the core may queue the next step between them)."""
 
     def prepare(self, text: str, params: Any, max_audio_seconds: float | None = None) -> Any:
         """Validate and process one request's input (``SamplingParams``) -> what ``start`` takes, with a
@@ -45,6 +47,13 @@ class Stage(Protocol):
     def execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         """Forget ``sched.finished``, then run ``sched``'s sequences (None when there are none). Raising fails
         the step's requests."""
+
+    def launch(self, sched: SchedulerOutput) -> Any:
+        """``execute``'s first half (``can_run_ahead``): forget ``sched.finished`` and queue ``sched``'s step
+        without waiting for the device; a handle for ``collect`` (None when there is nothing to run)."""
+
+    def collect(self, launched: Any) -> RunnerOutput:
+        """``execute``'s second half: wait for a launched step and hand out its results."""
 
     def update(self, updates: list[StepOutput], result: RunnerOutput | None) -> list[Sequence]:
         """Apply the scheduler's verdicts on the step; the sequences that follow (queued as continuations)."""

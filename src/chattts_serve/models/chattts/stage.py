@@ -24,7 +24,7 @@ from ...engine.input_processor import InputProcessor, PreparedRequest
 from ...engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepOutput
 from ...engine.pipeline import RequestPipeline
 from ...engine.request import FinishReason, Sequence
-from ...engine.runner import ModelRunner
+from ...engine.runner import LaunchedStep, ModelRunner
 from ...sampling_params import SamplingParams
 from ...tf32 import fp32_scope
 from .checkpoint import LoadedModel
@@ -45,6 +45,7 @@ def check_no_options(params: SamplingParams) -> None:
 
 class ChatTTSStage:
     sample_rate = SAMPLE_RATE
+    can_run_ahead = True
 
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, layout: ModelLayout) -> None:
         """``model`` prepared by ``models.chattts.prepare.prepare_model`` (which returned ``layout``)."""
@@ -120,6 +121,13 @@ class ChatTTSStage:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         self.runner.release(sched.finished)
         return None if sched.is_empty else self.runner.execute(sched)
+
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
+        self.runner.release(sched.finished)
+        return None if sched.is_empty else self.runner.launch(sched)
+
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        return self.runner.collect(launched)
 
     def update(self, updates: list[StepOutput], result: RunnerOutput | None) -> list[Sequence]:
         # Windows decoded beside this step first (without waiting), then this step's tokens and hidden states.
