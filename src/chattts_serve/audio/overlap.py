@@ -201,8 +201,11 @@ class AudioDecoder:
         """The audio of every submission that is done, oldest first, as (entries, audio or error
         per entry); ``wait``: wait for all of them."""
         out = []
-        while self._pending and (wait or self._pending[0].done.query()):
-            out.append(self._take(self._pending.popleft()))
+        while self._pending:
+            done = self._pending[0].done.query()
+            if not (wait or done):
+                break
+            out.append(self._take(self._pending.popleft(), waited=done))
         return out
 
     def drop(self) -> None:
@@ -218,11 +221,13 @@ class AudioDecoder:
         host.copy_(wav, non_blocking=True)
         return host
 
-    def _take(self, p: _Pending) -> tuple[list[Entry], list[np.ndarray | Exception]]:
+    def _take(self, p: _Pending, waited: bool = False) -> tuple[list[Entry], list[np.ndarray | Exception]]:
+        """``waited``: its event has happened (``query``): no wait to make."""
         self._busy.difference_update(id(w.stream) for _, _, w in p.entries)
         audio: list[np.ndarray | Exception | None] = [None] * len(p.entries)
         try:
-            p.done.synchronize()
+            if not waited:
+                p.done.synchronize()
         except Exception as exc:  # an asynchronous device error surfaces here: fail the whole submission
             logger.exception("audio decode failed on the device")
             return p.entries, [exc] * len(p.entries)

@@ -208,15 +208,16 @@ class ChatTTSStage:
                 self._fail(request_id, f"voice step failed: {exc}")
         follow = []
         for request_id, pending in list(self._encoding.items()):
-            if pending is not None and not (wait or pending[1].query()):
+            happened = pending is None or pending[1].query()
+            if not (wait or happened):
                 continue
             del self._encoding[request_id]
             req = self.pipeline.requests.get(request_id)
             if req is None or req.status is not None:  # ended while its encode ran
                 continue
             try:
-                if pending is not None:
-                    pending[1].synchronize()  # has happened (or ``wait``): returns at once
+                if not happened:
+                    pending[1].synchronize()  # ``wait``: nothing else to overlap
                 follow += self.pipeline.set_voice_sample(request_id, None if pending is None else pending[0])
             except Exception as exc:
                 logger.exception("voice step failed")
