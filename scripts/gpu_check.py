@@ -21,7 +21,8 @@
 6. Streaming: one stream's time to first chunk, then 512 streams arriving staggered and unseeded
    (``bench streams``), bf16.
 7. Audio decode overlap: the same concurrent streams with the audio decode on its own CUDA stream
-   (collected a step later) and inside the step; wall times, same codes.
+   (collected a step later; Decoder + Vocos as graphs per window bucket, ``audio.graphs``) and inside
+   the step; wall times, same codes, the audio graphs captured, refused and replayed.
 8. Where a step's time goes: ``profile --device cuda`` at 1 / 64 / 512 streams.
 9. Host work: ``bench host-overhead`` (the step graph's host side, this machine's CPU) at 512
    sequences: the goal is <= 15 us per sequence-step.
@@ -387,9 +388,12 @@ def check_audio_overlap(model: str, device: str, precision: str, n_streams: int,
     core = eng.core
     params = SamplingParams(seed=7, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
     runs = {}
+    own = core.stage.decoder  # overlapped, with its audio graphs where they were captured
     for overlap in (False, True, False, True):  # the first pair warms up (shapes, allocator)
-        core.stage.decoder = AudioDecoder(
-            core.stage.model, core.device, core.stage.audio_dtype, overlap=overlap, buckets=True
+        core.stage.decoder = (
+            own
+            if overlap and own.overlap
+            else AudioDecoder(core.stage.model, core.device, core.stage.audio_dtype, overlap=overlap, buckets=True)
         )
         for i in range(n_streams):
             core.add_request(f"s{i}", core.prepare(texts[i % 2], params), StreamPolicy())
@@ -414,6 +418,11 @@ def check_audio_overlap(model: str, device: str, precision: str, n_streams: int,
         "overlap_wall_s": round(overlap_s, 3),
         "speedup": round(inline_s / overlap_s, 3) if overlap_s > 0 else None,
         "codes_identical": same,
+        "audio_graphs": len(own.graphs.graphs) if own.graphs else 0,
+        "audio_graphs_refused": len(own.graphs.refused) if own.graphs else 0,
+        "audio_graph_replays": own.graphs.replays if own.graphs else 0,
+        "audio_graph_capture_s": round(own.graphs.capture_s, 2) if own.graphs else 0.0,
+        "audio_graph_capture_mib": round(own.graphs.capture_bytes / 2**20) if own.graphs else 0,
         "passed": same and len(runs[True][1]) == n_streams,
     }
 

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from ..models.chattts.checkpoint import LoadedModel
 from ..models.chattts.config import N_FFT, SAMPLES_PER_TOKEN, ModelConfig
 from ..tf32 import fp32_scope, tf32_scope
 from .stream import Window
+
+if TYPE_CHECKING:
+    from .graphs import AudioGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +166,10 @@ def decode_on_device(
     dtype: str = "fp32",
     max_bytes: int | None = None,
     buckets: bool = False,
+    graphs: AudioGraphs | None = None,
 ) -> list[DecodedBatch]:
     """Decoder + Vocos on every window, the audio left on the device (nothing here waits for it).
+    ``graphs``: a bucket with a graph captured for it replays it (``audio.graphs``), any other runs eagerly.
 
     Windows of equal length run as one batch; ``buckets``: windows of one ``window_bucket`` do,
     right-padded to it, with every convolution seeing zeros past a row's end (``_padding_masked``)
@@ -179,6 +185,11 @@ def decode_on_device(
     for length, part in plan_batches(steps, activation_bytes_per_step(model.config), limit, buckets):
         h = _stack(windows, part, length)
         true_steps = [steps[i] for i in part] if buckets else None
+        replayed = graphs.run(h, true_steps or [length] * len(part)) if graphs is not None else None
+        if replayed is not None:  # this bucket's graph, captured at start-up (``audio.graphs``)
+            samples = [SAMPLES_PER_TOKEN * steps[i] - SAMPLES_PER_TOKEN // 2 for i in part]
+            out.append(DecodedBatch(part, samples, wav=replayed))
+            continue
         for lo, hi, result in _decode_halving(model, h, dtype, true_steps, 0):
             idx = part[lo:hi]
             samples = [SAMPLES_PER_TOKEN * steps[i] - SAMPLES_PER_TOKEN // 2 for i in idx]
@@ -226,12 +237,18 @@ def _decode_halving(
 def _decode_batch(model: LoadedModel, h: torch.Tensor, dtype: str, steps: list[int] | None) -> torch.Tensor:
     """Hidden states ``[G, S, hidden]`` -> audio ``[G, 512 * S - 256]`` fp32 on the device. ``steps``:
     each row's true length when rows are right-padded (None: all are ``S`` long)."""
+    frames = None if steps is None else _to_device(torch.tensor(steps, dtype=torch.long) * 2, h.device)
+    return decode_frames(model, h, dtype, frames)
+
+
+def decode_frames(model: LoadedModel, h: torch.Tensor, dtype: str, frames: torch.Tensor | None) -> torch.Tensor:
+    """``_decode_batch`` with each row's true mel frames (2 a step) as a device tensor ``[G]`` (None: all
+    ``2 * S``): no host value, so a CUDA graph can capture it (``audio.graphs``)."""
     device = h.device
     with _precision(dtype, device.type):
-        if steps is None:
+        if frames is None:
             wav = model.vocos(model.decoder(h.transpose(1, 2)))
         else:
-            frames = _to_device(torch.tensor(steps, dtype=torch.long) * 2, device)
             drop = torch.arange(2 * h.shape[1], device=device)[None, None] >= frames[:, None, None]
             with _padding_masked((model.decoder, model.vocos), drop):
                 wav = model.vocos(model.decoder(h.transpose(1, 2)), frames)

@@ -36,6 +36,7 @@ import torch
 from ..device import current_stream, host_empty, new_stream
 from ..models.chattts.checkpoint import LoadedModel
 from .decode import DecodedBatch, decode_on_device
+from .graphs import AudioGraphs
 from .stream import AudioStream, Window
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,8 @@ class AudioDecoder:
         self.streams = streams or (CudaStreams(device) if device.type == "cuda" else InlineStreams())
         self.stream = self.streams.new() if overlap else self.streams.current()
         self.max_in_flight = max(1, max_in_flight)
+        self.graphs: AudioGraphs | None = None
+        """Decoder + Vocos graphs per window bucket, captured on ``stream`` (``audio.graphs``; CUDA)."""
         self._pending: deque[_Pending] = deque()
         self._busy: set[int] = set()  # id() of the AudioStreams with a window in flight
 
@@ -188,7 +191,7 @@ class AudioDecoder:
             s.wait(self.stream, ready)
             for w in windows:
                 s.keep(w.stream.hidden, self.stream)
-            batches = decode_on_device(self.model, windows, self.dtype, buckets=self.buckets)
+            batches = decode_on_device(self.model, windows, self.dtype, buckets=self.buckets, graphs=self.graphs)
             host = [self._to_host(b.wav) if b.wav is not None else None for b in batches]
             done = s.record(self.stream)
         for b in batches:

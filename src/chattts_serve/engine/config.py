@@ -105,6 +105,9 @@ class EngineConfig:
     """"on": the audio decode runs on a CUDA stream of its own, overlapping the next GPT step, and its
     audio is taken at a later step (``audio.overlap``); "off": inside the step, as on a CPU. "auto": on
     for CUDA."""
+    audio_graphs: str = "auto"
+    """"on": Decoder + Vocos as CUDA graphs per window bucket, captured at start-up on the audio stream
+    (``audio.graphs``; needs the overlapped, bucketed decode on CUDA). "auto": on where those are."""
     host_ahead: str = "auto"
     """"on": the host schedules and queues step n+1 before it reads step n's tokens (they live on the
     device; the host needs them only for stops and audio), so its work overlaps the device's; a sequence
@@ -118,7 +121,7 @@ class EngineConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
         if self.audio_dtype not in AUDIO_DTYPES:
             raise ValueError(f"audio_dtype must be one of {', '.join(AUDIO_DTYPES)}; got {self.audio_dtype!r}")
-        for name in ("audio_overlap", "audio_buckets", "host_ahead"):
+        for name in ("audio_overlap", "audio_buckets", "audio_graphs", "host_ahead"):
             if getattr(self, name) not in SWITCHES:
                 raise ValueError(f"{name} must be one of {', '.join(SWITCHES)}; got {getattr(self, name)!r}")
         if not self.max_audio_seconds > 0:
@@ -131,6 +134,11 @@ class EngineConfig:
 
     def resolve_audio_overlap(self, device_type: str) -> bool:
         return self.audio_overlap == "on" or (self.audio_overlap == "auto" and device_type == "cuda")
+
+    def resolve_audio_graphs(self, device_type: str) -> bool:
+        """Graphs need CUDA, the audio stream (overlap) and repeating shapes (buckets); "off" never."""
+        usable = device_type == "cuda" and self.resolve_audio_overlap(device_type)
+        return usable and self.resolve_audio_buckets(device_type) and self.audio_graphs != "off"
 
     def resolve_host_ahead(self, device_type: str) -> bool:
         return self.host_ahead == "on" or (self.host_ahead == "auto" and device_type == "cuda")
@@ -166,6 +174,7 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "audio_dtype": ("audio_dtype",),
     "audio_overlap": ("audio_overlap",),
     "audio_buckets": ("audio_buckets",),
+    "audio_graphs": ("audio_graphs",),
     "host_ahead": ("host_ahead",),
 }
 _HELP = {
@@ -196,6 +205,8 @@ _HELP = {
     "AVX-512 BF16 / AMX); auto: bf16 on CUDA, fp32 elsewhere",
     "audio_overlap": "audio decode on its own CUDA stream, overlapping the next GPT step (auto: on for CUDA)",
     "audio_buckets": "pad audio windows to a few fixed lengths so shapes repeat (auto: on for CUDA)",
+    "audio_graphs": "Decoder + Vocos as CUDA graphs per window bucket, captured at start-up on the audio stream "
+    "(auto: on for CUDA with the overlapped, bucketed decode)",
     "host_ahead": "queue step n+1 before reading step n's tokens, the host's work overlapping the device's "
     "(auto: on for CUDA)",
 }
@@ -257,6 +268,7 @@ def add_engine_arguments(
                 "audio_dtype": AUDIO_DTYPES,
                 "audio_overlap": SWITCHES,
                 "audio_buckets": SWITCHES,
+                "audio_graphs": SWITCHES,
                 "host_ahead": SWITCHES,
             }.get(name)
             kind = str if default is None else type(default)

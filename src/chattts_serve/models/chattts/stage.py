@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ...audio.decode import resolve_audio_dtype
+from ...audio.graphs import AudioGraphs, stream_buckets
 from ...audio.overlap import AudioDecoder, Entry, Event, split_failed
 from ...audio.policy import StreamPolicy
 from ...cpu import probe
@@ -79,6 +80,10 @@ class ChatTTSStage:
             overlap=config.resolve_audio_overlap(self.device.type),
             buckets=config.resolve_audio_buckets(self.device.type),
         )
+        if config.resolve_audio_graphs(self.device.type):  # captured now, never while serving
+            graphs = AudioGraphs(model, self.decoder.stream, self.audio_dtype, stream_buckets(StreamPolicy()))
+            graphs.capture_all(self.device)
+            self.decoder.graphs = graphs
         if self.device.type == "cuda":
             logger.info(
                 "audio decode: %s, %s stream, %s windows",
