@@ -15,6 +15,7 @@ from chattts_serve.audio.decode import decode_on_device, window_bucket
 from chattts_serve.audio.graphs import AudioGraphs, stream_buckets
 from chattts_serve.audio.policy import StreamPolicy
 from chattts_serve.engine.config import EngineConfig
+from chattts_serve.engine.plan import resolve_plan
 
 from .test_decode import _windows
 
@@ -93,10 +94,11 @@ def test_a_streams_buckets_and_where_graphs_apply():
     buckets = stream_buckets(p)
     assert buckets[0] == 8 and buckets[-1] == window_bucket(p.left_context + p.max_chunk + p.lookahead) == 128
     assert len(buckets) == 16
-    assert EngineConfig().resolve_audio_graphs("cuda") and not EngineConfig().resolve_audio_graphs("cpu")
-    assert not EngineConfig(audio_graphs="off").resolve_audio_graphs("cuda")
-    assert not EngineConfig(audio_overlap="off").resolve_audio_graphs("cuda")  # captured on the audio stream
-    assert not EngineConfig(audio_buckets="off").resolve_audio_graphs("cuda")  # shapes must repeat
+    assert resolve_plan(EngineConfig(), "cuda").audio_graphs and not resolve_plan(EngineConfig(), "cpu").audio_graphs
+    assert not resolve_plan(EngineConfig(audio_graphs="off"), "cuda").audio_graphs
+    assert not resolve_plan(EngineConfig(audio_overlap="off"), "cuda").audio_graphs  # captured on the audio stream
+    assert not resolve_plan(EngineConfig(audio_buckets="off"), "cuda").audio_graphs  # shapes must repeat
+    assert not resolve_plan(EngineConfig(audio_graphs="on"), "cpu").audio_graphs  # CUDA graphs only
 
 
 def test_streams_served_through_the_graphs_sound_as_without(tiny_ckpt, monkeypatch):

@@ -80,7 +80,7 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray], host_
     """Asserts fidelity for every case; returns the measured maximum differences.
 
     The engine runs with one KV slot: every matmul then sees exactly the rows of a batch-1 reference
-    run, which is what makes fp32 bit-identical (see ``ModelRunner.pad_rows_to``). ``host_ahead``: the
+    run, which is what makes fp32 bit-identical (see ``ModelLayout.pad_rows_to``). ``host_ahead``: the
     engine's step order (``EngineCore``: "on" queues a step before reading the last one's tokens)."""
     config = EngineConfig.with_slots(1, host_ahead=host_ahead)
     engine = Engine.from_pretrained(ckpt, device="cpu", config=config)

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -29,10 +29,16 @@ from ..models.chattts.config import N_FFT, SAMPLES_PER_TOKEN, ModelConfig
 from ..tf32 import fp32_scope, tf32_scope
 from .stream import Window
 
-if TYPE_CHECKING:
-    from .graphs import AudioGraphs
-
 logger = logging.getLogger(__name__)
+
+
+class WindowGraphs(Protocol):
+    """Captured decodes of window buckets (``audio.graphs.AudioGraphs``; a protocol here, so the module
+    that captures them from ``decode_frames`` is not imported back)."""
+
+    def run(self, h: torch.Tensor, steps: list[int]) -> torch.Tensor | None:
+        """The audio of a group of windows ``h`` of ``steps`` true steps each, or None (decode eagerly)."""
+        ...
 
 AUDIO_BATCH_BYTES = 1 << 30
 """Estimated activation bytes one Decoder + Vocos call may take (1 GiB): at full size ~21k window
@@ -89,16 +95,6 @@ def decode(
         return np.zeros(0, dtype=np.float32)
     mel = hidden_to_mel(model, hiddens) if use_decoder else codes_to_mel(model, codes)
     return mel_to_wav(model, mel).cpu().numpy().astype(np.float32, copy=False)
-
-
-def resolve_audio_dtype(dtype: str, device_type: str) -> str:
-    """``EngineConfig.audio_dtype`` on a device: "auto" is bf16 on CUDA (tensor cores; the decode is
-    then off the critical path anyway), fp32 elsewhere (the reference-exact waveform)."""
-    if dtype == "auto":
-        return "bf16" if device_type == "cuda" else "fp32"
-    if dtype not in _DTYPES:
-        raise ValueError(f"audio dtype must be auto or one of {', '.join(_DTYPES)}; got {dtype!r}")
-    return dtype
 
 
 @torch.inference_mode()
@@ -166,7 +162,7 @@ def decode_on_device(
     dtype: str = "fp32",
     max_bytes: int | None = None,
     buckets: bool = False,
-    graphs: AudioGraphs | None = None,
+    graphs: WindowGraphs | None = None,
 ) -> list[DecodedBatch]:
     """Decoder + Vocos on every window, the audio left on the device (nothing here waits for it).
     ``graphs``: a bucket with a graph captured for it replays it (``audio.graphs``), any other runs eagerly.

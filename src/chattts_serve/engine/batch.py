@@ -54,7 +54,7 @@ class _Request:
 
 
 class BatchStage:
-    can_run_ahead = False
+    runs_ahead = False
 
     def __init__(self, model: BatchModel, config: EngineConfig) -> None:
         self.model = model

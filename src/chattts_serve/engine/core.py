@@ -1,7 +1,7 @@
 """``EngineCore``: one engine step = schedule -> execute -> update -> audio -> outputs.
 
-With the host one step ahead (``EngineConfig.host_ahead``: CUDA's default) a step is split where the
-host would wait for the device: schedule step n+1 -> queue it (``Stage.launch``) -> read step n's
+With the host one step ahead (``ExecutionPlan.host_ahead`` as ``Stage.runs_ahead``: CUDA's default) a step
+is split where the host would wait for the device: schedule step n+1 -> queue it (``Stage.launch``) -> read step n's
 tokens (``Stage.collect``, the step's one wait) -> update -> audio -> outputs. The tokens step n+1
 feeds back already live on the device (``slot_state``); the host needs them only for stops and audio,
 so it schedules and launches the next step before it reads them, and its work on step n overlaps the
@@ -71,7 +71,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler)
         self.device = stage.device
         self.sample_rate = stage.sample_rate
-        self.ahead = stage.can_run_ahead and config.resolve_host_ahead(self.device.type)
+        self.ahead = stage.runs_ahead
         """The host runs one step ahead of the device (see the module docstring)."""
         self._in_flight: tuple[SchedulerOutput, Any] | None = None
         """The step queued on the device whose tokens are not read yet (``ahead`` only)."""

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from ..device import current_stream, host_zeros, new_stream, on_device, record_event
-from ..kernels import flex_decode
 from ..models.chattts.gpt import GPT, KVCache
 
 logger = logging.getLogger(__name__)
@@ -187,9 +186,11 @@ class StaticDecoder:
         compile: bool = False,
         strict_graphs: bool = False,
         store: GraphStore | None = None,
+        attention: str = "sdpa",
     ) -> None:
         """``strict_graphs``: a captured graph that fails its self-check raises (default: it is dropped,
-        with one warning, and its shape runs eagerly). ``store``: the engine's graphs (its own if None)."""
+        with one warning, and its shape runs eagerly). ``store``: the engine's graphs (its own if None).
+        ``attention``: "sdpa" or "flex" (``ExecutionPlan.attention``)."""
         self.gpt, self.cache = gpt, cache
         self.device = cache.k.device
         self.store = store if store is not None else GraphStore(self.device)
@@ -201,8 +202,9 @@ class StaticDecoder:
         self.pos = torch.full((slots,), self.scratch, dtype=torch.long, device=self.device)
         self.batch_sizes = batch_buckets(slots)
         self.ctx_sizes = ctx_buckets(self.scratch)
-        # Each row's own keys (FlexAttention) where it runs, else the bucket under a mask (``kernels.flex_decode``).
-        self.attention = flex_decode.choose(self.device.type, cache.k.dtype, self.device.index)
+        # Each row's own keys (FlexAttention) where the plan chose it, else the bucket under a mask
+        # (``kernels.flex_decode``).
+        self.attention = attention
         step = functools.partial(gpt.decode_static, attention=self.attention)
         self.fn = compile_step(step) if compile else step
         self.compiled = compile

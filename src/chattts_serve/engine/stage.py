@@ -27,8 +27,9 @@ class Stage(Protocol):
     """Hz of the audio ``outputs`` gives (the family model's)."""
     requests: Container[str]
     """The ids of the requests it holds (started, final output not yet given)."""
-    can_run_ahead: bool
-    """``launch`` and ``collect`` split a step (the core may queue the next step between them)."""
+    runs_ahead: bool
+    """The core queues the next step between a step's ``launch`` and its ``collect`` (ChatTTS: the plan's
+    ``host_ahead``, ``engine.plan``; a batch family: never); else it calls ``execute``."""
 
     def prepare(self, text: str, params: Any, max_audio_seconds: float | None = None) -> Any:
         """Validate and process one request's input (``SamplingParams``) -> what ``start`` takes, with a
@@ -49,7 +50,7 @@ class Stage(Protocol):
         the step's requests."""
 
     def launch(self, sched: SchedulerOutput) -> Any:
-        """``execute``'s first half (``can_run_ahead``): forget ``sched.finished`` and queue ``sched``'s step
+        """``execute``'s first half (``runs_ahead``): forget ``sched.finished`` and queue ``sched``'s step
         without waiting for the device; a handle for ``collect`` (None when there is nothing to run)."""
 
     def collect(self, launched: Any) -> RunnerOutput:

@@ -95,7 +95,8 @@ def _probe(device: torch.device, dtype: torch.dtype) -> None:
 def choose(device_type: str, dtype: torch.dtype, device_index: int | None = None) -> str:
     """The static step's attention: "flex" (each row's own length) or "sdpa" (the bucket, masked). "auto"
     picks flex on CUDA when its probe runs; off CUDA SDPA (FlexAttention's CPU kernels need a compile
-    per shape, and the CPU decodes in the rows mode anyway)."""
+    per shape, and the CPU decodes in the rows mode anyway). Read once, by ``engine.plan.resolve_plan``
+    (``ExecutionPlan.attention``)."""
     mode = os.environ.get(MODE_ENV, "auto")
     if mode not in ("auto", "flex", "sdpa"):
         raise ValueError(f"{MODE_ENV} must be auto, flex or sdpa; got {mode!r}")
