@@ -31,7 +31,7 @@ def test_the_token_wait_and_every_copy_name_the_engines_device(monkeypatch):
     np.testing.assert_array_equal(readback.read(tokens), np.arange(5))
     assert calls.named("event.record") == [CUDA1]  # the wait is on the stream the copy was queued on
     assert calls.named("event.synchronize") == [CUDA1]
-    assert calls.named("pinned") == [CUDA1]  # pinned while cuda:1 was current
+    assert calls.named("pinned") == [CUDA1, CUDA1]  # its two buffers, pinned while cuda:1 was current
 
     moved = device_mod.pinned_copy(torch.ones(3), CUDA1)
     assert moved.tolist() == [1.0, 1.0, 1.0]

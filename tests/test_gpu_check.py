@@ -35,7 +35,7 @@ def _quick(tiny_ckpt, out: Path) -> list[str]:
 def test_gpu_check_quick_on_cpu(tiny_ckpt, tmp_path):
     out = tmp_path / "results.jsonl"
     res = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--model", str(tiny_ckpt), "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--self-test", "--model", str(tiny_ckpt), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=280,
@@ -56,6 +56,11 @@ def test_gpu_check_quick_on_cpu(tiny_ckpt, tmp_path):
     assert graphs["step_graph_codes_identical"] and graphs["step_graph_replays"] == 0
     assert graphs["step_graph_eager_steps"] > 0  # the whole-step function ran (eagerly)
     assert by["host_syncs"][0]["syncs"] is None  # CUDA's sync debug mode: GPU only
+    assert by["host_syncs"][0]["waits_per_decode_step"] == 1.0  # the stand-in token event: one wait a step
+    assert by["host_overhead"][0]["host_us_per_sequence_step"] > 0
+    families = {r["family"]: r for r in by["family_throughput"]}
+    assert set(families) == {"kokoro", "vits"}  # every registered batch family but ChatTTS
+    assert all(r["passed"] and r["audio_s_per_s"] > 0 for r in families.values())
     plain, mixed = by["offline"]
     assert plain["audio_s_per_s"] > 0 and mixed["mixed_lengths"] and mixed["audio_s"] < plain["audio_s"]
     one, many = by["streams"]
@@ -73,6 +78,13 @@ def test_gpu_check_quick_on_cpu(tiny_ckpt, tmp_path):
     assert goals["step_graph_equals_eager"]["verdict"] == goals["step_graphs_refused"]["verdict"] == "pass"
     assert goals["offline_256x10s_bf16_wall_s"]["verdict"] == "not judged (quick)"
     assert goals["host_syncs_per_decode_step"]["verdict"] == "not measured"
+    assert goals["waits_per_decode_step"]["verdict"] == "pass"  # a correctness goal: judged on the CPU too
+    assert goals["host_us_per_seq_step_512"]["verdict"] == "not judged (quick)"
+    # The H200's first rung (issue 31, item 12).
+    assert goals["first_chunk_1_stream_s"]["threshold"] == "<= 0.05"
+    assert goals["first_chunk_p99_512_staggered_s"]["threshold"] == "<= 0.3"
+    assert goals["offline_256x10s_bf16_wall_s"]["threshold"] == "<= 3.0"
+    assert goals["host_us_per_seq_step_512"]["threshold"] == "<= 15.0"
 
 
 def test_gpu_check_refuses_cuda_without_a_gpu(tmp_path):
@@ -105,7 +117,7 @@ def test_gpu_check_sh_runs_the_check_into_out(tiny_ckpt, tmp_path):
     assert summary["check"] == "summary" and summary["passed"]
     # Past the (zero) budget the optional checks are recorded as skipped; the goals' checks still ran.
     skipped = {r["check"] for r in lines if "skipped" in r}
-    assert skipped == {"audio_overlap", "profile"}
+    assert skipped == {"audio_overlap", "profile", "families"}
     assert {g["goal"]: g for g in summary["goals"]}["graph_replay_equals_eager"]["verdict"] == "pass"
     assert (tmp_path / "out" / "gpu_check.log").read_text().strip()
     preflight = json.loads((tmp_path / "out" / "preflight.json").read_text())

@@ -114,9 +114,15 @@ def test_in_flight_submissions_are_bounded_and_collected_in_order(model):
     dec = AudioDecoder(model, torch.device("cpu"), "fp32", True, False, streams=streams, max_in_flight=2)
     batches = [_entries(model, [n]) for n in (5, 6, 7)]
     assert dec.submit(batches[0]) == [] and dec.submit(batches[1]) == []
-    # A third waits for the oldest (synchronize), which comes back first.
-    [(first, _)] = dec.submit(batches[2])
-    assert first == batches[0] and ("synchronize", "audio#1") in streams.log
+    # A third is refused (the caller keeps its windows): the host never waits for the oldest here.
+    assert dec.full
+    with pytest.raises(RuntimeError, match="in flight"):
+        dec.submit(batches[2])
+    assert not [op for op in streams.log if op[0] == "synchronize"]
+    streams.events[1].happened = True  # the first submission's done event
+    [(first, _)] = dec.collect(wait=False)
+    assert first == batches[0] and not dec.full
+    assert dec.submit(batches[2]) == []
     assert [e for e, _ in dec.collect(wait=True)] == [batches[1], batches[2]]
     assert dec.in_flight == 0
     dec.submit(_entries(model, [4]))
@@ -189,3 +195,77 @@ def test_overlapped_bucketed_decode_gives_every_stream_the_same_audio(tiny_ckpt)
             np.testing.assert_array_equal(a.codes, b.codes)
         assert got[rid].shape == want[rid].shape and got[rid].size > 0
         np.testing.assert_allclose(got[rid], want[rid], rtol=0, atol=1e-6, err_msg=rid)
+
+
+def test_the_engine_never_waits_for_audio_while_the_model_has_work(tiny_ckpt):
+    """With the audio stream behind the model (no submission done until waited for), the engine keeps
+    stepping: windows wait for room in flight, and the host waits only once there is no model work."""
+    from chattts_serve import Engine, SamplingParams
+    from chattts_serve.audio.policy import StreamPolicy
+    from chattts_serve.engine.config import EngineConfig
+
+    engine = Engine.from_pretrained(tiny_ckpt, device="cpu", config=EngineConfig.with_slots(4, audio_overlap="on"))
+    core = engine.core
+    streams = FakeStreams()
+    core.stage.decoder.streams = streams
+    waited_with_work = False
+    finished = steps = 0
+    while steps == 0 or core.has_unfinished():
+        if steps in (0, 4, 8):  # staggered: each stream's first window goes in a submission of its own
+            p = SamplingParams(seed=steps, refine_text=False, min_new_tokens=40, max_new_tokens=40)
+            core.add_request(f"r{steps}", core.prepare("你好。", p), StreamPolicy(first_chunk=2, max_chunk=4))
+        steps += 1
+        model_work = core.scheduler.has_unfinished()
+        before = len([op for op in streams.log if op[0] == "synchronize"])
+        finished += sum(o.finished for o in core.step())
+        after = len([op for op in streams.log if op[0] == "synchronize"])
+        waited_with_work |= model_work and core.scheduler.has_unfinished() and after > before
+    assert finished == 3 and not waited_with_work
+    assert core.stage.decoder.in_flight == 0
+
+
+class _SecondLook:
+    """An event that has happened by its second ``query`` (a device a little behind the host)."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def query(self) -> bool:
+        self.looks += 1
+        return self.looks > 1
+
+    def synchronize(self) -> None:
+        self.looks = 2
+
+
+class SecondLookStreams(InlineStreams):
+    def record(self, stream):
+        return _SecondLook()
+
+
+def test_a_voice_steps_codes_come_back_at_a_later_step(tiny_ckpt, monkeypatch):
+    """The voice step's DVAE encode is queued and its codes taken once its event has happened, at a
+    later step while other requests run: the engine thread does not wait on it (it did: ``.cpu()``)."""
+    from chattts_serve import Engine, SamplingParams
+    from chattts_serve.engine.config import EngineConfig
+
+    engine = Engine.from_pretrained(tiny_ckpt, device="cpu", config=EngineConfig.with_slots(4, audio_overlap="on"))
+    core, stage = engine.core, engine.core.stage
+    stage.decoder.streams = SecondLookStreams()
+    step = 0
+    encoded, sampled = [], []
+    real_encode, real_set = stage.model.dvae.encode, stage.pipeline.set_voice_sample
+    monkeypatch.setattr(stage.model.dvae, "encode", lambda *a, **k: (encoded.append(step), real_encode(*a, **k))[1])
+    monkeypatch.setattr(
+        stage.pipeline, "set_voice_sample", lambda *a, **k: (sampled.append(step), real_set(*a, **k))[1]
+    )
+    voice = SamplingParams(seed=1, refine_text=False, min_new_tokens=40, max_new_tokens=40)
+    core.add_request("voice", core.prepare("今天天气不错。我们去公园。", voice))
+    long = SamplingParams(seed=2, refine_text=False, min_new_tokens=120, max_new_tokens=120)
+    core.add_request("other", core.prepare("你好。", long))
+    finished = 0
+    while core.has_unfinished():
+        step += 1
+        finished += sum(o.finished for o in core.step())
+    assert finished == 2 and len(encoded) == 1 and len(sampled) == 1
+    assert sampled[0] > encoded[0]  # taken at a later step, not waited for

@@ -55,9 +55,19 @@ def test_mixed_sequences_stay_in_the_step_graph(tiny_ckpt, capsys):
 
 def test_core_scope_times_the_whole_engine_step(tiny_ckpt, capsys):
     r = overhead(capsys, tiny_ckpt, "4,8", "3", "--scope", "core")
-    assert r["scope"] == "core" and set(r["sizes"]) == {"4", "8"}
+    assert r["scope"] == "core" and r["host_ahead"] == "on" and set(r["sizes"]) == {"4", "8"}
     for row in r["sizes"].values():
         assert set(row) == {"eager", "step-graph"}
         for m in row.values():
             assert m["host_us_per_seq"] >= m["python_us_per_seq"] >= 0 and m["audio_ms"] >= 0
+            # The host one step ahead: most of its work is done while the step just queued runs.
+            assert m["overlapped_us_per_seq"] > 0 and m["serial_us_per_seq"] > 0
+            assert abs(m["serial_us_per_seq"] + m["overlapped_us_per_seq"] - m["host_us_per_seq"]) < 0.05
         assert row["step-graph"]["ops_per_step"] < row["eager"]["ops_per_step"]
+
+
+def test_core_scope_one_step_at_a_time_is_all_serial(tiny_ckpt, capsys):
+    r = overhead(capsys, tiny_ckpt, "4", "2", "--scope", "core", "--paths", "step-graph", "--host-ahead", "off")
+    m = r["sizes"]["4"]["step-graph"]
+    assert r["host_ahead"] == "off" and m["overlapped_us_per_seq"] == 0
+    assert m["serial_us_per_seq"] == m["host_us_per_seq"] > 0

@@ -94,7 +94,7 @@ def test_budget_sizes_kv_slots_by_the_kv_cache_dtype(tiny_ckpt, monkeypatch):
 
     from chattts_serve.distributed.memory import budget_for
     from chattts_serve.engine.config import EngineConfig, RunnerConfig
-    from chattts_serve.engine.hidden_store import HiddenStore
+    from chattts_serve.engine.slot_memory import slot_cost
     from chattts_serve.models.chattts import checkpoint
     from chattts_serve.models.chattts.gpt import KVCache
 
@@ -104,11 +104,11 @@ def test_budget_sizes_kv_slots_by_the_kv_cache_dtype(tiny_ckpt, monkeypatch):
     bf16_kv = EngineConfig.with_slots(4, runner=RunnerConfig(kv_cache_dtype="bf16"))
     dev = torch.device("cuda", 0)
     max_len = fp32.scheduler.max_model_len
-    row = HiddenStore.bytes_per_row(g.hidden_size, max_len)  # the stream's hidden states: fp32 always
     full = budget_for(str(tiny_ckpt), fp32, dev, 0.5).bytes_per_slot
-    assert full == KVCache.bytes_per_slot(g, max_len, torch.float32) + row
+    assert full == slot_cost(g, max_len, torch.float32, graphs=True).total  # a CUDA budget: graphs' pool too
     half = budget_for(str(tiny_ckpt), bf16_kv, dev, 0.5).bytes_per_slot
-    assert half == KVCache.bytes_per_slot(g, max_len, torch.bfloat16) + row == (full - row) // 2 + row
+    rest = full - KVCache.bytes_per_slot(g, max_len + 1, torch.float32)  # hidden-state row and graphs: fp32 always
+    assert half == KVCache.bytes_per_slot(g, max_len + 1, torch.bfloat16) + rest
 
 
 def test_cap_device_memory_caps_the_allocator_below_the_share(tiny_ckpt, monkeypatch):

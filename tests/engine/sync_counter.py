@@ -11,7 +11,9 @@ A ``TorchDispatchMode`` sees every aten op a block of code runs. On CUDA these w
 - ``from_python``: ``aten.lift_fresh`` (``torch.tensor(list)``: host data that then crosses pageable);
 - ``tolist``: ``Tensor.tolist`` on anything but a registered host buffer (it dispatches no op, so it
   is patched while counting);
-- ``d2h``: a copy into a registered host buffer: the one transfer a step is allowed.
+- ``d2h``: a copy into a registered host buffer: the one transfer a step is allowed;
+- ``wait``: ``Event.synchronize``, ``Stream.synchronize``, ``torch.cuda.synchronize`` (patched while
+  counting, stand-in CUDA events included: ``tests/support/host_syncs.counting_waits``).
 
 Limits: what never reaches the dispatcher on the CPU (``.cpu()`` / ``.to(device)`` of a CPU tensor,
 ``from_numpy``) is invisible here; the GPU check's ``torch.cuda.set_sync_debug_mode`` covers it.
@@ -23,6 +25,8 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.support.host_syncs import counting_waits
 
 aten = torch.ops.aten
 
@@ -89,8 +93,11 @@ class SyncCounter(TorchDispatchMode):
             return original(t)
 
         torch.Tensor.tolist = tolist
+        self._waits = counting_waits(self.syncs)
+        self._waits.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist
+        self._waits.__exit__(None, None, None)
         return super().__exit__(*exc)

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from chattts_serve.engine.config import EngineConfig
-from chattts_serve.engine.runner import AUTO_SLOTS_FRACTION, MAX_AUTO_SLOTS, auto_num_slots, slot_bytes, slots_that_fit
+from chattts_serve.engine.runner import (
+    AUTO_SLOTS_FRACTION,
+    MAX_AUTO_SLOTS,
+    auto_num_slots,
+    fitted_model_len,
+    slot_bytes,
+    slots_that_fit,
+)
 from chattts_serve.engine.scheduler import SchedulerConfig
+from chattts_serve.engine.slot_memory import check_slots_fit, slot_cost
 from chattts_serve.models.chattts.config import ModelConfig
 from chattts_serve.models.chattts.gpt import KVCache
 
@@ -18,8 +27,8 @@ GiB = 1 << 30
 def test_an_h200_gets_the_512_slots_that_500_streams_need():
     kv = KVCache.bytes_per_slot(ModelConfig().gpt, 2304, torch.bfloat16)
     assert 72e9 < 512 * kv < 73e9  # the issue's 72.5 GB for 512 slots in bf16
-    per_slot = slot_bytes(ModelConfig().gpt, 2304, torch.bfloat16)  # + the stream's hidden-state row
-    assert 3.5e9 < 512 * (per_slot - kv) < 3.7e9
+    per_slot = slot_bytes(ModelConfig().gpt, 2304, torch.bfloat16)  # + hidden-state row and headroom
+    assert 4.0e9 < 512 * (per_slot - kv) < 4.2e9  # 576 rows of 7.1 MB
     h200_free = 139 * GiB
     assert MAX_AUTO_SLOTS == 512
     assert slots_that_fit(h200_free, AUTO_SLOTS_FRACTION["cuda"], per_slot) == 512
@@ -27,6 +36,55 @@ def test_an_h200_gets_the_512_slots_that_500_streams_need():
     # fp32 KV takes twice the bytes: what fits, below the cap.
     fp32 = slot_bytes(ModelConfig().gpt, 2304, torch.float32)
     assert 300 < slots_that_fit(h200_free, AUTO_SLOTS_FRACTION["cuda"], fp32) < 512
+
+
+def test_a_slots_bytes_are_the_real_ones_of_the_chosen_dtypes():
+    """fp32 keys and values are 283 MB a slot at 2304 positions (and the static step's scratch position),
+    and on CUDA the slot's row of the step graphs' pool counts too: an H200's auto slots in fp32 are
+    383, not the 385 the cache alone gave."""
+    gpt = ModelConfig().gpt
+    cost = slot_cost(gpt, 2304, torch.float32, graphs=True)
+    assert 283e6 < cost.kv < 284e6 and cost.kv == KVCache.bytes_per_slot(gpt, 2305, torch.float32)
+    assert 0 < cost.graphs < 1e6 and slot_cost(gpt, 2304, torch.float32, graphs=False).graphs == 0
+    assert slot_bytes(gpt, 2304, torch.float32, graphs=True) == cost.total
+    h200_free = 139 * GiB
+    assert slots_that_fit(h200_free, AUTO_SLOTS_FRACTION["cuda"], cost.total) == 383
+    bf16 = slot_cost(gpt, 2304, torch.bfloat16, graphs=True)
+    assert bf16.kv == (cost.kv + 1) // 2 and slots_that_fit(h200_free, AUTO_SLOTS_FRACTION["cuda"], bf16.total) == 512
+
+
+def test_fixed_slots_that_do_not_fit_are_refused_with_their_real_bytes():
+    """``--max-num-seqs 512`` in fp32 on an H200 ran out of memory allocating the cache: refused, naming
+    what a slot costs and what fits."""
+    cost = slot_cost(ModelConfig().gpt, 2304, torch.float32, graphs=True)
+    budget = int(139 * GiB * AUTO_SLOTS_FRACTION["cuda"])
+    with pytest.raises(ValueError) as err:
+        check_slots_fit(512, cost, budget, 2304)
+    msg = str(err.value)
+    assert "512 KV slots of 2304 positions need 149.5 GB" in msg
+    assert "float32 keys and values 283 MB" in msg and "--max-num-seqs 383 or fewer" in msg and "bf16" in msg
+    check_slots_fit(383, cost, budget, 2304)  # what fits passes
+
+
+def test_a_fitted_length_keeps_every_slot_inside_the_budget(monkeypatch):
+    gpt = ModelConfig().gpt
+
+    class Model:
+        class config:
+            pass
+
+    Model.config.gpt = gpt
+    free = 139 * GiB
+    dev = torch.device("cuda", 0)
+    import chattts_serve.engine.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "free_bytes", lambda d: free)
+    n = fitted_model_len(Model, 300, 4096, dev, torch.float32)
+    assert 2304 < n < 4096
+    budget = free * AUTO_SLOTS_FRACTION["cuda"]
+    assert 300 * slot_bytes(gpt, n, torch.float32, graphs=True) <= budget < 300 * slot_bytes(
+        gpt, n + 1, torch.float32, graphs=True
+    )
 
 
 def test_slots_that_fit_is_bounded_both_ways():

@@ -147,7 +147,8 @@ def test_a_cancelled_stream_leaves_before_its_utterances_run_and_the_others_comp
         gone = asyncio.create_task(engine.generate("Six seven. Eight nine.", SamplingParams()))
         while len(engine._collectors) < 2:  # submitted: in the engine loop's inbox behind the held step
             await asyncio.sleep(0.01)
-        gone.cancel()  # its abort follows it into the inbox
+        gone.cancel()  # its abort follows it into the inbox once the task has unwound
+        await asyncio.gather(gone, return_exceptions=True)  # released before that, the engine could run it
         model.gate.release(10)
         result = await asyncio.wait_for(kept, 30)
         while engine.core.has_unfinished():

@@ -91,9 +91,9 @@ def test_max_model_len_defaults_to_the_checkpoint_positions_and_not_beyond(tiny_
 
 def test_fixed_slots_get_the_length_memory_holds(tiny_ckpt, monkeypatch):
     eng = engine(tiny_ckpt, 4096)
-    per_position = runner.slot_bytes(eng.model.config.gpt, 1, eng.core.stage.runner.cache.k.dtype)
     model, dtype = eng.model, eng.core.stage.runner.cache.k.dtype
-    monkeypatch.setattr(runner, "free_bytes", lambda device: 2 * 16 * 3000 * per_position)  # half: 16 x 3000
+    slot_3000 = runner.slot_bytes(model.config.gpt, 3000, dtype)
+    monkeypatch.setattr(runner, "free_bytes", lambda device: 2 * 16 * slot_3000)  # half: 16 x 3000
     assert runner.fitted_model_len(model, 16, 4096, eng.device, dtype, fraction=0.5) == 3000
     assert runner.fitted_model_len(model, 8, 4096, eng.device, dtype, fraction=0.5) == 4096
     monkeypatch.setattr(runner, "free_bytes", lambda device: 0)  # never below the old default

@@ -36,6 +36,30 @@ def test_the_defaults_by_device():
     )
     assert cuda.kv_cache_dtype == torch.bfloat16 and not cuda.trunk_graphs
     assert (cuda.audio_dtype, cuda.audio_overlap, cuda.audio_buckets) == ("bf16", True, True)
+    assert (cpu.host_ahead, cpu.audio_graphs, cpu.attention) == (False, False, "sdpa")
+    assert cuda.host_ahead and cuda.audio_graphs
+
+
+def test_host_ahead_audio_graphs_and_the_attention_kernel(monkeypatch):
+    """The switches of the host one step ahead and the audio graphs, and the static step's attention
+    (``kernels.flex_decode.choose``, its probe stood in): settled here, shown in the plan's line."""
+    from chattts_serve.kernels import flex_decode
+
+    assert resolve_plan(EngineConfig(host_ahead="on"), "cpu").host_ahead
+    assert not resolve_plan(EngineConfig(host_ahead="off"), "cuda").host_ahead
+    assert not resolve_plan(EngineConfig(audio_graphs="on", audio_overlap="off"), "cuda").audio_graphs
+    monkeypatch.setattr(flex_decode, "_probe", lambda device, dtype: None)
+    flex_decode.choose.cache_clear()
+    try:
+        cuda = resolve_plan(EngineConfig(precision="bf16"), "cuda")
+        assert cuda.attention == "flex"
+        assert resolve_plan(EngineConfig(runner=RunnerConfig(decode="rows")), "cuda").attention == "sdpa"
+        assert "attention flex, host ahead on" in cuda.describe() and "graphs on)" in cuda.describe()
+        monkeypatch.setenv(flex_decode.MODE_ENV, "sdpa")
+        flex_decode.choose.cache_clear()
+        assert resolve_plan(EngineConfig(precision="bf16"), "cuda").attention == "sdpa"
+    finally:
+        flex_decode.choose.cache_clear()
 
 
 def test_explicit_values_pass_through():

@@ -133,7 +133,7 @@ def test_step_graph_step_has_one_sync(tiny_ckpt):
     for _ in range(3):
         for s in seqs:
             s.tokens.append(out.tokens[s.seq_id])
-        counter = SyncCounter(host_buffers=(runner._readback.host, runner._staging.host))
+        counter = SyncCounter(host_buffers=(*runner._readback.hosts, *runner._staging.hosts))
         with counter:
             out = runner.execute(SchedulerOutput(decode=seqs))
         assert counter.total == 1, counter.report()

@@ -21,6 +21,7 @@ from chattts_serve.engine.request import Sequence
 from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
 from chattts_serve.engine.scheduler import SchedulerConfig
 from chattts_serve.models.chattts.config import AUDIO_EOS
+from tests.support.cuda_stub import FakeCuda
 
 from .sync_counter import SyncCounter
 
@@ -76,7 +77,7 @@ def drive(runner: ModelRunner, seqs: list[Sequence], steps: int) -> list[tuple[i
     for seq in seqs:
         seq.tokens.append(out.tokens[seq.seq_id])
     for _ in range(steps):
-        counter = SyncCounter(host_buffers=(runner._readback.host, runner._staging.host))
+        counter = SyncCounter(host_buffers=(*runner._readback.hosts, *runner._staging.hosts))
         with counter:
             out = runner.execute(SchedulerOutput(decode=seqs))
         counted.append((len(seqs), counter))
@@ -89,11 +90,32 @@ def drive(runner: ModelRunner, seqs: list[Sequence], steps: int) -> list[tuple[i
     return counted
 
 
+def with_a_token_event(runner: ModelRunner, monkeypatch) -> None:
+    """The readback waits on an event, as on CUDA (stand-in ``torch.cuda`` calls: ``cuda_stub``)."""
+    FakeCuda.install(monkeypatch)
+    monkeypatch.setattr(runner._readback, "_events", [torch.cuda.Event(), torch.cuda.Event()])
+
+
 @pytest.mark.parametrize("batch", [1, 8, 64])
-def test_one_sync_per_decode_step(runner, batch):
+def test_one_wait_per_decode_step(runner, batch, monkeypatch):
+    with_a_token_event(runner, monkeypatch)
     for n, counter in drive(runner, make_seqs(runner, batch, seed=batch), STEPS):
-        assert counter.total <= 1, f"batch {n}: {dict(counter.syncs)}"
+        assert counter.syncs["wait"] == 1, f"batch {n}: {dict(counter.syncs)}"  # the token event's
         assert counter.syncs["d2h"] == 1, "the tokens come back through the registered buffer"
+        assert counter.total == 2, f"batch {n}: {dict(counter.syncs)}"  # and nothing else waits
+
+
+def test_the_counter_sees_every_wait(monkeypatch):
+    FakeCuda.install(monkeypatch)
+    event = torch.cuda.Event()
+    event.record()
+    with SyncCounter() as c:
+        event.synchronize()
+        torch.cuda.synchronize()
+        torch.cuda.current_stream(torch.device("cuda", 0)).record_event().synchronize()  # a stream's event
+    assert c.syncs["wait"] == 3, dict(c.syncs)
+    event.synchronize()  # not counted once the counter is gone
+    assert c.syncs["wait"] == 3
 
 
 def test_launches_do_not_grow_with_the_batch(tiny_ckpt):

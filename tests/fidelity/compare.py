@@ -76,12 +76,14 @@ def _compare_split(i: int, result, captured: list, ref: dict, note) -> None:
     note("end_to_end_wav", _maxdiff(result.audio, ref[f"{i}/wav"]))
 
 
-def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> dict:
+def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray], host_ahead: str = "off") -> dict:
     """Asserts fidelity for every case; returns the measured maximum differences.
 
     The engine runs with one KV slot: every matmul then sees exactly the rows of a batch-1 reference
-    run, which is what makes fp32 bit-identical (see ``ModelLayout.pad_rows_to``)."""
-    engine = Engine.from_pretrained(ckpt, device="cpu", config=EngineConfig.with_slots(1))
+    run, which is what makes fp32 bit-identical (see ``ModelLayout.pad_rows_to``). ``host_ahead``: the
+    engine's step order (``EngineCore``: "on" queues a step before reading the last one's tokens)."""
+    config = EngineConfig.with_slots(1, host_ahead=host_ahead)
+    engine = Engine.from_pretrained(ckpt, device="cpu", config=config)
     model = engine.model
     captured: list = []
     update = engine.core.stage.pipeline.update

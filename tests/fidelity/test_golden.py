@@ -51,9 +51,11 @@ def golden_ckpt(tmp_path_factory, golden):
     return ckpt
 
 
-def test_golden_matches_reference(golden_ckpt, golden):
+@pytest.mark.parametrize("host_ahead", ["off", "on"])
+def test_golden_matches_reference(golden_ckpt, golden, host_ahead):
+    """Also with the host one step ahead of the device (CUDA's default order, run here on the CPU)."""
     torch.manual_seed(0)
-    report = compare_all(golden_ckpt, build_cases(golden_ckpt), golden)
+    report = compare_all(golden_ckpt, build_cases(golden_ckpt), golden, host_ahead)
     # Keep the measured differences visible in the test log (-rA / -s).
     print(json.dumps(report, indent=1))
     assert report["cases"] == len(build_cases(golden_ckpt))

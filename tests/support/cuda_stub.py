@@ -1,8 +1,8 @@
 """Stand-in ``torch.cuda`` calls for CPU tests of the CUDA path: every call is recorded with the device
 it names (or, for calls that take none, the thread's stand-in current device), so a test can assert
-that an engine on ``cuda:1`` never touches another card. Tensors stay on the CPU: pinned allocations
-and copies to a CUDA device are CPU ones, and graphs record nothing (``replay`` does nothing unless a
-test gives the ``FakeGraph`` something to do).
+that an engine on ``cuda:1`` never touches another card. Tensors stay on the CPU: pinned allocations,
+copies to a CUDA device and ``torch.empty`` / ``zeros`` / ``full`` on one are CPU ones, and graphs
+record nothing (``replay`` does nothing unless a test gives the ``FakeGraph`` something to do).
 
     calls = FakeCuda.install(monkeypatch)
     ...  # code under test, with a CUDA device label
@@ -42,6 +42,9 @@ class FakeStream:
 
     def wait_event(self, event: FakeEvent) -> None:
         self.calls.add("wait_event", self.device)
+
+    def synchronize(self) -> None:
+        self.calls.add("stream.synchronize", self.device)
 
     def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
         event = event or FakeEvent(calls=self.calls)
@@ -100,6 +103,8 @@ class FakeCuda:
         self.streams: list[FakeStream] = []
         self.graphs: list[FakeGraph] = []
         self.captures: list[tuple[FakeGraph, FakeStream | None, dict]] = []
+        self.pinned_ptrs: set[int] = set()
+        """Data pointers of the host tensors pinned under the stand-in (``h2d`` vs ``h2d blocking``)."""
 
     def current(self) -> torch.device:
         return getattr(self._local, "device", torch.device("cuda", 0))
@@ -163,17 +168,32 @@ class FakeCuda:
             calls.add("synchronize", _dev(device) if device is not None else calls.current())
 
         real_empty, real_to, real_pin = torch.empty, torch.Tensor.to, torch.Tensor.pin_memory
+        real_zeros, real_full = torch.zeros, torch.full
+
+        def on_cpu(k: dict) -> dict:  # a device tensor: recorded, allocated on the CPU
+            if "device" in k and str(k["device"]).startswith("cuda"):
+                calls.add("alloc", _dev(k["device"]))
+                k = {**k, "device": CPU}
+            return k
 
         def empty(*a, pin_memory=False, **k):
+            t = real_empty(*a, **on_cpu(k))
             if pin_memory:
                 calls.add("pinned", calls.current())
-            return real_empty(*a, **k)
+                calls.pinned_ptrs.add(t.data_ptr())
+            return t
 
         def pin_memory(self, *a, **k):
             calls.add("pinned", calls.current())
-            return self
+            pinned = self.clone()
+            calls.pinned_ptrs.add(pinned.data_ptr())
+            return pinned
 
         def to(self, *a, **k):  # a copy to a CUDA device: recorded, done on the CPU
+            cuda = [x for x in (*a, k.get("device")) if isinstance(x, torch.device | str) and str(x).startswith("cuda")]
+            if cuda:  # "h2d": from pinned memory without blocking; anything else makes the host wait
+                quiet = k.get("non_blocking", False) and self.data_ptr() in calls.pinned_ptrs
+                calls.add("h2d" if quiet else "h2d blocking", _dev(cuda[0]))
             a = tuple(CPU if isinstance(x, torch.device | str) and str(x).startswith("cuda") else x for x in a)
             if "device" in k and str(k["device"]).startswith("cuda"):
                 k["device"] = CPU
@@ -198,6 +218,8 @@ class FakeCuda:
         }.items():
             monkeypatch.setattr(torch.cuda, name, value)
         monkeypatch.setattr(torch, "empty", empty)
+        monkeypatch.setattr(torch, "zeros", lambda *a, **k: real_zeros(*a, **on_cpu(k)))
+        monkeypatch.setattr(torch, "full", lambda *a, **k: real_full(*a, **on_cpu(k)))
         monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
         monkeypatch.setattr(torch.Tensor, "to", to)
         del real_pin

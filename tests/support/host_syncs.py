@@ -1,12 +1,15 @@
 """Count the ops that make the host wait for the device on CUDA, on any device (the CPU included):
 reading a value back (``.item()``, ``bool(t)``, ``torch.equal``), and ops whose output size depends on
 device values (``nonzero``, boolean-mask indexing, ``masked_select``, ``repeat_interleave`` without
-``output_size``). Host-to-device copies are not counted (on the CPU they cannot be told apart)."""
+``output_size``), and explicit waits (``Event.synchronize``, ``Stream.synchronize``,
+``torch.cuda.synchronize``: ``counting_waits``). Host-to-device copies are not counted (on the CPU they
+cannot be told apart; ``tests/support/cuda_stub.py`` tells pinned from pageable ones)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,10 +25,55 @@ SYNCING = {
 }
 
 
+@contextmanager
+def counting_waits(counts: Counter[str]) -> Iterator[None]:
+    """Count every host wait on the device the dispatcher never sees: ``synchronize`` of an event or a
+    stream (whatever ``torch.cuda.Event`` / ``Stream`` are now: the real ones, or the stand-ins of
+    ``cuda_stub``) and ``torch.cuda.synchronize``, each as ``counts["wait"]``."""
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str) -> None:
+        real = getattr(owner, name)
+
+        def counted(*a, **k):
+            counts["wait"] += 1
+            return real(*a, **k)
+
+        try:
+            setattr(owner, name, counted)
+        except (TypeError, AttributeError):  # a C type: its Python subclass is patched instead
+            return
+        patched.append((owner, name, real))
+
+    from .cuda_stub import FakeEvent, FakeStream
+
+    owners = []
+    for cls in (torch.cuda.Event, torch.cuda.Stream, FakeEvent, FakeStream):
+        if isinstance(cls, type):  # under the stand-ins ``torch.cuda.Stream`` is a function
+            owners += [c for c in cls.__mro__ if "synchronize" in vars(c)][:1]  # the one that runs
+    for owner in dict.fromkeys(owners):
+        wrap(owner, "synchronize")
+    wrap(torch.cuda, "synchronize")
+    try:
+        yield
+    finally:
+        for owner, name, real in reversed(patched):
+            setattr(owner, name, real)
+
+
 class HostSyncCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self._waits = counting_waits(self.counts)
+
+    def __enter__(self):
+        self._waits.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._waits.__exit__(None, None, None)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,11 +27,20 @@ from ..device import pinned_copy
 from ..models.chattts.checkpoint import LoadedModel
 from ..models.chattts.config import N_FFT, SAMPLES_PER_TOKEN, ModelConfig
 from ..tf32 import fp32_scope, tf32_scope
-from .graph import RUNTIMES as GRAPH_RUNTIMES
-from .graph import graph_for
+from .cpu_graph import RUNTIMES as GRAPH_RUNTIMES
+from .cpu_graph import graph_for
 from .stream import Window
 
 logger = logging.getLogger(__name__)
+
+
+class WindowGraphs(Protocol):
+    """Captured decodes of window buckets (``audio.graphs.AudioGraphs``; a protocol here, so the module
+    that captures them from ``decode_frames`` is not imported back)."""
+
+    def run(self, h: torch.Tensor, steps: list[int]) -> torch.Tensor | None:
+        """The audio of a group of windows ``h`` of ``steps`` true steps each, or None (decode eagerly)."""
+        ...
 
 AUDIO_BATCH_BYTES = 1 << 30
 """Estimated activation bytes one Decoder + Vocos call may take (1 GiB): at full size ~21k window
@@ -38,7 +48,7 @@ steps (e.g. 45 ten-second windows, or 170 streaming windows of 122 steps). Unbou
 10 s took ~6 GB at once. Inside ``distributed.memory.ACTIVATION_RESERVE`` of any replica of >= 8 GiB."""
 
 _DTYPES = ("fp32", "tf32", "bf16", *GRAPH_RUNTIMES)
-"""torch's dtypes, and the CPU graph runtimes of ``audio.graph`` (opt-in: not bit-exact to fp32)."""
+"""torch's dtypes, and the CPU graph runtimes of ``audio.cpu_graph`` (opt-in: not bit-exact to fp32)."""
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -155,8 +165,10 @@ def decode_on_device(
     dtype: str = "fp32",
     max_bytes: int | None = None,
     buckets: bool = False,
+    graphs: WindowGraphs | None = None,
 ) -> list[DecodedBatch]:
     """Decoder + Vocos on every window, the audio left on the device (nothing here waits for it).
+    ``graphs``: a bucket with a graph captured for it replays it (``audio.graphs``), any other runs eagerly.
 
     Windows of equal length run as one batch; ``buckets``: windows of one ``window_bucket`` do,
     right-padded to it, with every convolution seeing zeros past a row's end (``_padding_masked``)
@@ -172,6 +184,11 @@ def decode_on_device(
     for length, part in plan_batches(steps, activation_bytes_per_step(model.config), limit, buckets):
         h = _stack(windows, part, length)
         true_steps = [steps[i] for i in part] if buckets else None
+        replayed = graphs.run(h, true_steps or [length] * len(part)) if graphs is not None else None
+        if replayed is not None:  # this bucket's graph, captured at start-up (``audio.graphs``)
+            samples = [SAMPLES_PER_TOKEN * steps[i] - SAMPLES_PER_TOKEN // 2 for i in part]
+            out.append(DecodedBatch(part, samples, wav=replayed))
+            continue
         for lo, hi, result in _decode_halving(model, h, dtype, true_steps, 0):
             idx = part[lo:hi]
             samples = [SAMPLES_PER_TOKEN * steps[i] - SAMPLES_PER_TOKEN // 2 for i in idx]
@@ -219,14 +236,20 @@ def _decode_halving(
 def _decode_batch(model: LoadedModel, h: torch.Tensor, dtype: str, steps: list[int] | None) -> torch.Tensor:
     """Hidden states ``[G, S, hidden]`` -> audio ``[G, 512 * S - 256]`` fp32 on the device. ``steps``:
     each row's true length when rows are right-padded (None: all are ``S`` long)."""
-    device = h.device
     if dtype in GRAPH_RUNTIMES:
         return _decode_graph(graph_for(model, dtype), h, steps)
+    frames = None if steps is None else _to_device(torch.tensor(steps, dtype=torch.long) * 2, h.device)
+    return decode_frames(model, h, dtype, frames)
+
+
+def decode_frames(model: LoadedModel, h: torch.Tensor, dtype: str, frames: torch.Tensor | None) -> torch.Tensor:
+    """``_decode_batch`` with each row's true mel frames (2 a step) as a device tensor ``[G]`` (None: all
+    ``2 * S``): no host value, so a CUDA graph can capture it (``audio.graphs``)."""
+    device = h.device
     with _precision(dtype, device.type):
-        if steps is None:
+        if frames is None:
             wav = model.vocos(model.decoder(h.transpose(1, 2)))
         else:
-            frames = _to_device(torch.tensor(steps, dtype=torch.long) * 2, device)
             drop = torch.arange(2 * h.shape[1], device=device)[None, None] >= frames[:, None, None]
             with _padding_masked((model.decoder, model.vocos), drop):
                 wav = model.vocos(model.decoder(h.transpose(1, 2)), frames)
@@ -234,7 +257,7 @@ def _decode_batch(model: LoadedModel, h: torch.Tensor, dtype: str, steps: list[i
 
 
 def _decode_graph(graph, h: torch.Tensor, steps: list[int] | None) -> torch.Tensor:
-    """``_decode_batch`` through an ``audio.graph`` runtime. It has no padding masks, so right-padded
+    """``_decode_batch`` through an ``audio.cpu_graph`` runtime. It has no padding masks, so right-padded
     rows go by their true length, each group unpadded (what the masks make the torch path compute),
     their audio right-padded with zeros to the batch's length (the caller keeps each row's own)."""
     if steps is None or all(s == h.shape[1] for s in steps):

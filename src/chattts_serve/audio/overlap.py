@@ -36,6 +36,7 @@ import torch
 from ..device import current_stream, host_empty, new_stream
 from ..models.chattts.checkpoint import LoadedModel
 from .decode import DecodedBatch, decode_on_device
+from .graphs import AudioGraphs
 from .stream import AudioStream, Window
 
 logger = logging.getLogger(__name__)
@@ -148,12 +149,14 @@ class AudioDecoder:
     ) -> None:
         """``dtype``: resolved (``engine.plan.ExecutionPlan.audio_dtype``). ``overlap``: collect at a later step
         (on CUDA: the decode runs on its own stream). ``buckets``: pad windows to fixed lengths.
-        ``max_in_flight``: submissions not yet collected before ``submit`` waits for the oldest."""
+        ``max_in_flight``: submissions not yet collected before the decoder is ``full``."""
         self.model, self.dtype, self.overlap, self.buckets = model, dtype, overlap, buckets
         self.device = device
         self.streams = streams or (CudaStreams(device) if device.type == "cuda" else InlineStreams())
         self.stream = self.streams.new() if overlap else self.streams.current()
         self.max_in_flight = max(1, max_in_flight)
+        self.graphs: AudioGraphs | None = None
+        """Decoder + Vocos graphs per window bucket, captured on ``stream`` (``audio.graphs``; CUDA)."""
         self._pending: deque[_Pending] = deque()
         self._busy: set[int] = set()  # id() of the AudioStreams with a window in flight
 
@@ -165,14 +168,20 @@ class AudioDecoder:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    @property
+    def full(self) -> bool:
+        """``max_in_flight`` submissions are not collected yet: ``submit`` refuses more (the caller keeps its
+        windows for a later step instead of the host waiting for the oldest)."""
+        return len(self._pending) >= self.max_in_flight
+
     def submit(self, entries: list[Entry]) -> list[tuple[list[Entry], list[np.ndarray | Exception]]]:
-        """Queue the decode of ``entries`` (none of whose streams may be ``busy``); returns what had to
-        be collected first to stay within ``max_in_flight`` (usually nothing)."""
+        """Queue the decode of ``entries`` (none of whose streams may be ``busy``; not while ``full``).
+        Returns nothing: the audio comes from ``collect`` (kept as a list for callers that add to it)."""
         if any(self.busy(w.stream) for _, _, w in entries):
             raise ValueError("a window of this stream is already being decoded")
-        out = []
-        while len(self._pending) >= self.max_in_flight:
-            out.append(self._take(self._pending.popleft()))
+        if entries and self.full:
+            raise RuntimeError(f"{self.in_flight} audio submissions in flight: collect one first")
+        out: list[tuple[list[Entry], list[np.ndarray | Exception]]] = []
         if not entries:
             return out
         s = self.streams
@@ -182,7 +191,7 @@ class AudioDecoder:
             s.wait(self.stream, ready)
             for w in windows:
                 s.keep(w.stream.hidden, self.stream)
-            batches = decode_on_device(self.model, windows, self.dtype, buckets=self.buckets)
+            batches = decode_on_device(self.model, windows, self.dtype, buckets=self.buckets, graphs=self.graphs)
             host = [self._to_host(b.wav) if b.wav is not None else None for b in batches]
             done = s.record(self.stream)
         for b in batches:
@@ -195,8 +204,11 @@ class AudioDecoder:
         """The audio of every submission that is done, oldest first, as (entries, audio or error
         per entry); ``wait``: wait for all of them."""
         out = []
-        while self._pending and (wait or self._pending[0].done.query()):
-            out.append(self._take(self._pending.popleft()))
+        while self._pending:
+            done = self._pending[0].done.query()
+            if not (wait or done):
+                break
+            out.append(self._take(self._pending.popleft(), waited=done))
         return out
 
     def drop(self) -> None:
@@ -212,11 +224,13 @@ class AudioDecoder:
         host.copy_(wav, non_blocking=True)
         return host
 
-    def _take(self, p: _Pending) -> tuple[list[Entry], list[np.ndarray | Exception]]:
+    def _take(self, p: _Pending, waited: bool = False) -> tuple[list[Entry], list[np.ndarray | Exception]]:
+        """``waited``: its event has happened (``query``): no wait to make."""
         self._busy.difference_update(id(w.stream) for _, _, w in p.entries)
         audio: list[np.ndarray | Exception | None] = [None] * len(p.entries)
         try:
-            p.done.synchronize()
+            if not waited:
+                p.done.synchronize()
         except Exception as exc:  # an asynchronous device error surfaces here: fail the whole submission
             logger.exception("audio decode failed on the device")
             return p.entries, [exc] * len(p.entries)

@@ -1,6 +1,6 @@
 """The audio stage (Decoder + Vocos) per window, per runtime (``bench audio``): torch fp32 (the
 reference-exact path), torch bf16 (autocast, ``--audio-dtype bf16``), and the same convolutions as one
-graph in ONNX Runtime (fp32) and OpenVINO (fp32, bf16) (``audio.graph``). Each: ms per window batch,
+graph in ONNX Runtime (fp32) and OpenVINO (fp32, bf16) (``audio.cpu_graph``). Each: ms per window batch,
 times real time (seconds of audio decoded per second, on the threads given), and the waveform's SNR
 against torch fp32 on the same hidden states (random, of the trunk's scale: the quality cost of the
 runtime's arithmetic alone). Interleaved rounds, medians: compare the ratios within one run.
@@ -37,8 +37,8 @@ def _snr_db(ref, test) -> float:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from ..audio.cpu_graph import RUNTIMES, AudioGraph
     from ..audio.decode import _decode_batch
-    from ..audio.graph import RUNTIMES, AudioGraph
     from ..models.chattts.checkpoint import load
 
     torch.set_num_threads(args.threads)

@@ -41,7 +41,12 @@ outputs. The audio decode (Decoder + Vocos over the windows due: device work on 
 stream) is timed apart, outside the op timer, and reported as ``audio_ms`` per step: on a CPU it is
 compute, whose frees of large temporaries would otherwise land in the host figure. The paths are the
 same two (trunk stubbed; step graph stubbed). Medians and means are both reported: windows of streams
-admitted together fall due on the same steps.
+admitted together fall due on the same steps. The core runs with the host one step ahead of the device
+(``--host-ahead on``, CUDA's default; ``off``: one step at a time), and the host figure is split:
+``serial_us_per_seq`` is the work with no step queued behind it (scheduling and queueing the next step:
+a drained device waits for it), ``overlapped_us_per_seq`` the work done while the step just queued runs
+(reading and applying the last step's tokens, the hidden states, audio windows, outputs). One step at a
+time all of it is serial: the device waits for every microsecond of it.
 
 ``--before FILE``: also time an older ``runner.py`` (``git show main:src/chattts_serve/engine/runner.py
 > /tmp/runner_main.py``) loaded side by side inside this package, with the same stub (its sampler calls
@@ -80,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--before", default=None, help="an older runner.py to time side by side")
     p.add_argument("--paths", default="eager,step-graph", help="comma-separated: eager, step-graph")
     p.add_argument("--scope", choices=("runner", "core"), default="runner", help="runner.execute or EngineCore.step")
+    p.add_argument(
+        "--host-ahead",
+        choices=("on", "off"),
+        default="on",
+        help="--scope core: the host one step ahead of the device (CUDA's default) or one step at a time",
+    )
     p.add_argument("--mix", choices=("code", "mixed"), default="code", help="code only, or one in 8 text")
     p.add_argument(
         "--allocator",
@@ -91,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class _TimedOps(TorchDispatchMode):
     """Time spent inside each dispatched aten op, and how many ran."""
+
+    current: _TimedOps | None = None
+    """The timer of the step being timed (``_serial_part`` reads it)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -195,10 +209,11 @@ def _timed(step, costs, apart=lambda: 0.0) -> tuple[tuple[float, float, int, flo
     """Run ``step()`` once under the op timer: (wall, python, ops, host) in seconds (module
     docstring), less the seconds ``apart()`` says were spent on work timed apart; and what it returned."""
     launch, timer_cost = costs
-    timer = _TimedOps()
+    timer = _TimedOps.current = _TimedOps()
     t0 = _clock()
     with timer:
         result = step()
+    _TimedOps.current = None
     wall = _clock() - t0 - apart()
     python = max(wall - timer.inside - timer.ops * timer_cost, 0.0)
     return (wall, python, timer.ops, python + timer.ops * launch), result
@@ -279,7 +294,25 @@ def measure(
     return {name: _summary(state[name][3], n) for name in names}
 
 
-def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
+def _serial_part(fn, acc: list[float], costs):
+    """``fn`` timed as ``_timed`` times a step, its host seconds added to ``acc[0]`` (inside a timed step)."""
+    launch, timer_cost = costs
+
+    def call(*a, **k):
+        timer = _TimedOps.current
+        ops0, inside0, t0 = (timer.ops, timer.inside, _clock()) if timer else (0, 0.0, _clock())
+        try:
+            return fn(*a, **k)
+        finally:
+            if timer is not None:
+                ops, inside = timer.ops - ops0, timer.inside - inside0
+                python = max(_clock() - t0 - inside - ops * timer_cost, 0.0)
+                acc[0] += python + ops * launch
+
+    return call
+
+
+def measure_core(path: Any, path_name: str, n: int, steps: int, costs, host_ahead: str = "on") -> dict:
     """``EngineCore.step`` at ``n`` streams (see ``--scope core`` in the module docstring)."""
     from ..audio.policy import StreamPolicy
     from ..engine.config import EngineConfig, RunnerConfig
@@ -296,6 +329,7 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
             cuda_graphs=False,
             step_graphs="on" if path_name == "step-graph" else "off",
         ),
+        host_ahead=host_ahead,
     )
     engine = Engine.from_pretrained(path, "cpu", config)
     core = engine.core
@@ -330,15 +364,23 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
         untimed(core.stage.decoder.submit),
         untimed(core.stage.decoder.collect),
     )
+    serial = [0.0]
+    if core.ahead:  # scheduling and queueing the next step: nothing queued behind it yet
+        core.scheduler.schedule = _serial_part(core.scheduler.schedule, serial, costs)
+        core.stage.launch = _serial_part(core.stage.launch, serial, costs)
     rows = []
     for _ in range(steps):
-        audio[0] = 0.0
+        audio[0] = serial[0] = 0.0
         row, _ = _timed(core.step, costs, apart=lambda: audio[0])
-        rows.append((*row, audio[0]))
+        rows.append((*row, audio[0], serial[0] if core.ahead else row[3]))
     assert core.scheduler.num_running == n, "a stream finished inside the timed steps"
+    serial_s = statistics.median(r[5] for r in rows)
+    host_s = statistics.median(r[3] for r in rows)
     return {
         **_summary(rows, n),
         "host_us_per_seq_mean": round(statistics.fmean(r[3] for r in rows) * 1e6 / n, 2),
+        "serial_us_per_seq": round(serial_s * 1e6 / n, 2),
+        "overlapped_us_per_seq": round(max(host_s - serial_s, 0.0) * 1e6 / n, 2),
         "audio_ms": round(statistics.fmean(r[4] for r in rows) * 1e3, 3),
     }
 
@@ -372,13 +414,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "launch_us": round(costs[0] * 1e6, 2),
         "timer_cost_us": round(costs[1] * 1e6, 2),
         "scope": args.scope,
+        **({"host_ahead": args.host_ahead} if args.scope == "core" else {}),
         "sizes": {},
     }
     if args.scope == "core" and args.before:
         raise SystemExit("--before times runners: --scope runner")
     for n in sizes:
         if args.scope == "core":
-            out["sizes"][n] = {name: measure_core(path, name, n, args.steps, costs) for name in paths}
+            out["sizes"][n] = {name: measure_core(path, name, n, args.steps, costs, args.host_ahead) for name in paths}
             continue
         # The model prepared for n slots (fp32), as the engine prepares it; shared by both runners.
         model = checkpoint.load(path, device="cpu", dtype=torch.float32)

@@ -36,8 +36,8 @@ class MemoryBudget:
     weights_bytes: int
     """The model's weights as loaded."""
     bytes_per_slot: int
-    """What one KV slot costs on the device: keys, values and its stream's hidden-state row
-    (``engine.runner.slot_bytes``)."""
+    """What one KV slot costs on the device: keys, values, its stream's hidden-state row and its row of
+    the step graphs' pool (``engine.slot_memory``)."""
     context_bytes: int = CUDA_CONTEXT_RESERVE
     """Held outside torch's allocator (CUDA context, workspaces): taken off the allocator's cap."""
 
@@ -103,8 +103,8 @@ def budget_for(
     root = checkpoint.resolve(model)
     dims = checkpoint.read_config(root)
     # The runner's own rule: the cache holds kv_cache_dtype (bf16 halves it), not always the trunk's.
-    dtype = resolve_plan(config, "cuda").kv_cache_dtype
-    per_slot = slot_bytes(dims.gpt, config.scheduler.max_model_len, dtype)
+    plan = resolve_plan(config, "cuda")
+    per_slot = slot_bytes(dims.gpt, config.scheduler.max_model_len, plan.kv_cache_dtype, graphs=plan.cuda_graphs)
     total = torch.cuda.get_device_properties(device).total_memory
     return MemoryBudget(total, fraction, weights_bytes(root, config.precision), per_slot, context_reserve)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,6 +54,8 @@ class _Request:
 
 
 class BatchStage:
+    runs_ahead = False
+
     def __init__(self, model: BatchModel, config: EngineConfig) -> None:
         self.model = model
         self.config = config
@@ -213,3 +216,12 @@ class BatchStage:
 
     def counters(self) -> dict[str, int]:
         return {}
+
+    def code_room(self) -> int | None:
+        return None
+
+    def launch(self, sched: SchedulerOutput) -> Any:
+        raise NotImplementedError("a batch family runs whole utterances: no step to run ahead")
+
+    def collect(self, launched: Any) -> RunnerOutput:
+        raise NotImplementedError("a batch family runs whole utterances: no step to run ahead")

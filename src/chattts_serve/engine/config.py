@@ -25,7 +25,7 @@ from .scheduler import SchedulerConfig
 DECODE_MODES = ("auto", "rows", "static")
 KV_CACHE_DTYPES = ("auto", "bf16")
 AUDIO_GRAPH_DTYPES = ("ort-fp32", "ov-fp32", "ov-bf16")
-"""The Decoder + Vocos as one ONNX Runtime / OpenVINO graph (CPU only; ``audio.graph.RUNTIMES``)."""
+"""The Decoder + Vocos as one ONNX Runtime / OpenVINO graph (CPU only; ``audio.cpu_graph.RUNTIMES``)."""
 AUDIO_DTYPES = ("auto", "fp32", "tf32", "bf16", *AUDIO_GRAPH_DTYPES)
 SWITCHES = ("auto", "on", "off")
 SAMPLING_NOISES = ("auto", "generator", "counter")  # engine.noise
@@ -101,6 +101,13 @@ class EngineConfig:
     """"on": the audio decode runs on a CUDA stream of its own, overlapping the next GPT step, and its
     audio is taken at a later step (``audio.overlap``); "off": inside the step, as on a CPU. "auto": on
     for CUDA."""
+    audio_graphs: str = "auto"
+    """"on": Decoder + Vocos as CUDA graphs per window bucket, captured at start-up on the audio stream
+    (``audio.graphs``; needs the overlapped, bucketed decode on CUDA). "auto": on where those are."""
+    host_ahead: str = "auto"
+    """"on": the host schedules and queues step n+1 before it reads step n's tokens (they live on the
+    device; the host needs them only for stops and audio), so its work overlaps the device's; a sequence
+    that ended runs one discarded step (``EngineCore``). "off": one step at a time. "auto": on for CUDA."""
     audio_buckets: str = "auto"
     """"on": windows padded to a few fixed lengths (``audio.decode.window_bucket``; the padding masked,
     so only float rounding changes), so the kernels see repeating shapes. "auto": on for CUDA."""
@@ -110,7 +117,7 @@ class EngineConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
         if self.audio_dtype not in AUDIO_DTYPES:
             raise ValueError(f"audio_dtype must be one of {', '.join(AUDIO_DTYPES)}; got {self.audio_dtype!r}")
-        for name in ("audio_overlap", "audio_buckets"):
+        for name in ("audio_overlap", "audio_buckets", "audio_graphs", "host_ahead"):
             if getattr(self, name) not in SWITCHES:
                 raise ValueError(f"{name} must be one of {', '.join(SWITCHES)}; got {getattr(self, name)!r}")
         if not self.max_audio_seconds > 0:
@@ -149,6 +156,8 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
     "audio_dtype": ("audio_dtype",),
     "audio_overlap": ("audio_overlap",),
     "audio_buckets": ("audio_buckets",),
+    "audio_graphs": ("audio_graphs",),
+    "host_ahead": ("host_ahead",),
 }
 _HELP = {
     "precision": "GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
@@ -179,6 +188,10 @@ _HELP = {
     "faster than torch's at the same dtype, not bit-exact; auto: bf16 on CUDA, fp32 elsewhere",
     "audio_overlap": "audio decode on its own CUDA stream, overlapping the next GPT step (auto: on for CUDA)",
     "audio_buckets": "pad audio windows to a few fixed lengths so shapes repeat (auto: on for CUDA)",
+    "audio_graphs": "Decoder + Vocos as CUDA graphs per window bucket, captured at start-up on the audio stream "
+    "(auto: on for CUDA with the overlapped, bucketed decode)",
+    "host_ahead": "queue step n+1 before reading step n's tokens, the host's work overlapping the device's "
+    "(auto: on for CUDA)",
 }
 
 
@@ -238,6 +251,8 @@ def add_engine_arguments(
                 "audio_dtype": AUDIO_DTYPES,
                 "audio_overlap": SWITCHES,
                 "audio_buckets": SWITCHES,
+                "audio_graphs": SWITCHES,
+                "host_ahead": SWITCHES,
             }.get(name)
             kind = str if default is None else type(default)
             p.add_argument(flag, type=kind, choices=choices, help=f"{_HELP[name]} {shown}".strip(), **kw)

@@ -1,5 +1,14 @@
 """``EngineCore``: one engine step = schedule -> execute -> update -> audio -> outputs.
 
+With the host one step ahead (``ExecutionPlan.host_ahead`` as ``Stage.runs_ahead``: CUDA's default) a step
+is split where the host would wait for the device: schedule step n+1 -> queue it (``Stage.launch``) -> read step n's
+tokens (``Stage.collect``, the step's one wait) -> update -> audio -> outputs. The tokens step n+1
+feeds back already live on the device (``slot_state``); the host needs them only for stops and audio,
+so it schedules and launches the next step before it reads them, and its work on step n overlaps the
+device's on step n+1 (SGLang's and vLLM's overlap schedulers). The price: a sequence that ended at
+step n (EOS) runs step n+1 too, and that step's token is dropped (``Sequence.discard``); one that
+reaches its ``max_new_tokens`` is known to end without its tokens, and is not scheduled again.
+
 The core owns the scheduler (which sequences run) and the step's order; the model family's ``Stage``
 (``engine.stage``) owns the rest: what a request becomes, how its sequences run (ChatTTS: the runner's token
 step over KV slots; a batch family: whole utterances), the audio stage and the outputs. It is single-threaded
@@ -12,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ..audio.policy import StreamPolicy
 from .config import EngineConfig
@@ -61,6 +71,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler)
         self.device = stage.device
         self.sample_rate = stage.sample_rate
+        self.ahead = stage.runs_ahead
+        """The host runs one step ahead of the device (see the module docstring)."""
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        """The step queued on the device whose tokens are not read yet (``ahead`` only)."""
 
     # ------------------------------------------------------------------ requests
 
@@ -96,7 +110,7 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.stage.requests) or self.scheduler.has_unfinished()
+        return bool(self.stage.requests) or self.scheduler.has_unfinished() or self._in_flight is not None
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.stage.requests
@@ -121,19 +135,54 @@ class EngineCore:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        result = self._execute(sched)
-        updates = self.scheduler.update(sched, result) if result is not None else []
+        if self.ahead:
+            sched, done, result = self._step_ahead()
+        else:
+            sched = done = self.scheduler.schedule(code_room=self.stage.code_room())
+            result = self._execute(sched)
+        updates = self.scheduler.update(done, result) if result is not None else []
         self._queue(self.stage.update(updates, result))
         # Audio of earlier steps may have run beside this step's model work; wait for it only when there is
         # no model work left to overlap (ChatTTS's overlapped decode; a batch family's audio is done).
-        self._queue(self.stage.audio(wait=sched.is_empty))
+        self._queue(self.stage.audio(wait=sched.is_empty and self._in_flight is None))
         outputs = self.stage.outputs()
         for out in outputs:
             out.sample_rate = self.sample_rate
         for request_id in self.stage.take_failed():  # ended by the stage: its other sequences leave
             self.scheduler.abort(request_id)
         return outputs
+
+    def _step_ahead(self) -> tuple[SchedulerOutput, SchedulerOutput, RunnerOutput | None]:
+        """Schedule and queue step n+1, then read step n's tokens: (step n+1's schedule, step n's, its
+        results or None)."""
+        room = self.stage.code_room()
+        prev = self._in_flight
+        if room is not None and prev is not None:  # the queued step's admissions take their rows when read
+            room -= sum(s.kind == "code" for s in prev[0].prefill)
+        sched = self.scheduler.schedule(code_room=room)
+        launched = None
+        try:
+            launched = self.stage.launch(sched)
+        except Exception as exc:  # a device error fails this step's requests, never the engine
+            logger.exception("model step failed")
+            self._fail_step(sched, f"model step failed: {exc}")
+        if launched is not None:
+            self.scheduler.launched(sched)
+        self._in_flight = (sched, launched) if launched is not None else None
+        if prev is None:
+            return sched, sched, None
+        try:
+            return sched, prev[0], self.stage.collect(prev[1])
+        except Exception as exc:
+            logger.exception("model step failed")
+            for seq in (*prev[0].prefill, *prev[0].decode):
+                seq.ahead = max(seq.ahead - 1, 0)
+            self._fail_step(prev[0], f"model step failed: {exc}")
+            return sched, prev[0], None
+
+    def _fail_step(self, sched: SchedulerOutput, message: str) -> None:
+        for seq in (*sched.prefill, *sched.decode):
+            self._fail(seq.request_id, message)
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         """Run the step's sequences (and forget the finished ones); None when nothing ran."""
@@ -163,6 +212,7 @@ class EngineCore:
         for out in outputs:
             out.sample_rate = self.sample_rate
         self.stage.reset()
+        self._in_flight = None  # its sequences are gone with the scheduler
         self.scheduler = Scheduler(self.config.scheduler)
         return outputs
 

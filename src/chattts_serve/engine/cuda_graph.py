@@ -25,6 +25,7 @@ compile serves every bucket (dynamo still specialises batch 1), where static sha
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -185,9 +186,11 @@ class StaticDecoder:
         compile: bool = False,
         strict_graphs: bool = False,
         store: GraphStore | None = None,
+        attention: str = "sdpa",
     ) -> None:
         """``strict_graphs``: a captured graph that fails its self-check raises (default: it is dropped,
-        with one warning, and its shape runs eagerly). ``store``: the engine's graphs (its own if None)."""
+        with one warning, and its shape runs eagerly). ``store``: the engine's graphs (its own if None).
+        ``attention``: "sdpa" or "flex" (``ExecutionPlan.attention``)."""
         self.gpt, self.cache = gpt, cache
         self.device = cache.k.device
         self.store = store if store is not None else GraphStore(self.device)
@@ -199,7 +202,11 @@ class StaticDecoder:
         self.pos = torch.full((slots,), self.scratch, dtype=torch.long, device=self.device)
         self.batch_sizes = batch_buckets(slots)
         self.ctx_sizes = ctx_buckets(self.scratch)
-        self.fn = compile_step(gpt.decode_static) if compile else gpt.decode_static
+        # Each row's own keys (FlexAttention) where the plan chose it, else the bucket under a mask
+        # (``kernels.flex_decode``).
+        self.attention = attention
+        step = functools.partial(gpt.decode_static, attention=self.attention)
+        self.fn = compile_step(step) if compile else step
         self.compiled = compile
         # Slots and positions reach the device through persistent pinned buffers (CUDA), not a
         # freshly pinned tensor per call; ``_copied`` orders a rewrite after the previous copy.
@@ -248,6 +255,8 @@ class StaticDecoder:
         except (RuntimeError, AttributeError, ValueError) as exc:  # a private torch function: may move
             name = f"unknown ({exc})"
         where = "torch's CPU flash kernel" if self.device.type == "cpu" and name == "FLASH_ATTENTION" else name
+        if self.attention == "flex":
+            where = f"none (FlexAttention, each row's own length; {name} where the step falls back)"
         logger.info("decode attention on %s (%s): SDPA backend %s", self.device, cache.k.dtype, where)
         return name
 

@@ -11,7 +11,8 @@ The runner (``engine.runner``) owns what every path shares (the KV cache, the sl
 sampler: ``RunnerParts``), prefills the step's admissions and calls ``DecodePath.decode`` once per step with
 a ``DecodeStep``: the step's index plan, its decode rows and its admissions' first logits. A path returns each
 kind's tokens (admissions first, then decode rows: the order ``StepPlan`` samples in) and the code decode
-rows' hidden states; the runner reads the tokens back in the step's one copy. The three eager paths share
+rows' hidden states; the runner starts the tokens' one copy back (``ModelRunner.launch``) and reads it when
+the step is collected (``ModelRunner.collect``), possibly after the next step was queued. The three eager paths share
 ``TrunkDecode`` and differ only in ``trunk``. A path also says how the step's prompts go through its trunk
 (``prefill``, called by ``engine.prefill_runner.Prefiller``, which embeds the prompts and runs the heads):
 ``torch_prefill`` (packed prompts, ``models.chattts.prefill``) unless the trunk is not torch's.
@@ -104,7 +105,9 @@ class Decoded:
     tokens: list[torch.Tensor]
     """Each kind's tokens in ``StepPlan.kinds`` order: its admissions', then its decode rows'."""
     hidden: torch.Tensor | None
-    """``[n, hidden]`` fp32: the code decode rows' final hidden states (None: no code row decoded)."""
+    """``[n, hidden]`` fp32: the code decode rows' final hidden states (None: no code row decoded), a tensor
+    of its own, never a graph's static output: the runner may queue the next step before the streams take
+    these rows (``ModelRunner.launch``)."""
 
 
 class DecodePath(Protocol):

@@ -17,7 +17,9 @@ def static_decoder(parts: RunnerParts, graphs: bool) -> StaticDecoder:
     graphs if ``graphs``."""
     p = parts.plan
     parts.cache.k.zero_(), parts.cache.v.zero_()  # rows that decode nothing read finite values
-    return StaticDecoder(parts.model.gpt, parts.cache, graphs, p.compile, p.strict_cuda_graphs, parts.graph_store)
+    return StaticDecoder(
+        parts.model.gpt, parts.cache, graphs, p.compile, p.strict_cuda_graphs, parts.graph_store, p.attention
+    )
 
 
 class StaticDecode(TrunkDecode):

@@ -25,10 +25,11 @@ import torch
 
 from ..audio.policy import StreamPolicy
 from ..audio.stream import AudioStream, Window
+from ..device import pinned_copy
 from ..models.chattts.config import AUDIO_EOS, SAMPLE_RATE
 from ..models.chattts.speaker import encode_prompt_codes, normalized_speaker_embedding
 from ..models.chattts.tokenizer import Tokenizer, code_prompt, refine_prompt
-from .hidden_store import HiddenStore
+from .hidden_store import HiddenStore, rows_for
 from .input_processor import PreparedRequest
 from .outputs import RequestOutput, SegmentResult, SegmentSpan, StepOutput
 from .prompt_fit import Part, fit
@@ -51,7 +52,7 @@ class _Segment:
     unrefined: bool = False
     """The refine pass's text did not fit a slot even in parts: the sentence is spoken as normalised."""
     stream: AudioStream | None = None
-    hidden_row: tuple[int, int] | None = None
+    hidden_row: int | None = None
     """The stream's row of the pipeline's ``HiddenStore`` while it needs its hidden states."""
     pcm: list[np.ndarray] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -111,12 +112,12 @@ class RequestPipeline:
     def __init__(
         self, tokenizer: Tokenizer, hidden_size: int, num_vq: int, max_model_len: int, device, num_slots: int = 16
     ) -> None:
-        """``num_slots``: the engine's KV slots (the hidden-state store's first block holds as many streams)."""
+        """``num_slots``: the engine's KV slots (the hidden-state store holds as many streams, and headroom)."""
         self.tokenizer = tokenizer
         self.hidden_size, self.num_vq = hidden_size, num_vq
         self.max_model_len = max_model_len
         self.device = device
-        self.hidden_store = HiddenStore(hidden_size, max_model_len, device, first_rows=num_slots)
+        self.hidden_store = HiddenStore(hidden_size, max_model_len, device, rows=rows_for(num_slots))
         self.requests: dict[str, _Request] = {}
         self._by_seq: dict[int, tuple[_Request, _Segment]] = {}
         self._failed: list[str] = []
@@ -131,7 +132,8 @@ class RequestPipeline:
             raise ValueError(f"request id {request_id!r} is already running")
         speaker = None
         if prepared.speaker is not None:
-            speaker = normalized_speaker_embedding(torch.from_numpy(prepared.speaker)).to(self.device)
+            # Through pinned memory: a pageable upload would block the engine thread on the device.
+            speaker = pinned_copy(normalized_speaker_embedding(torch.from_numpy(prepared.speaker)), self.device)
         req = _Request(
             request_id,
             prepared,
@@ -400,10 +402,18 @@ class RequestPipeline:
                         ready.append((req.request_id, seg, w))
         return ready
 
-    @staticmethod
-    def accept(windows: list[tuple[str, _Segment, Window]], pcm: list[torch.Tensor]) -> None:
+    def accept(self, windows: list[tuple[str, _Segment, Window]], pcm: list[torch.Tensor]) -> None:
         for (_, seg, w), samples in zip(windows, pcm, strict=True):
             seg.pcm.append(w.stream.accept(w, samples))
+            if w.stream.done and seg.stream is w.stream:
+                # Its last window is decoded: the row goes back now, not when the request's audio reaches
+                # this segment in order (a later sentence can finish long before an earlier one).
+                self._close_stream(seg)
+
+    def code_rows_free(self) -> int:
+        """Code sequences that may start now: each takes a hidden-state row at its first step, and the
+        store never grows (``hidden_store``)."""
+        return self.hidden_store.rows_free
 
     def voice_steps_done(self) -> list[tuple[str, np.ndarray]]:
         """(request id, waveform) of every voice step whose audio is complete."""

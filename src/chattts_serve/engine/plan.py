@@ -1,10 +1,11 @@
 """The execution plan: every "auto" of an engine config resolved once, for one device and precision.
 
-Why: the config leaves choices open ("auto": decode step, step graphs, KV dtype, sampling noise, audio
-dtype, overlap, buckets) and each used to be settled where it was read, in seven places, so what an
-engine ran was written down nowhere and two readers could settle one choice two ways. ``resolve_plan``
-is the one function that reads them; the runner, its decode path (``engine.decode_path``), the noise
-source and the audio stage take the plan's concrete values, and the plan is logged once at start
+Why: the config leaves choices open ("auto": decode step, step graphs, KV dtype, sampling noise, the
+static step's attention kernel, the host one step ahead, audio dtype, overlap, buckets, graphs) and each
+used to be settled where it was read, in seven places, so what an engine ran was written down nowhere
+and two readers could settle one choice two ways. ``resolve_plan`` is the one function that reads them;
+the runner, its decode path (``engine.decode_path``), the engine core (host ahead), the noise source and
+the audio stage take the plan's concrete values, and the plan is logged once at start
 (``ExecutionPlan.describe``, one INFO line).
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import flex_decode
 from ..kernels.quant import parse_precision
 from .config import AUDIO_GRAPH_DTYPES, EngineConfig
 
@@ -41,10 +43,17 @@ class ExecutionPlan:
     """CUDA graphs are captured (on CUDA, ``cuda_graphs`` on): of the trunk ("static") or of the step."""
     strict_cuda_graphs: bool
     compile: bool
+    attention: str
+    """The static step's decode attention (``kernels.flex_decode``): "flex" (each row reads its own keys:
+    CUDA's default where its probe runs) or "sdpa" (the context bucket under a mask)."""
+    host_ahead: bool
+    """The host schedules and queues step n+1 before it reads step n's tokens (``engine.core``)."""
     audio_dtype: str
-    """"fp32", "tf32" or "bf16" (``audio.decode``), or a CPU graph runtime (``audio.graph``)."""
+    """"fp32", "tf32" or "bf16" (``audio.decode``), or a CPU graph runtime (``audio.cpu_graph``)."""
     audio_overlap: bool
     audio_buckets: bool
+    audio_graphs: bool
+    """Decoder + Vocos as CUDA graphs per window bucket (``audio.graphs``): CUDA with overlap and buckets."""
 
     @property
     def decode_mode(self) -> str:
@@ -64,7 +73,8 @@ class ExecutionPlan:
             f"execution plan: {self.device}, precision {self.precision}, decode {self.decode}, "
             f"kv cache {_DTYPE_NAMES.get(self.kv_cache_dtype, str(self.kv_cache_dtype))}, "
             f"noise {self.sampling_noise}, cuda graphs {on[self.cuda_graphs]}, compile {on[self.compile]}, "
-            f"audio {self.audio_dtype} (overlap {on[self.audio_overlap]}, buckets {on[self.audio_buckets]})"
+            f"attention {self.attention}, host ahead {on[self.host_ahead]}, audio {self.audio_dtype} "
+            f"(overlap {on[self.audio_overlap]}, buckets {on[self.audio_buckets]}, graphs {on[self.audio_graphs]})"
         )
 
 
@@ -88,19 +98,29 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
         raise ValueError("step_graphs on needs decode static and sampling_noise counter")
     if possible and (rc.step_graphs == "on" or (rc.step_graphs == "auto" and graphs)):
         decode = "step-graph"
+    kv_dtype = torch.bfloat16 if rc.kv_cache_dtype == "bf16" else spec.trunk_dtype
+    # The static step on CUDA: FlexAttention where its probe runs (``CHATTTS_CUDA_ATTENTION`` may force
+    # either; the probe runs once a process). Off CUDA the masked SDPA unless forced.
+    attention = flex_decode.choose(device_type, kv_dtype) if decode in ("static", "step-graph") else "sdpa"
     audio_dtype = config.audio_dtype if config.audio_dtype != "auto" else ("bf16" if cuda else "fp32")
     if audio_dtype in AUDIO_GRAPH_DTYPES and device_type != "cpu":
         raise ValueError(f"audio_dtype {audio_dtype} runs on the CPU only; on {device_type} use bf16, tf32 or fp32")
+    overlap = config.audio_overlap == "on" or (config.audio_overlap == "auto" and cuda)
+    buckets = config.audio_buckets == "on" or (config.audio_buckets == "auto" and cuda)
     return ExecutionPlan(
         device=device_type,
         precision=config.precision,
         decode=decode,
-        kv_cache_dtype=torch.bfloat16 if rc.kv_cache_dtype == "bf16" else spec.trunk_dtype,
+        kv_cache_dtype=kv_dtype,
         sampling_noise=noise,
         cuda_graphs=graphs,
         strict_cuda_graphs=rc.strict_cuda_graphs,
         compile=rc.compile,
+        attention=attention,
+        host_ahead=config.host_ahead == "on" or (config.host_ahead == "auto" and cuda),
         audio_dtype=audio_dtype,
-        audio_overlap=config.audio_overlap == "on" or (config.audio_overlap == "auto" and cuda),
-        audio_buckets=config.audio_buckets == "on" or (config.audio_buckets == "auto" and cuda),
+        audio_overlap=overlap,
+        audio_buckets=buckets,
+        # Captured on the audio stream (overlap) over repeating shapes (buckets); "on" elsewhere: off.
+        audio_graphs=cuda and overlap and buckets and config.audio_graphs != "off",
     )

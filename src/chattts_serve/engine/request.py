@@ -67,6 +67,12 @@ class Sequence:
     tokens: list[tuple[int, ...]] = field(default_factory=list)
     """Generated tokens (EOS step excluded): 4 codes or 1 text id each."""
     num_retries: int = 0
+    ahead: int = 0
+    """Steps queued on the device for it whose tokens are not applied yet (``EngineCore`` runs the host
+    one step ahead: 1 between a step's launch and its ``Scheduler.update``)."""
+    discard: int = 0
+    """Of those, the ones to drop: it left the running set (finished, restarted, aborted) after they were
+    queued (a sequence that ended runs one discarded step)."""
 
     @property
     def num_generated(self) -> int:
@@ -79,5 +85,11 @@ class Sequence:
 
     @property
     def cache_len(self) -> int:
-        """Positions written in its slot: the prompt, then every generated token that was fed back."""
-        return self.prompt_len + max(len(self.tokens) - 1, 0)
+        """Positions written in its slot: the prompt, then every generated token that was fed back,
+        counting the tokens of steps queued ahead (on the device, not yet applied here)."""
+        return self.prompt_len + max(len(self.tokens) + self.queued - 1, 0)
+
+    @property
+    def queued(self) -> int:
+        """Its own steps queued ahead: those whose tokens will be applied to it."""
+        return self.ahead - self.discard

@@ -12,7 +12,9 @@ index and writes its tokens back (``engine.slot_sampler``), so host work and lau
 with the batch (except the ``generator`` noise source's one draw per unseeded sequence, and the CPU
 row-by-row attention). A step moves data between host and device at most twice: one staging copy in
 (admissions and index tensors, none while the running set is unchanged) and one copy out (the sampled
-tokens), which is the step's only wait on the device. The code sequences' hidden states leave as one
+tokens), which is the step's only wait on the device: ``launch`` queues the step (the decode path's
+``decode``) and starts that copy, ``collect`` waits for it, and the core may queue the next step between
+them (``ExecutionPlan.host_ahead``). The code sequences' hidden states leave as one
 tensor (``RunnerOutput.hidden``), never one per sequence. Noise: ``engine.noise`` (which source is
 reference-identical).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -35,13 +38,13 @@ from .decode_onnx import OnnxDecode
 from .decode_path import DecodePath, DecodeStep, Heads, RunnerParts
 from .decode_rows import RowsDecode
 from .decode_static import StaticDecode
-from .hidden_store import HiddenStore
 from .noise import seed_value
 from .outputs import RunnerOutput, SchedulerOutput
 from .plan import DECODE_PATHS as PATH_NAMES
 from .plan import ExecutionPlan
 from .prefill_runner import KindPrefill, Prefiller, SeqInputs, StepSampling
 from .request import Sequence
+from .slot_memory import slot_cost
 from .slot_sampler import SlotSampler
 from .slot_state import Admission, HostStaging, SlotState, TokenReadback
 from .step_graph import StepGraph
@@ -57,6 +60,21 @@ DECODE_PATHS: dict[str, Callable[[RunnerParts], DecodePath]] = {
 }
 """``ExecutionPlan.decode`` -> its path (``engine.decode_path``): a new trunk backend adds its line here."""
 assert tuple(DECODE_PATHS) == PATH_NAMES
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A step queued on the device whose tokens the host has not read yet (``ModelRunner.launch``)."""
+
+    plan: StepPlan
+    copy: tuple[int, int]
+    """The tokens' copy to the host (``TokenReadback.start``)."""
+    hidden: torch.Tensor | None
+    """The code rows' hidden states (a tensor of its own: no later step writes it)."""
+
+
+def _one(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else None
 
 
 class StageTimer(Protocol):
@@ -84,7 +102,8 @@ def auto_num_slots(
     ``MAX_AUTO_SLOTS``."""
     if fraction is None:
         fraction = AUTO_SLOTS_FRACTION.get(device.type, 0.5)
-    return slots_that_fit(free_bytes(device), fraction, slot_bytes(model.config.gpt, max_len, dtype))
+    cost = slot_bytes(model.config.gpt, max_len, dtype, graphs=device.type == "cuda")
+    return slots_that_fit(free_bytes(device), fraction, cost)
 
 
 MIN_FITTED_MODEL_LEN = 2048 + 256
@@ -104,8 +123,11 @@ def fitted_model_len(
     as memory allows up to the checkpoint's positions."""
     if fraction is None:
         fraction = AUTO_SLOTS_FRACTION.get(device.type, 0.5)
-    per_position = slot_bytes(model.config.gpt, 1, dtype)
-    fit = int(free_bytes(device) * fraction // (num_slots * per_position))
+    graphs = device.type == "cuda"
+    # A slot's bytes are affine in its length (``slot_memory``): fixed + per_position * length.
+    one, two = (slot_bytes(model.config.gpt, n, dtype, graphs) for n in (1, 2))
+    per_position, fixed = two - one, 2 * one - two
+    fit = int((free_bytes(device) * fraction / num_slots - fixed) // per_position)
     return max(min(max_len, MIN_FITTED_MODEL_LEN), min(max_len, fit))
 
 
@@ -118,10 +140,11 @@ def free_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def slot_bytes(cfg: GPTConfig, max_len: int, kv_dtype: torch.dtype) -> int:
-    """Device bytes one sequence slot holds: its keys and values (``KVCache.bytes_per_slot``) and its
-    audio stream's row of hidden states (``HiddenStore.bytes_per_row``; the first block has one per slot)."""
-    return KVCache.bytes_per_slot(cfg, max_len, kv_dtype) + HiddenStore.bytes_per_row(cfg.hidden_size, max_len)
+def slot_bytes(cfg: GPTConfig, max_len: int, kv_dtype: torch.dtype, graphs: bool = False) -> int:
+    """Device bytes one sequence slot holds (``slot_memory.slot_cost``): its keys and values with the
+    scratch position, its audio stream's hidden-state row and headroom, and (``graphs``: CUDA) its row
+    of the step graphs' pool."""
+    return slot_cost(cfg, max_len, kv_dtype, graphs).total
 
 
 def slots_that_fit(free_bytes: int, fraction: float, bytes_per_slot: int) -> int:
@@ -226,8 +249,15 @@ class ModelRunner:
                 self._owner[slot] = None
                 self.sampler.release(slot)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run the step and read its tokens (``launch``, then ``collect``)."""
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Queue the step on the device (the decode path's ``decode``), its tokens' copy to the host
+        included, without waiting for anything: the host may schedule and queue the next step before
+        ``collect`` reads this one."""
         first: dict[str, torch.Tensor] = {}
         code_hidden: list[torch.Tensor] = []  # in the code kind's sampling order: prefills, then decodes
         admissions: list[Admission] = []
@@ -243,13 +273,17 @@ class ModelRunner:
         if out.hidden is not None:
             code_hidden.append(out.hidden)
         tokens = out.tokens
-        flat = self._readback.read(torch.cat(tokens) if len(tokens) > 1 else tokens[0])
-        # ^ the step's one device-to-host copy and its one wait
-        return self._output(plan, flat, code_hidden)
+        copy = self._readback.start(torch.cat(tokens) if len(tokens) > 1 else tokens[0])
+        # ^ the step's one device-to-host copy (its one wait is ``collect``'s)
+        return LaunchedStep(plan, copy, _one(code_hidden))
 
-    def _output(self, plan: StepPlan, flat: np.ndarray, code_hidden: list[torch.Tensor]) -> RunnerOutput:
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step's tokens (the step's one wait) and hand them out per sequence."""
+        return self._output(step.plan, self._readback.finish(step.copy), step.hidden)
+
+    def _output(self, plan: StepPlan, flat: np.ndarray, hidden: torch.Tensor | None) -> RunnerOutput:
         """The step's tokens per sequence from the host copy ``flat`` (kinds in plan order), and the code
-        sequences' hidden states as one tensor."""
+        sequences' hidden states (one tensor)."""
         tokens: dict[int, tuple[int, ...]] = {}
         hidden_rows: dict[int, int] = {}
         pos = 0
@@ -259,7 +293,6 @@ class ModelRunner:
             pos += n
             if k.kind == "code":
                 hidden_rows = {seq_id: row for row, seq_id in enumerate(k.ids)}
-        hidden = (torch.cat(code_hidden) if len(code_hidden) > 1 else code_hidden[0]) if code_hidden else None
         return RunnerOutput(tokens, hidden, hidden_rows)
 
     # ------------------------------------------------------------------ pieces

@@ -140,7 +140,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, code_room: int | None = None) -> SchedulerOutput:
+        """The step's sequences. ``code_room``: "code" sequences that may be admitted (each needs the
+        stage's room for its audio stream: ``Stage.code_room``); None: no bound. A code sequence at the
+        head of the queue with no room waits, and so does everything behind it (queue order is kept)."""
         out = SchedulerOutput(finished=self._finished)
         self._finished = []
         for seq in [s for s in self.running if s.status.is_finished]:
@@ -149,13 +152,19 @@ class Scheduler:
         self.waiting.sort(key=lambda s: (-s.priority, s.rank, s.arrival, s.seq_id))
         if self.config.admission == "work":
             return self._admit_batch(out)
-        out.decode = list(self.running)
+        # A sequence whose queued steps reach its max_new_tokens ends there: no step after them (the
+        # host knows it without their tokens). One that ends by EOS runs one discarded step.
+        out.decode = [s for s in self.running if s.num_generated + s.queued < s.max_new_tokens]
 
         budget = self.config.max_prefill_tokens
         while self.waiting and self.slots.num_free:
             seq = self.waiting[0]
             if out.prefill and seq.prompt_len > budget:
                 break
+            if seq.kind == "code" and code_room is not None:
+                if code_room < 1:
+                    break
+                code_room -= 1
             self.waiting.pop(0)
             budget -= seq.prompt_len
             seq.slot = self.slots.allocate()
@@ -187,11 +196,22 @@ class Scheduler:
             out.prefill.append(seq)
         return out
 
+    def launched(self, sched: SchedulerOutput) -> None:
+        """``sched``'s step is queued on the device: its sequences' positions count it until its
+        ``update`` (``Sequence.ahead``)."""
+        for seq in (*sched.prefill, *sched.decode):
+            seq.ahead += 1
+
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[StepOutput]:
         """Append each sampled token, apply the stop rules, and free the slots of finished sequences; a
-        sequence the step ran whole (``result.done``) finishes."""
+        sequence the step ran whole (``result.done``) finishes. A step queued before its sequence left
+        the running set (``Sequence.discard``) gives it nothing."""
         outputs = []
         for seq in (*sched.prefill, *sched.decode):
+            seq.ahead = max(seq.ahead - 1, 0)
+            if seq.discard:
+                seq.discard -= 1
+                continue
             if seq.status.is_finished:  # aborted while this step ran
                 outputs.append(StepOutput(seq, None, finished=True))
                 continue
@@ -223,6 +243,7 @@ class Scheduler:
         return outputs
 
     def _release(self, seq: Sequence) -> None:
+        seq.discard = seq.ahead  # every step still queued for it: their tokens are not its
         if seq in self.running:
             self.running.remove(seq)
         if seq.slot is not None:

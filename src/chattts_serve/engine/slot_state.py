@@ -16,8 +16,10 @@ The host talks to the device twice per step at most, through persistent buffers 
 - ``TokenReadback``: the sampled tokens, one ``non_blocking`` copy into a host buffer and one event
   wait; the host then reads that buffer with ``tolist()``. This is the step's only device sync.
 
-Reuse of the staging buffer is safe without an extra wait: the next step writes it only after this
-step's token wait, and the tokens are computed after (in stream order) the copy that read it.
+Reuse of the host buffers is safe without an extra wait. Staging alternates between two: a step writes
+the one last copied from two flushes ago, whose copy is ahead (in stream order) of a step whose
+tokens the host has waited for, even with the host one step ahead (``EngineCore``). The readback
+alternates two buffers and two events likewise.
 """
 
 from __future__ import annotations
@@ -50,28 +52,47 @@ _FLOAT_FIELDS = 2  # top_p, repetition_penalty (then the temperatures)
 
 
 class HostStaging:
-    """One persistent int64 host buffer (pinned on CUDA) and its device twin: numpy writes, one copy."""
+    """Persistent int64 host buffers (pinned on CUDA) and their device twin: numpy writes, one copy.
+
+    The host side is a ring of ``HOST_BUFFERS``: each ``flush`` copies from one and the next writes go to
+    the other. With the host one step ahead of the device (``EngineCore``), the next step is staged
+    before this step's copy has surely run; the buffer it writes was last copied from two flushes ago,
+    at a step whose tokens the host has already waited for (see the module docstring)."""
+
+    HOST_BUFFERS = 2
 
     def __init__(self, capacity: int, device: torch.device) -> None:
-        self.host = host_zeros(capacity, torch.int64, device)
-        self._np = self.host.numpy()
+        self._hosts = [host_zeros(capacity, torch.int64, device) for _ in range(self.HOST_BUFFERS)]
+        self._nps = [h.numpy() for h in self._hosts]
+        self._turn = 0
         self.dev = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.used = 0
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host buffer the next ``put`` writes."""
+        return self._hosts[self._turn]
+
+    @property
+    def hosts(self) -> list[torch.Tensor]:
+        return list(self._hosts)
 
     def put(self, n: int) -> tuple[int, np.ndarray]:
         """Reserve ``n`` words: their offset and the numpy view to fill."""
         off = self.used
-        if off + n > len(self._np):
-            raise RuntimeError(f"staging buffer full: {off} + {n} > {len(self._np)} words")
+        buf = self._nps[self._turn]
+        if off + n > len(buf):
+            raise RuntimeError(f"staging buffer full: {off} + {n} > {len(buf)} words")
         self.used += n
-        return off, self._np[off : off + n]
+        return off, buf[off : off + n]
 
     def flush(self) -> bool:
         """Copy what was staged to the device in one non-blocking copy; False when nothing was."""
         if not self.used:
             return False
-        self.dev[: self.used].copy_(self.host[: self.used], non_blocking=True)
+        self.dev[: self.used].copy_(self._hosts[self._turn][: self.used], non_blocking=True)
         self.used = 0
+        self._turn = (self._turn + 1) % self.HOST_BUFFERS
         return True
 
     def get(self, off: int, n: int) -> torch.Tensor:
@@ -80,22 +101,45 @@ class HostStaging:
 
 
 class TokenReadback:
-    """The step's one device-to-host copy: sampled tokens into a persistent host buffer, one wait."""
+    """The step's one device-to-host copy: sampled tokens into a persistent host buffer, one wait.
+
+    ``start`` queues the copy and records its event; ``finish`` waits for that event and reads the
+    buffer. Between them the host may queue the next step (``EngineCore`` runs one step ahead): two host
+    buffers and two events alternate, so step n+1's copy never lands in the buffer step n is read from."""
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.device = device
-        self.host = host_zeros(capacity, torch.int64, device)
-        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._hosts = [host_zeros(capacity, torch.int64, device) for _ in range(2)]
+        self._events = [torch.cuda.Event() if device.type == "cuda" else None for _ in range(2)]
+        self._turn = 0
 
-    def read(self, tokens: torch.Tensor) -> np.ndarray:
-        """tokens ``[n]`` int64 on the device -> a numpy view of the host copy (valid until the next read)."""
-        n = tokens.shape[0]
-        self.host[:n].copy_(tokens, non_blocking=True)
-        if self._event is not None:
+    @property
+    def hosts(self) -> list[torch.Tensor]:
+        return list(self._hosts)
+
+    def start(self, tokens: torch.Tensor) -> tuple[int, int]:
+        """Queue the copy of tokens ``[n]`` int64 (on the device) and record its event: a handle for ``finish``."""
+        n, turn = tokens.shape[0], self._turn
+        self._hosts[turn][:n].copy_(tokens, non_blocking=True)
+        event = self._events[turn]
+        if event is not None:
             # On the engine's device's stream, where the copy was queued (a bare ``record()`` records on
             # the thread's current device: cuda:0 for an engine on cuda:1, and the wait would not wait).
-            record_event(self.device, self._event).synchronize()
-        return self.host[:n].numpy()
+            record_event(self.device, event)
+        self._turn = 1 - turn
+        return turn, n
+
+    def finish(self, handle: tuple[int, int]) -> np.ndarray:
+        """Wait for the copy ``start`` queued -> a numpy view of it (valid until the next ``finish``)."""
+        turn, n = handle
+        event = self._events[turn]
+        if event is not None:
+            event.synchronize()
+        return self._hosts[turn][:n].numpy()
+
+    def read(self, tokens: torch.Tensor) -> np.ndarray:
+        """``start`` and ``finish`` at once: tokens ``[n]`` -> a numpy view of the host copy."""
+        return self.finish(self.start(tokens))
 
 
 class SlotState:

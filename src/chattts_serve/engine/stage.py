@@ -27,6 +27,9 @@ class Stage(Protocol):
     """Hz of the audio ``outputs`` gives (the family model's)."""
     requests: Container[str]
     """The ids of the requests it holds (started, final output not yet given)."""
+    runs_ahead: bool
+    """The core queues the next step between a step's ``launch`` and its ``collect`` (ChatTTS: the plan's
+    ``host_ahead``, ``engine.plan``; a batch family: never); else it calls ``execute``."""
 
     def prepare(self, text: str, params: Any, max_audio_seconds: float | None = None) -> Any:
         """Validate and process one request's input (``SamplingParams``) -> what ``start`` takes, with a
@@ -38,9 +41,20 @@ class Stage(Protocol):
     ) -> list[Sequence]:
         """Register a prepared request; its first sequences (the core queues them). Raises ValueError."""
 
+    def code_room(self) -> int | None:
+        """How many "code" sequences (audio streams) may be admitted now; None: no bound. ChatTTS: its
+        hidden-state rows free (a fixed store, never grown mid-serving)."""
+
     def execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         """Forget ``sched.finished``, then run ``sched``'s sequences (None when there are none). Raising fails
         the step's requests."""
+
+    def launch(self, sched: SchedulerOutput) -> Any:
+        """``execute``'s first half (``runs_ahead``): forget ``sched.finished`` and queue ``sched``'s step
+        without waiting for the device; a handle for ``collect`` (None when there is nothing to run)."""
+
+    def collect(self, launched: Any) -> RunnerOutput:
+        """``execute``'s second half: wait for a launched step and hand out its results."""
 
     def update(self, updates: list[StepOutput], result: RunnerOutput | None) -> list[Sequence]:
         """Apply the scheduler's verdicts on the step; the sequences that follow (queued as continuations)."""

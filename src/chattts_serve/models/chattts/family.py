@@ -71,7 +71,8 @@ class ChatTTSFamily(ModelFamily):
         from ...engine.calibrate import calibrate
         from ...engine.onednn import bound_kernel_caches
         from ...engine.plan import resolve_plan
-        from ...engine.runner import auto_num_slots, fitted_model_len
+        from ...engine.runner import AUTO_SLOTS_FRACTION, auto_num_slots, fitted_model_len, free_bytes
+        from ...engine.slot_memory import check_slots_fit, slot_cost
         from ...kernels.quant import check_supported, parse_precision
         from . import checkpoint
         from .prepare import prepare_model
@@ -90,6 +91,13 @@ class ChatTTSFamily(ModelFamily):
             config = replace(config, scheduler=replace(sc, max_num_seqs=n), auto_slots=False)
         else:  # fixed slots: as long as memory allows (a slot's prompt grows with the voice sample)
             n = fitted_model_len(model, sc.max_num_seqs, sc.max_model_len, device, kv_dtype)
+            if device.type == "cuda":  # refused here, with the real per-slot bytes, not out of memory later
+                check_slots_fit(
+                    sc.max_num_seqs,
+                    slot_cost(model.config.gpt, n, kv_dtype, graphs=True),
+                    int(free_bytes(device) * AUTO_SLOTS_FRACTION["cuda"]),
+                    n,
+                )
             if n < sc.max_model_len:
                 logger.warning(
                     "KV cache: max_model_len lowered from %d to %d so %d slots fit in free memory "

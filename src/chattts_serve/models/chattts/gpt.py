@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import decode_attention
+from ...kernels import decode_attention, flex_decode
 from .config import GPTConfig
 
 
@@ -246,8 +246,10 @@ class Attention(nn.Module):
         cache: KVCache,
         positions: torch.Tensor,  # [B] int64: where row b's new token goes
         mask: torch.Tensor,  # [B, 1, 1, ctx] bool: keys row b may attend to
+        attention: str = "sdpa",
     ) -> torch.Tensor:
         """``decode`` with fixed shapes and no host values (so it can be captured in a CUDA graph).
+        ``attention``: "sdpa" reads the ``ctx`` bucket under ``mask``; "flex" each row's own keys.
 
         Row b is slot b; every key of the first ``ctx`` cache positions is read through a view (no
         gather) and ``mask`` hides what is not the row's. A row with nothing to decode is pointed at a
@@ -260,10 +262,14 @@ class Attention(nn.Module):
         k_cache[rows, :, positions] = k[:, :, 0].to(k_cache.dtype)
         v_cache[rows, :, positions] = v[:, :, 0].to(v_cache.dtype)
         keys, values = k_cache[:m, :, :ctx], v_cache[:m, :, :ctx]
-        if self.num_kv_heads != self.num_heads:
+        if self.num_kv_heads != self.num_heads and attention != "flex":
             rep = self.num_heads // self.num_kv_heads
             keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
         q = q.to(k_cache.dtype)  # (see decode)
+        if attention == "flex":  # each row reads its own keys only (``kernels.flex_decode``)
+            keys, values = k_cache[:m, :, :ctx], v_cache[:m, :, :ctx]
+            out = flex_decode.attend(q, keys, values, positions, self.head_dim**-0.5)
+            return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=self.head_dim**-0.5)
         return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
 
@@ -386,16 +392,19 @@ class GPT(nn.Module):
         where = (torch.tensor(slots, device=h.device), pos[:bsz])
         return self.norm(self.run_layers(h, lambda attn, x: attn.decode(x, cos, sin, cache, slots, lengths, where)))
 
-    def decode_static(self, embeds: torch.Tensor, cache: KVCache, positions: torch.Tensor, ctx: int) -> torch.Tensor:
+    def decode_static(
+        self, embeds: torch.Tensor, cache: KVCache, positions: torch.Tensor, ctx: int, attention: str = "sdpa"
+    ) -> torch.Tensor:
         """One decode step for slots ``0..B-1`` (row b = slot b) attending over the first ``ctx`` cache
-        positions: fixed shapes, no host sync, graph-capturable (see ``engine.cuda_graph``).
+        positions: fixed shapes, no host sync, graph-capturable (see ``engine.cuda_graph``). ``attention``:
+        "sdpa" (the bucket, masked) or "flex" (each row's own keys: ``kernels.flex_decode``).
 
         ``positions[b]`` is where row b's token goes; rows with nothing to decode point at a scratch
         position >= ``ctx`` (their output is ignored). Returns final-norm hidden states ``[B, hidden]``."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, embeds.dtype)
         cos, sin = cos[:, None, None], sin[:, None, None]
         mask = (torch.arange(ctx, device=embeds.device)[None, :] <= positions[:, None])[:, None, None, :]
-        h = self.run_layers(embeds, lambda attn, x: attn.decode_static(x, cos, sin, cache, positions, mask))
+        h = self.run_layers(embeds, lambda attn, x: attn.decode_static(x, cos, sin, cache, positions, mask, attention))
         return self.norm(h)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...device import pinned_copy
 from .gpt import GPT, Attention, KVCache, rope_cos_sin, rotate_half
 
 
@@ -41,7 +42,8 @@ def prefill_prompts(
     # From host lists, moved once: no device value is read back.
     pos = torch.tensor([i for n in lengths for i in range(n)] + [0] * (rows - n_tok))
     slot_of = torch.tensor([slot for slot, n in zip(slots, lengths, strict=True) for _ in range(n)])
-    pos, slot_of = pos.to(h.device, non_blocking=True), slot_of.to(h.device, non_blocking=True)
+    # Through pinned memory: ``non_blocking`` from pageable memory still waits for the copy.
+    pos, slot_of = pinned_copy(pos, h.device), pinned_copy(slot_of, h.device)
     cos, sin = rope_cos_sin(pos, gpt.inv_freq, h.dtype)
     cos, sin = cos[:, None], sin[:, None]  # [rows, 1, head_dim]: shaped once for every layer
     where = (slot_of, pos[:n_tok])

@@ -11,20 +11,23 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
-from ...audio.graph import RUNTIMES as GRAPH_RUNTIMES
-from ...audio.graph import graph_for
-from ...audio.overlap import AudioDecoder, Entry, split_failed
+from ...audio.cpu_graph import RUNTIMES as GRAPH_RUNTIMES
+from ...audio.cpu_graph import graph_for
+from ...audio.graphs import AudioGraphs, stream_buckets
+from ...audio.overlap import AudioDecoder, Entry, Event, split_failed
 from ...audio.policy import StreamPolicy
 from ...cpu import probe
+from ...device import host_empty, pinned_copy
 from ...engine.config import EngineConfig
 from ...engine.input_processor import InputProcessor, PreparedRequest
 from ...engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepOutput
 from ...engine.pipeline import RequestPipeline
 from ...engine.plan import ExecutionPlan
 from ...engine.request import FinishReason, Sequence
-from ...engine.runner import ModelRunner
+from ...engine.runner import LaunchedStep, ModelRunner
 from ...sampling_params import SamplingParams
 from ...tf32 import fp32_scope
 from .checkpoint import LoadedModel
@@ -52,7 +55,12 @@ class ChatTTSStage:
         """``model`` prepared by ``models.chattts.prepare.prepare_model`` (which returned ``layout``) for ``plan``
         (``engine.plan``: the config's every "auto" settled)."""
         self.model = model
+        self.runs_ahead = plan.host_ahead
+        """``launch`` and ``collect`` split every step, the next one queued between them (``engine.core``)."""
         self._failed: list[str] = []
+        self._encoding: dict[str, tuple[torch.Tensor, Event] | None] = {}
+        """Voice steps whose DVAE encode is queued: request id -> (codes' host buffer, its event), or None
+        (too little audio: no sample)."""
         sc = config.scheduler
         gpt = model.config.gpt
         if sc.max_model_len > gpt.max_position_embeddings:
@@ -80,6 +88,10 @@ class ChatTTSStage:
             overlap=plan.audio_overlap,
             buckets=plan.audio_buckets,
         )
+        if plan.audio_graphs:  # captured now, never while serving
+            graphs = AudioGraphs(model, self.decoder.stream, self.audio_dtype, stream_buckets(StreamPolicy()))
+            graphs.capture_all(self.device)
+            self.decoder.graphs = graphs
         if self.device.type == "cuda":
             logger.info(
                 "audio decode: %s, %s stream, %s windows",
@@ -116,9 +128,19 @@ class ChatTTSStage:
 
     # ------------------------------------------------------------------ one step
 
+    def code_room(self) -> int:
+        return self.pipeline.code_rows_free()
+
     def execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         self.runner.release(sched.finished)
         return None if sched.is_empty else self.runner.execute(sched)
+
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
+        self.runner.release(sched.finished)
+        return None if sched.is_empty else self.runner.launch(sched)
+
+    def collect(self, launched: LaunchedStep) -> RunnerOutput:
+        return self.runner.collect(launched)
 
     def update(self, updates: list[StepOutput], result: RunnerOutput | None) -> list[Sequence]:
         # Windows decoded beside this step first (without waiting), then this step's tokens and hidden states.
@@ -130,13 +152,17 @@ class ChatTTSStage:
         turn finished voice steps into voice samples (their code passes follow)."""
         self._accept(self.decoder.collect(wait=wait))
         self._decode_windows()
-        return self._make_voice_samples()
+        return self._make_voice_samples(wait)
 
     def outputs(self) -> list[RequestOutput]:
         return self.pipeline.outputs()
 
     def reset(self) -> None:
         self.decoder.drop()
+        for pending in self._encoding.values():
+            if pending is not None:
+                pending[1].synchronize()  # its buffers must outlive the kernels
+        self._encoding.clear()
         self.runner.states.clear()
 
     def counters(self) -> dict[str, int]:
@@ -147,6 +173,8 @@ class ChatTTSStage:
     def _decode_windows(self) -> None:
         """Decoder + Vocos on every window ready this step, batched across requests: submitted, and
         (without overlap) collected at once. A stream with a window in flight waits for it."""
+        if self.decoder.full:  # the device is behind: the windows wait a step rather than the host
+            return
         windows = [e for e in self.pipeline.windows() if not self.decoder.busy(e[2].stream)]
         try:
             done = self.decoder.submit(windows)
@@ -168,23 +196,53 @@ class ChatTTSStage:
                 self._fail(request_id, f"audio decode failed: {exc}")
             self.pipeline.accept([windows[i] for i in ok], [pcm[i] for i in ok])
 
-    def _make_voice_samples(self) -> list[Sequence]:
-        """DVAE-encode each finished voice step's audio into its request's voice sample."""
-        follow = []
+    def _make_voice_samples(self, wait: bool) -> list[Sequence]:
+        """DVAE-encode each finished voice step's audio into its request's voice sample: the encode is
+        queued on the device and its codes come back by a non-blocking copy into pinned memory, taken at
+        a later step once its event has happened (``wait``: now; there is nothing else to overlap), so
+        the engine thread never waits on the device for a voice step."""
         for request_id, wav in self.pipeline.voice_steps_done():
+            if request_id in self._encoding:
+                continue
             try:
                 # Too little audio to take a voice from: the request keeps its speaker embedding only.
-                codes = self.voice_codes(torch.from_numpy(wav)) if len(wav) >= MIN_VOICE_SAMPLES else None
-                follow += self.pipeline.set_voice_sample(request_id, codes)
+                self._encoding[request_id] = self._encode(wav) if len(wav) >= MIN_VOICE_SAMPLES else None
+            except Exception as exc:
+                logger.exception("voice step failed")
+                self._fail(request_id, f"voice step failed: {exc}")
+        follow = []
+        for request_id, pending in list(self._encoding.items()):
+            happened = pending is None or pending[1].query()
+            if not (wait or happened):
+                continue
+            del self._encoding[request_id]
+            req = self.pipeline.requests.get(request_id)
+            if req is None or req.status is not None:  # ended while its encode ran
+                continue
+            try:
+                if not happened:
+                    pending[1].synchronize()  # ``wait``: nothing else to overlap
+                follow += self.pipeline.set_voice_sample(request_id, None if pending is None else pending[0])
             except Exception as exc:
                 logger.exception("voice step failed")
                 self._fail(request_id, f"voice step failed: {exc}")
         return follow
 
-    def voice_codes(self, wav: torch.Tensor) -> torch.Tensor:
-        """A 1-D 24 kHz waveform -> DVAE codes [4, T_s] on the CPU (a voice sample)."""
+    def _encode(self, wav: np.ndarray) -> tuple[torch.Tensor, Event]:
+        """Queue the DVAE encode of a voice step's waveform: (its codes' host buffer, the event after
+        which that buffer holds them)."""
         with torch.inference_mode(), fp32_scope():  # the DVAE is fp32: no TF32 convolutions
-            return self.model.dvae.encode(wav.to(self.device)).cpu()
+            codes = self.model.dvae.encode(pinned_copy(torch.from_numpy(wav), self.device))
+            host = host_empty(tuple(codes.shape), codes.dtype, self.device)
+            host.copy_(codes, non_blocking=True)
+        streams = self.decoder.streams
+        return host, streams.record(streams.current())
+
+    def voice_codes(self, wav: torch.Tensor) -> torch.Tensor:
+        """A 1-D 24 kHz waveform -> DVAE codes [4, T_s] on the CPU (a voice sample), waiting for them
+        (``Engine.speaker_from_audio``, between steps)."""
+        with torch.inference_mode(), fp32_scope():  # the DVAE is fp32: no TF32 convolutions
+            return self.model.dvae.encode(pinned_copy(wav, self.device)).cpu()
 
     def _fail(self, request_id: str, message: str) -> None:
         """End a request with an error; the core removes its sequences (``take_failed``)."""

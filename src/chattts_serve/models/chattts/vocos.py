@@ -79,7 +79,7 @@ def istft(
 def spectrum_of_projection(x: torch.Tensor) -> torch.Tensor:
     """The head's projection [B, F, N + 2] (log-magnitudes, then phases) -> complex STFT [B, N/2 + 1, F]
     in fp32. Apart from ``ISTFTHead`` so a runtime that ran the convolutions up to the projection
-    (``audio.graph``) finishes the same way."""
+    (``audio.cpu_graph``) finishes the same way."""
     x = x.float().transpose(1, 2)
     log_mag, phase = x.chunk(2, dim=1)
     mag = torch.clip(torch.exp(log_mag), max=1e2)

@@ -1,4 +1,4 @@
-"""audio/graph.py: the Decoder + Vocos convolutions as one ONNX Runtime / OpenVINO graph give the torch
+"""audio/cpu_graph.py: the Decoder + Vocos convolutions as one ONNX Runtime / OpenVINO graph give the torch
 path's waveform (fp32: to rounding; bf16: to bf16's precision), and a bad runtime name is refused."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
+from chattts_serve.audio.cpu_graph import AudioGraph, graph_for
 from chattts_serve.audio.decode import _decode_batch, decode_windows
-from chattts_serve.audio.graph import AudioGraph, graph_for
 from chattts_serve.models.chattts.checkpoint import load
 
 pytestmark = pytest.mark.timeout(300)
@@ -77,8 +77,8 @@ def test_audio_dtype_ort_fp32_decodes_each_window_as_fp32_does(model, buckets):
 
 
 def test_graph_runtimes_are_cpu_only_and_listed_in_the_config():
+    from chattts_serve.audio.cpu_graph import RUNTIMES
     from chattts_serve.audio.decode import _DTYPES
-    from chattts_serve.audio.graph import RUNTIMES
     from chattts_serve.engine.config import AUDIO_DTYPES, AUDIO_GRAPH_DTYPES, EngineConfig
     from chattts_serve.engine.plan import resolve_plan
 
