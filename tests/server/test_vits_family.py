@@ -113,6 +113,64 @@ def test_speed_is_vitss_speaking_rate(client):
     assert frames(2.0) < frames(1.0) < frames(0.5)
 
 
+QUIET = {"noise_scale": 0.0, "noise_scale_duration": 0.0}
+"""No noise at all: a request's audio no longer depends on its seed."""
+
+
+def test_noise_scales_reach_the_model_from_the_native_route_the_sdk_and_the_websocket(client, live):
+    """VITS's own ``noise_scale`` and ``noise_scale_duration`` are request fields: with both 0 the seed changes
+    nothing (every route gives the same audio), with the checkpoint's it does."""
+    import json
+
+    from websockets.sync.client import connect
+
+    base = live[0]
+    text = "Hello there."
+    noisy = [tts(base, text=text, format="pcm", seed=s).content for s in (1, 2)]
+    assert noisy[0] != noisy[1]
+    quiet = tts(base, text=text, format="pcm", seed=1, **QUIET).content
+    assert tts(base, text=text, format="pcm", seed=2, **QUIET).content == quiet
+    assert tts(base, text=text, format="pcm", seed=1, noise_scale=0.0).content not in (quiet, noisy[0])
+    sdk = client.audio.speech.create(
+        model="vits", voice="default", input=text, response_format="pcm", extra_body={"seed": 3, **QUIET}
+    ).content
+    assert sdk == quiet
+    with connect(base.replace("http", "ws", 1) + "/v1/tts/stream", open_timeout=TIMEOUT) as ws:
+        ws.send(json.dumps({"type": "start", "text": text, "seed": 4, "format": "pcm", **QUIET}))
+        ws.send(json.dumps({"type": "end"}))
+        audio = b""
+        while True:
+            message = ws.recv(timeout=TIMEOUT)
+            if isinstance(message, bytes):
+                audio += message
+            elif json.loads(message)["type"] in ("end", "error"):
+                break
+    assert audio == quiet
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"noise_scale": -0.1}, "noise_scale"),
+        ({"noise_scale_duration": 11}, "noise_scale_duration"),
+        ({"noise_scale": "0.5"}, "noise_scale"),
+        ({"noise_scale_duration": True}, "noise_scale_duration"),
+        ({"phonemes": "h@loU"}, "phonemes"),  # Kokoro's
+        ({"lang_code": "a"}, "lang_code"),
+    ],
+)
+def test_a_bad_noise_scale_or_another_familys_option_is_a_400_naming_it(live, client, gate, body, param):
+    import openai
+
+    _, batches = gate
+    r = httpx.post(live[0] + "/v1/tts", json={"text": TEXT, **body}, timeout=TIMEOUT)
+    assert check_openai_error(r, 400)["param"] == param
+    with pytest.raises(openai.BadRequestError) as info:
+        client.audio.speech.create(model="vits", voice="default", input=TEXT, extra_body=body)
+    assert info.value.body["param"] == param
+    assert batches == []  # refused before the engine
+
+
 def test_native_route_resampled_rates_and_formats(live):
     base = live[0]
     pcm16, _ = wav(tts(base, format="wav", seed=2).content)

@@ -51,6 +51,9 @@ MAX_UTTERANCE_IDS = 1024
 """Longest utterance in input ids (~500 characters): a longer sentence is cut at words. The text encoder's
 attention is quadratic in it, and the work budget (``max_batch_work``) must hold it."""
 OPTIONS = ("speed", "noise_scale", "noise_scale_duration")
+OWNED_OPTIONS = frozenset({"noise_scale", "noise_scale_duration"})
+"""Request fields only VITS reads (``server.protocol``; its ``speed`` is the common one): another family refuses
+them by name."""
 _BREAK_TOKEN = re.compile(r"\[(?:uv_break|lbreak)\]")  # text.ssml._break's
 _SPEED_STEP = re.compile(r"\[speed_(\d)\]")
 _SEED_STEP = 0x9E3779B97F4A7C15  # odd: utterance seeds seed + i * step (mod 2**63) are distinct for a request
@@ -221,6 +224,7 @@ class VitsFamily(ModelFamily):
     execution = "batch"
     capabilities = Capabilities(streaming="sentence", timestamps="word", refine=False, control_tokens=False)
     hub_repos: ClassVar[tuple[str, ...]] = MmsRepos(("facebook/mms-tts-eng", "facebook/mms-tts-kor"))
+    owned_options = OWNED_OPTIONS
 
     def is_checkpoint(self, root: Path) -> bool:
         # checkpoint.is_vits_dir's test plus the vocabulary, without that module (it imports torch).
