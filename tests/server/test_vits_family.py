@@ -292,7 +292,11 @@ def test_wyoming_speaks_it_at_the_models_rate(live):
                     return info, events
 
     info, events = asyncio.run(asyncio.wait_for(talk(), TIMEOUT))
-    assert [v.name for v in info.tts[0].voices] == ["default"]
+    program = info.tts[0]
+    assert program.name == "vits" and program.description == "VITS text to speech, 16000 Hz (chattts-serve)"
+    [voice] = program.voices
+    assert (voice.name, voice.languages) == ("default", ["en"])  # tokenizer_config.json's "eng"
+    assert voice.description == "default (the checkpoint's one speaker)"
     assert AudioStart.from_event(events[0]).rate == RATE and events[-1].type == "audio-stop"
     pcm = b"".join(AudioChunk.from_event(e).audio for e in events if AudioChunk.is_type(e.type))
     assert pcm == tts(base, format="pcm", seed=5).content
@@ -363,6 +367,27 @@ def test_speakers_are_voices_blends_and_saved_voices(multi):
     r = httpx.post(multi + "/v1/voices", json={"name": "rnd", "seed": 1}, timeout=TIMEOUT)
     assert "ChatTTS's" in check_openai_error(r, 400)["message"]  # random speakers are ChatTTS's
     assert "speakers 0 .. 2, got speaker 7" in check_openai_error(speak("speaker_7"), 400)["message"]
+
+
+def test_wyoming_describe_lists_a_multi_speaker_checkpoints_speakers(tmp_path):
+    """The family's voices and language, without a server: each speaker, and a saved voice in their language."""
+    from types import SimpleNamespace
+
+    from chattts_serve import models
+    from chattts_serve.models.vits.voices import VitsVoices
+    from chattts_serve.server.voices import VoiceStore
+    from chattts_serve.server.wyoming import _build_info
+
+    store = VoiceStore(str(tmp_path / "voices.db"))
+    store.add("mix", speaker="speakers:0=0.5,2=0.5")
+    engine = SimpleNamespace(family=models.get("vits"), voices=VitsVoices(3, "kor"), sample_rate=22050)
+    program = _build_info(store, engine).tts[0]
+    store.close()
+    assert [(v.name, v.languages) for v in program.voices] == [
+        ("speaker_0", ["ko"]), ("speaker_1", ["ko"]), ("speaker_2", ["ko"]), ("mix", ["ko"])
+    ]
+    assert program.voices[2].description == "speaker_2 (speaker id 2 of 3)"
+    assert "22050 Hz" in program.description
 
 
 def test_a_seeded_request_is_cached_and_the_cache_knows_the_family(multi):

@@ -95,7 +95,7 @@ class ServedVits(BatchModel):
 
     def __init__(self, family: VitsFamily, root: Path, model: VitsModel, tokenizer: VitsTokenizer, config) -> None:
         self.family, self.root, self.model, self.tokenizer, self.config = family, root, model, tokenizer, config
-        self._voices = VitsVoices(model.config.num_speakers)
+        self._voices = VitsVoices(model.config.num_speakers, tokenizer.language)
         self.max_ids = min(MAX_UTTERANCE_IDS, config.scheduler.max_batch_work)
         self.batches: list[int] = []
         """The size of every batch ``synthesize`` ran (tests and diagnostics read it; bounded)."""
@@ -225,6 +225,8 @@ class VitsFamily(ModelFamily):
     capabilities = Capabilities(streaming="sentence", timestamps="word", refine=False, control_tokens=False)
     hub_repos: ClassVar[tuple[str, ...]] = MmsRepos(("facebook/mms-tts-eng", "facebook/mms-tts-kor"))
     owned_options = OWNED_OPTIONS
+    title = "VITS"
+    attribution = ("Kim et al. (VITS); Meta AI for MMS-TTS", "https://huggingface.co/docs/transformers/model_doc/vits")
 
     def is_checkpoint(self, root: Path) -> bool:
         # checkpoint.is_vits_dir's test plus the vocabulary, without that module (it imports torch).
