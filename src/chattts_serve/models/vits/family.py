@@ -247,19 +247,22 @@ class VitsFamily(ModelFamily):
         return write_random(directory, size, seed=seed)
 
     def load(self, root: Path, device: torch.device, config) -> ServedVits:
-        """fp32 only for now (bf16, int8 and CUDA graphs are issue 32 item 5): another precision is refused."""
+        """``config.precision``: fp32 (transformers' output bit for bit), or a faster mode for the flow and the
+        decoder (``kernels``: bf16, ort-fp32); another precision is refused by name."""
         import torch
 
         from .checkpoint import CheckpointError, load
+        from .kernels import attach, check_mode
         from .tokenizer import VitsTokenizer
 
-        if config.precision != "fp32":
-            raise ValueError(f"the vits family runs in fp32 only, got precision {config.precision!r}")
+        check_mode(config.precision, torch.device(device))
         try:
             model = load(root, device=device, dtype=torch.float32)
         except CheckpointError as exc:
             raise ValueError(str(exc)) from None
+        attach(model, config.precision)
         logger.info(
-            "VITS checkpoint %s: %d Hz, %d speaker(s)", root, model.config.sample_rate, model.config.num_speakers
+            "VITS checkpoint %s: %d Hz, %d speaker(s), %s", root, model.config.sample_rate,
+            model.config.num_speakers, config.precision,
         )
         return ServedVits(self, Path(root), model, VitsTokenizer.from_dir(root), config)
