@@ -100,10 +100,11 @@ def check_graphs(model: str, device: str, steps: int) -> dict:
     runs = {}
     for name, runner in variants.items():
         eng = Engine.from_pretrained(model, device, EngineConfig.with_slots(4, runner=runner))
-        n_graphs = len(eng.core.stage.runner.static.graphs)
+        path = eng.runner.decode_path
+        n_graphs = len(path.static.graphs)
         t0 = time.perf_counter()
         res = eng.synthesize(texts, params)
-        whole = eng.core.stage.runner.step_graph
+        whole = path if path.name == "step-graph" else None
         capture_s = whole.capture_s if whole is not None else 0.0
         runs[name] = (res, time.perf_counter() - t0, n_graphs, eng.core.stats(), capture_s)
         del eng

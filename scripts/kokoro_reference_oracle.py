@@ -5,27 +5,38 @@
 A case is {"ids": [0, ..., 0], "voice": "af_heart", "speed": 1.0, "seed": 7}. For each, the style is the
 voice pack's row for the phoneme count (len(ids) - 2), ``torch.manual_seed(seed)`` seeds the global
 generator (the sine source's draws), and ``KModel.forward_with_tokens`` runs in fp32 on the CPU with one
-thread. Stored per case i: ``i/audio``, ``i/durations``, ``i/f0``, ``i/energy`` (F0Ntrain's outputs,
-recorded by wrapping the method). Never imported by the package or the tests: they run it as a subprocess.
+thread. The package's model is built by ``load_model`` of src/chattts_serve/models/kokoro/reference_bench.py
+(a standalone file: read by path, so nothing of chattts_serve is imported), which builds its decoder at the
+checkpoint's widths where config.json sets them (tiny test checkpoints). Stored per case i: ``i/audio``,
+``i/durations``, ``i/f0``, ``i/energy`` (F0Ntrain's outputs, recorded by wrapping the method).
+Never imported by the package or the tests: they run it as a subprocess.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from kokoro import KModel
+
+_BENCH = Path(__file__).resolve().parents[1] / "src" / "chattts_serve" / "models" / "kokoro" / "reference_bench.py"
+
+
+def load_model(ckpt: Path):
+    spec = importlib.util.spec_from_file_location("kokoro_reference_bench", _BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.load_model(ckpt)
 
 
 def main() -> None:
     ckpt, cases_path, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     torch.set_num_threads(1)
     cases = json.loads(cases_path.read_text())
-    model = KModel(repo_id="hexgrad/Kokoro-82M", config=str(ckpt / "config.json"),
-                   model=str(ckpt / "kokoro-v1_0.pth")).eval()
+    model = load_model(ckpt)
     curves: list[tuple[torch.Tensor, torch.Tensor]] = []
     f0ntrain = model.predictor.F0Ntrain
 

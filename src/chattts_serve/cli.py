@@ -6,7 +6,7 @@ chattts-serve ray serve --model DIR --num-replicas N      chattts-serve ray batc
 chattts-serve speaker new [--model DIR|REPO] [--seed N]
 chattts-serve checkpoint random DIR [--family chattts|...] [--size tiny|full] [--seed N]
 chattts-serve export onnx --out DIR [--model DIR|REPO] [--quant fp32|int8|int4] [--provider cpu|cuda|tensorrt]
-chattts-serve bench offline|streams|serve|host-overhead ...   chattts-serve profile ...   chattts-serve eval ...
+chattts-serve bench offline|streams|serve|family|host-overhead ...   chattts-serve profile ...   chattts-serve eval ...
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
         ("streams", "concurrent streams in one process: first chunk, RTF, underruns (vs the reference)"),
         ("serve", "drive a running server over HTTP: concurrency sweep or Poisson arrivals"),
         ("attention", "decode attention over the KV cache against the memory read floor (full-size shapes)"),
+        ("family", "any family against its own package: one request, 8 concurrent, first audio (interleaved)"),
     ):
         _bench_command(bench_sub.add_parser(name, help=help_), name)
     overhead = bench_sub.add_parser("host-overhead", help="host time of a decode step per sequence at 64 / 256 / 512")

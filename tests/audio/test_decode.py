@@ -9,6 +9,7 @@ import pytest
 from chattts_serve import Engine, SamplingParams
 from chattts_serve.audio import decode as decode_module
 from chattts_serve.engine.config import EngineConfig, from_flat
+from chattts_serve.engine.plan import resolve_plan
 
 FIXED = SamplingParams(seed=3, refine_text=False, min_new_tokens=30, max_new_tokens=30)
 
@@ -28,14 +29,12 @@ def test_bf16_audio_is_close_to_fp32_with_the_same_codes(tiny_ckpt):
 
 def test_fp32_is_the_default_on_cpu_and_bf16_on_cuda():
     assert EngineConfig().audio_dtype == "auto"
-    assert decode_module.resolve_audio_dtype("auto", "cpu") == "fp32"
-    assert decode_module.resolve_audio_dtype("auto", "cuda") == "bf16"
-    assert decode_module.resolve_audio_dtype("tf32", "cuda") == "tf32"
+    assert resolve_plan(EngineConfig(), "cpu").audio_dtype == "fp32"
+    assert resolve_plan(EngineConfig(), "cuda").audio_dtype == "bf16"
+    assert resolve_plan(EngineConfig(audio_dtype="tf32"), "cuda").audio_dtype == "tf32"
     assert from_flat(audio_dtype="bf16").audio_dtype == "bf16"
     with pytest.raises(ValueError, match="audio_dtype must be one of"):
         EngineConfig(audio_dtype="fp16")
-    with pytest.raises(ValueError, match="audio dtype must be"):
-        decode_module.resolve_audio_dtype("fp16", "cuda")
 
 
 def test_tf32_on_a_cpu_is_fp32(tiny_ckpt):

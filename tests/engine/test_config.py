@@ -20,13 +20,17 @@ from chattts_serve.engine.config import (
     flat_defaults,
     from_flat,
 )
+from chattts_serve.engine.plan import resolve_plan
 from chattts_serve.engine.scheduler import SchedulerConfig
 
 
 def test_runner_config():
-    assert RunnerConfig().resolve("cpu") == "rows"
-    assert RunnerConfig().resolve("cuda") == "static"
-    assert RunnerConfig(decode="static").resolve("cpu") == "static"
+    def decode(device: str, **kw) -> str:
+        return resolve_plan(EngineConfig(runner=RunnerConfig(step_graphs="off", **kw)), device).decode
+
+    assert decode("cpu") == "rows"
+    assert decode("cuda") == "static"
+    assert decode("cpu", decode="static") == "static"
     with pytest.raises(ValueError, match="decode must be"):
         RunnerConfig(decode="graph")
     with pytest.raises(ValueError, match="ort_auto_crossover must be >= 0"):

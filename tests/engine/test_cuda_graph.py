@@ -75,7 +75,7 @@ def test_engine_static_decode_gives_the_same_codes(tiny_ckpt, tiny_engine):
     params = SamplingParams(seed=3, max_new_tokens=40)
     want = tiny_engine.synthesize(TEXTS, params)
     static = Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(4, runner=RunnerConfig(decode="static")))
-    assert static.core.stage.runner.static is not None and not static.core.stage.runner.static.use_graphs  # no CUDA
+    assert static.plan.decode == "static" and not static.runner.decode_path.static.use_graphs  # no CUDA
     got = static.synthesize(TEXTS, params)
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a.codes, b.codes)
@@ -105,7 +105,7 @@ def test_graph_replay_equals_eager_on_cuda(tiny_ckpt):
         tiny_ckpt, "cuda", EngineConfig.with_slots(4, runner=RunnerConfig(cuda_graphs=False))
     )
     graph = Engine.from_pretrained(tiny_ckpt, "cuda", EngineConfig.with_slots(4))
-    assert graph.core.stage.runner.static.graphs
+    assert graph.runner.decode_path.static.graphs
     for a, b in zip(eager.synthesize(TEXTS, params), graph.synthesize(TEXTS, params), strict=True):
         np.testing.assert_array_equal(a.codes, b.codes)
 

@@ -57,7 +57,7 @@ def engine_with_step_graphs(tiny_ckpt) -> Engine:
 def test_step_graphs_are_captured_at_start_up_on_one_stream_and_never_during_a_step(tiny_ckpt, monkeypatch):
     engine = engine_with_step_graphs(tiny_ckpt)
     calls = FakeCuda.install(monkeypatch)
-    runner, sg = engine.core.stage.runner, engine.core.stage.runner.step_graph
+    runner, sg = engine.runner, engine.runner.decode_path
     sg.use_graphs = True  # the stand-in graphs record nothing: each is refused, its bucket eager
     sg.capture_all()  # what start-up does on CUDA
     streams = [s for _, s, kw in calls.captures]
@@ -90,15 +90,15 @@ def test_the_capture_stream_is_never_the_audio_stream(tiny_ckpt, pooled_streams)
 def test_a_dropped_engine_frees_its_graphs_without_a_gc_cycle(tiny_ckpt, monkeypatch):
     engine = engine_with_step_graphs(tiny_ckpt)
     calls = FakeCuda.install(monkeypatch)
-    engine.core.stage.runner.step_graph.use_graphs = True
-    engine.core.stage.runner.step_graph.capture_all()
+    engine.runner.decode_path.use_graphs = True
+    engine.runner.decode_path.capture_all()
     engine.synthesize(["Hello there, my friend."], SamplingParams(seed=3, max_new_tokens=8, refine_text=False))
     assert calls.graphs
     gc.collect()
     gc.disable()
     try:
         runner = engine.core.stage.runner
-        refs = [weakref.ref(o) for o in (runner, runner.graph_store, runner.step_graph, *calls.graphs)]
+        refs = [weakref.ref(o) for o in (runner, runner.graph_store, runner.decode_path, *calls.graphs)]
         del engine, runner
         calls.graphs.clear(), calls.captures.clear()
         alive = [r() for r in refs if r() is not None]

@@ -11,7 +11,8 @@ import torch
 
 from chattts_serve import Engine, SamplingParams
 from chattts_serve.engine.config import EngineConfig, RunnerConfig, add_engine_arguments, engine_config_from_args
-from chattts_serve.engine.noise import CounterNoise, mix64, mix64_int, resolve_noise, seed_value
+from chattts_serve.engine.noise import CounterNoise, mix64, mix64_int, seed_value
+from chattts_serve.engine.plan import resolve_plan
 from chattts_serve.engine.scheduler import SchedulerConfig
 
 from .test_core_batching import TEXTS, Run, base, codes_of
@@ -61,8 +62,11 @@ def test_counter_noise_is_exponential():
 
 
 def test_sources_by_device_and_flag():
-    assert resolve_noise("auto", "cpu") == "generator" and resolve_noise("auto", "cuda") == "counter"
-    assert resolve_noise("counter", "cpu") == "counter"
+    def noise(device: str, **kw) -> str:
+        return resolve_plan(EngineConfig(runner=RunnerConfig(**kw)), device).sampling_noise
+
+    assert noise("cpu") == "generator" and noise("cuda") == "counter"
+    assert noise("cpu", sampling_noise="counter") == "counter"
     with pytest.raises(ValueError, match="sampling_noise"):
         RunnerConfig(sampling_noise="philox")
     import argparse
@@ -87,7 +91,7 @@ def run_all(engine, reqs: dict[str, tuple[str, SamplingParams]]) -> dict[str, li
 
 
 def test_counter_codes_are_batch_invariant(counter_engine):
-    assert counter_engine.core.stage.runner.noise_source == "counter"
+    assert counter_engine.plan.sampling_noise == "counter"
     target = ("alone", (TEXTS[0], base(seed=21, max_new_tokens=40, refine_text=True)))
     others = {
         f"o{i}": (TEXTS[i % len(TEXTS)], base(seed=100 + i, max_new_tokens=20 + 5 * i, top_k=[0, 5, 20][i % 3]))
@@ -115,6 +119,6 @@ def test_counter_unseeded_runs_repeat_under_manual_seed(counter_engine):
 
 def test_counter_is_not_the_reference_stream(counter_engine, tiny_engine):
     """The reference-identical source is the generator one (the CPU default): same seed, other codes."""
-    assert tiny_engine.core.stage.runner.noise_source == "generator"
+    assert tiny_engine.plan.sampling_noise == "generator"
     req = {"s": (TEXTS[1], base(seed=3, max_new_tokens=15))}
     assert not np.array_equal(run_all(counter_engine, req)["s"][0], run_all(tiny_engine, req)["s"][0])

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from chattts_serve.engine import prefill_runner as prefill_runner_module
-from chattts_serve.engine.config import RunnerConfig
+from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.outputs import SchedulerOutput
+from chattts_serve.engine.plan import resolve_plan
 from chattts_serve.engine.request import Sequence
 from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
 from chattts_serve.kernels.quant import parse_precision, record_absmax
@@ -74,7 +75,8 @@ def _sequences(model, slots: list[int]) -> list[Sequence]:
 
 
 def _runner(model, layout, slots: int, max_prefill_tokens: int = 2048) -> ModelRunner:
-    runner = ModelRunner(model, layout, slots, MAX_LEN, TEXT_EOS, RunnerConfig(), max_prefill_tokens)
+    plan = resolve_plan(EngineConfig(precision=layout.precision.name), "cpu")
+    runner = ModelRunner(model, layout, slots, MAX_LEN, TEXT_EOS, plan, max_prefill_tokens)
     runner.cache.k.fill_(7.0), runner.cache.v.fill_(7.0)  # what the slots held before
     return runner
 

@@ -15,10 +15,11 @@ import torch
 from chattts_serve.engine.config import EngineConfig, RunnerConfig
 from chattts_serve.engine.engine import Engine
 from chattts_serve.engine.outputs import SchedulerOutput
+from chattts_serve.engine.plan import resolve_plan
 from chattts_serve.engine.request import Sequence
 from chattts_serve.engine.runner import ModelRunner
 from chattts_serve.engine.scheduler import SchedulerConfig
-from chattts_serve.engine.step_graph import step_graphs_apply
+from chattts_serve.engine.step_graph import StepGraph
 from chattts_serve.sampling_params import RefineParams, SamplingParams
 
 from .sync_counter import SyncCounter
@@ -93,7 +94,7 @@ def drive(runner: ModelRunner, steps) -> list:
 def test_step_graph_function_gives_the_ordinary_steps_tokens_and_hidden_states(tiny_ckpt):
     plain = make_runner(tiny_ckpt, "off")
     whole = make_runner(tiny_ckpt, "on")
-    assert plain.step_graph is None and whole.step_graph is not None
+    assert plain.decode_path.name == "static" and isinstance(whole.decode_path, StepGraph)
     want = drive(plain, script(plain))
     got = drive(whole, script(whole))
     assert len(got) == len(want)
@@ -103,7 +104,7 @@ def test_step_graph_function_gives_the_ordinary_steps_tokens_and_hidden_states(t
         for sid in hid_w:
             assert torch.equal(hid_g[sid], hid_w[sid])
     # Every step with decode rows took the step function (text rows and admissions beside them too).
-    assert whole.step_graph.eager_steps == DECODE_STEPS and whole.step_graph.graph_replays == 0
+    assert whole.decode_path.eager_steps == DECODE_STEPS and whole.decode_path.graph_replays == 0
 
 
 @torch.inference_mode()
@@ -118,7 +119,7 @@ def test_a_slot_that_does_not_decode_keeps_its_state_and_its_keys(tiny_ckpt):
     saved = {n: getattr(st, n)[idle.slot].clone() for n in ("last", "generated", "history")}
     keys = cache.k[:, idle.slot, :, : cache.max_len - 1].clone()  # all but the scratch position
     runner.execute(SchedulerOutput(decode=[s for s in seqs if s is not idle]))
-    assert runner.step_graph.eager_steps == 1
+    assert runner.decode_path.eager_steps == 1
     for n, value in saved.items():
         assert torch.equal(getattr(st, n)[idle.slot], value), n
     assert torch.equal(cache.k[:, idle.slot, :, : cache.max_len - 1], keys)
@@ -136,18 +137,24 @@ def test_step_graph_step_has_one_sync(tiny_ckpt):
         with counter:
             out = runner.execute(SchedulerOutput(decode=seqs))
         assert counter.total == 1, counter.report()
-    assert runner.step_graph.eager_steps == 3
+    assert runner.decode_path.eager_steps == 3
 
 
 def test_step_graphs_config():
-    assert step_graphs_apply("auto", "cuda", "static", "counter", True)
-    assert not step_graphs_apply("auto", "cuda", "static", "counter", False)  # graphs off
-    assert not step_graphs_apply("auto", "cpu", "static", "counter", True)
-    assert not step_graphs_apply("auto", "cuda", "static", "generator", True)
-    assert not step_graphs_apply("off", "cuda", "static", "counter", True)
-    assert step_graphs_apply("on", "cpu", "static", "counter", False)
+    def path(mode: str, device: str, decode: str = "static", noise: str = "counter", graphs: bool = True) -> str:
+        rc = RunnerConfig(decode=decode, sampling_noise=noise, step_graphs=mode, cuda_graphs=graphs)
+        return resolve_plan(EngineConfig(runner=rc), device).decode
+
+    assert path("auto", "cuda") == "step-graph"
+    assert path("auto", "cuda", graphs=False) == "static"  # graphs off
+    assert path("auto", "cpu") == "static"
+    assert path("auto", "cuda", noise="generator") == "static"
+    assert path("off", "cuda") == "static"
+    assert path("on", "cpu", graphs=False) == "step-graph"
+    assert resolve_plan(EngineConfig(), "cuda").decode == "step-graph"  # the CUDA defaults
+    assert resolve_plan(EngineConfig(), "cpu").decode == "rows"
     with pytest.raises(ValueError, match="needs decode static and sampling_noise counter"):
-        step_graphs_apply("on", "cpu", "rows", "counter", False)
+        path("on", "cpu", decode="rows")
     with pytest.raises(ValueError, match="step_graphs must be one of"):
         RunnerConfig(step_graphs="yes")
 
@@ -178,7 +185,7 @@ def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int],
     """Stand-ins for torch.cuda's stream and graph calls. A "captured" graph replays the step function
     into its outputs ("good"), does nothing ("empty": a capture on the wrong device), or recomputes
     and then corrupts a slot's state ("corrupt"); buckets not in ``behaviour`` are good."""
-    sg = runner.step_graph
+    sg = runner.decode_path
     capturing: list = []
     graphs: list = []
 
@@ -258,7 +265,7 @@ def test_captured_step_graphs_are_checked_and_a_bad_one_never_changes_the_result
         assert tok_g == tok_w
         for sid in hid_w:
             assert torch.equal(hid_g[sid], hid_w[sid])
-    sg = whole.step_graph
+    sg = whole.decode_path
     buckets = set(sg.graphs) | sg.refused
     assert len(buckets) == len(graphs)  # each bucket captured once, at start-up: none during the steps
     assert buckets == set(sg.buckets()) and len(buckets) == 12  # batch 1, 2, 4, 8, 16, 24 x ctx 256 x text or not
@@ -279,18 +286,24 @@ def test_a_bad_step_graph_raises_at_start_up_when_strict(tiny_ckpt, monkeypatch)
         fake_cuda(monkeypatch, whole, {(16, 256, False): "empty"})
 
 
-@pytest.mark.parametrize("step_graphs, trunk_graphs", [("on", False), ("off", True)])
-def test_the_trunks_own_graphs_are_not_captured_under_step_graphs(tiny_ckpt, monkeypatch, step_graphs, trunk_graphs):
+@pytest.mark.parametrize("step_graphs, trunk_graphs", [("auto", False), ("on", False), ("off", True)])
+def test_the_trunks_own_graphs_are_not_captured_under_step_graphs(step_graphs, trunk_graphs):
     """Every decode step replays a step graph, so the trunk's per-bucket graphs would never replay."""
-    import chattts_serve.engine.runner as runner_module
+    rc = RunnerConfig(decode="static", sampling_noise="counter", step_graphs=step_graphs, cuda_graphs=True)
+    plan = resolve_plan(EngineConfig(runner=rc), "cuda")
+    assert plan.cuda_graphs and plan.trunk_graphs == trunk_graphs
+
+
+def test_the_step_graph_path_builds_its_static_step_without_graphs(tiny_ckpt, monkeypatch):
+    import chattts_serve.engine.decode_static as static_module
 
     seen = []
-    real = runner_module.StaticDecoder
+    real = static_module.StaticDecoder
 
     def spy(gpt, cache, use_graphs, *a, **k):
         seen.append(use_graphs)
         return real(gpt, cache, use_graphs, *a, **k)
 
-    monkeypatch.setattr(runner_module, "StaticDecoder", spy)
-    make_runner(tiny_ckpt, step_graphs, cuda_graphs=True)
-    assert seen == [trunk_graphs]
+    monkeypatch.setattr(static_module, "StaticDecoder", spy)
+    make_runner(tiny_ckpt, "on", cuda_graphs=True)
+    assert seen == [False]

@@ -51,7 +51,7 @@ def make_seq(runner: ModelRunner, i: int, slot: int, kind: str, rng: random.Rand
     sampling = StepSampling(
         temps, rng.uniform(0.5, 1.0), rng.choice([0, 5, 20]), rng.choice([1.0, 1.05, 1.3]), rng.choice([None, i])
     )
-    ids = [rng.randrange(runner._vocab["text"]) for _ in range(rng.randint(3, 9))]
+    ids = [rng.randrange(runner.heads.vocab["text"]) for _ in range(rng.randint(3, 9))]
     eos = AUDIO_EOS if kind == "code" else runner.text_eos_id
     seq = Sequence(f"r{i}", kind, len(ids), rng.choice([0, 2, 50]), 100, eos, sampling.seed is not None, False)
     seq.payload, seq.slot = SeqInputs(ids, sampling), slot
@@ -149,12 +149,12 @@ def test_the_counter_sees_every_kind_of_sync(inference):
 def test_the_old_step_would_fail(tiny_ckpt, monkeypatch):
     """The assertion can fail: a runner that reads one flag back per step is caught."""
     runner = runner_for(tiny_ckpt, "counter")
-    real = runner._heads
+    real = runner.heads.logits
 
     def heads_with_a_read(kind, h, idx, n):
         assert int(idx.max()) >= 0  # a host read, as the per-list indexing of the old step did
         return real(kind, h, idx, n)
 
-    monkeypatch.setattr(runner, "_heads", heads_with_a_read)
+    monkeypatch.setattr(runner.heads, "logits", heads_with_a_read)
     [(n, counter)] = drive(runner, make_seqs(runner, 8, seed=3), 1)
     assert counter.syncs["item"] == 2 and counter.total == 3, dict(counter.syncs)

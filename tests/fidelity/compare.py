@@ -80,7 +80,7 @@ def compare_all(ckpt: Path, cases: list[dict], ref: dict[str, np.ndarray]) -> di
     """Asserts fidelity for every case; returns the measured maximum differences.
 
     The engine runs with one KV slot: every matmul then sees exactly the rows of a batch-1 reference
-    run, which is what makes fp32 bit-identical (see ``ModelRunner.pad_rows_to``)."""
+    run, which is what makes fp32 bit-identical (see ``ModelLayout.pad_rows_to``)."""
     engine = Engine.from_pretrained(ckpt, device="cpu", config=EngineConfig.with_slots(1))
     model = engine.model
     captured: list = []

@@ -87,16 +87,6 @@ def decode(
     return mel_to_wav(model, mel).cpu().numpy().astype(np.float32, copy=False)
 
 
-def resolve_audio_dtype(dtype: str, device_type: str) -> str:
-    """``EngineConfig.audio_dtype`` on a device: "auto" is bf16 on CUDA (tensor cores; the decode is
-    then off the critical path anyway), fp32 elsewhere (the reference-exact waveform)."""
-    if dtype == "auto":
-        return "bf16" if device_type == "cuda" else "fp32"
-    if dtype not in _DTYPES:
-        raise ValueError(f"audio dtype must be auto or one of {', '.join(_DTYPES)}; got {dtype!r}")
-    return dtype
-
-
 @torch.inference_mode()
 def decode_windows(
     model: LoadedModel,

@@ -146,7 +146,7 @@ class AudioDecoder:
         streams: Streams | None = None,
         max_in_flight: int = 2,
     ) -> None:
-        """``dtype``: resolved (``decode.resolve_audio_dtype``). ``overlap``: collect at a later step
+        """``dtype``: resolved (``engine.plan.ExecutionPlan.audio_dtype``). ``overlap``: collect at a later step
         (on CUDA: the decode runs on its own stream). ``buckets``: pad windows to fixed lengths.
         ``max_in_flight``: submissions not yet collected before ``submit`` waits for the oldest."""
         self.model, self.dtype, self.overlap, self.buckets = model, dtype, overlap, buckets

@@ -99,7 +99,7 @@ def teacher_forced(engine, ids: list[int], codes) -> tuple[Any, Any]:
         emb = model.embed.embed_prompt(full.to(dev), mask.to(dev))
         if engine.layout.trunk is not None:
             hs = _onnx_hidden(engine.layout.trunk, emb, n, t)
-        elif engine.core.stage.runner.kv_cache_dtype != model.gpt.norm.weight.dtype:
+        elif engine.plan.kv_cache_dtype != model.gpt.norm.weight.dtype:
             hs = _stepwise_hidden(engine, emb, n, t)
         else:
             cache = model.gpt.new_cache(1, n + t)
@@ -118,7 +118,7 @@ def _stepwise_hidden(engine, emb, n: int, t: int):
 
     gpt = engine.model.gpt
     dtype = gpt.norm.weight.dtype
-    cache = gpt.new_cache(1, n + t, dtype=engine.core.stage.runner.kv_cache_dtype)
+    cache = gpt.new_cache(1, n + t, dtype=engine.plan.kv_cache_dtype)
     slot = torch.zeros(1, dtype=torch.long, device=emb.device)
     hs = [gpt(emb[:, :n].to(dtype), torch.arange(n, device=emb.device)[None], cache, slot, 0, None)[0]]
     for pos in range(n, n + t - 1):

@@ -45,14 +45,15 @@ admitted together fall due on the same steps.
 
 ``--before FILE``: also time an older ``runner.py`` (``git show main:src/chattts_serve/engine/runner.py
 > /tmp/runner_main.py``) loaded side by side inside this package, with the same stub (its sampler calls
-take the device path too), the two runners' steps interleaved (``measure``). On a shared CPU the figures
+take the device path too), the two runners' steps interleaved (``measure``). The file must speak this
+package's runner surface: ``ModelRunner(model, layout, slots, max_len, eos, plan)``, ``sync_free`` and
+``use_decode_path`` with the paths of ``engine.decode_path``. On a shared CPU the figures
 are noisy: compare ratios from one run.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import random
@@ -86,19 +87,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="caching",
         help="caching: glibc keeps freed blocks, as CUDA's allocator does; system: glibc's defaults",
     )
-
-
-class _StubTrunk:
-    """Stands in for ``StaticDecoder``: a fixed hidden state per row, no compute (both call forms)."""
-
-    def __init__(self, hidden):
-        self.hidden = hidden
-
-    def __call__(self, emb, slots, lengths):
-        return self.hidden[: emb.shape[0]]
-
-    def run(self, emb, idx, pos, max_slot, max_len):
-        return self.hidden[: emb.shape[0]]
 
 
 class _TimedOps(TorchDispatchMode):
@@ -162,30 +150,45 @@ def fit(sizes: list[int], host_us: list[float]) -> dict[str, float]:
     return {"fixed_ms": round((mean_h - marginal * mean_n) / 1e3, 3), "marginal_us_per_seq": round(marginal, 2)}
 
 
-class _StubStep:
-    """Stands in for ``StepGraph.step_fn`` (one graph replay): fixed tokens and hidden states per bucket."""
+def _stub_paths():
+    """The two decode paths with the device's work stubbed, as subclasses of the real ones that replace
+    only their device step: ``StaticDecode.trunk`` (a fixed hidden state per row, no compute) and
+    ``StepGraph.step_fn`` (one graph replay: fixed tokens and hidden states per bucket)."""
+    import torch
 
-    def __init__(self, slots: int, num_vq: int, hidden) -> None:
-        import torch
+    from ..engine.decode_static import StaticDecode
+    from ..engine.step_graph import StepGraph
 
-        self.tokens = torch.zeros(slots * num_vq, dtype=torch.int64)
-        self.hidden, self.num_vq = hidden, num_vq
+    class StubTrunk(StaticDecode):
+        def __init__(self, parts, hidden) -> None:
+            super().__init__(parts)
+            self.hidden = hidden
 
-    def __call__(self, bs: int, ctx: int, text: bool = False):
-        code = self.tokens[: bs * self.num_vq]
-        return (code, self.hidden[:bs], self.tokens[:bs]) if text else (code, self.hidden[:bs])
+        def trunk(self, emb, step):
+            return self.hidden[: emb.shape[0]]
+
+    class StubStep(StepGraph):
+        def __init__(self, parts, hidden) -> None:
+            super().__init__(parts)
+            self.hidden = hidden
+            self.tokens = torch.zeros(parts.cache.num_slots * self.num_vq, dtype=torch.int64)
+
+        def step_fn(self, bs: int, ctx: int, text: bool = False):
+            code = self.tokens[: bs * self.num_vq]
+            return (code, self.hidden[:bs], self.tokens[:bs]) if text else (code, self.hidden[:bs])
+
+    return {"static": StubTrunk, "step-graph": StubStep}
 
 
 def _stub_device_work(runner, n: int, hidden_size: int) -> None:
-    """The runner's device path with the device's work stubbed: the step graph (when the runner has
-    one; it keeps the real decoder's buckets) as one replay, the trunk for the steps it does not take."""
+    """The runner's device path with the device's work stubbed (``_stub_paths``), through the runner's
+    public ``use_decode_path``; the sampler takes its device branches (``sync_free``)."""
     import torch
 
     runner.sync_free = True
     hidden = torch.randn(n, hidden_size)
-    if getattr(runner, "step_graph", None) is not None:
-        runner.step_graph.step_fn = _StubStep(n, runner.num_vq, hidden)
-    runner.static = _StubTrunk(hidden)
+    stub = _stub_paths()[runner.plan.decode]
+    runner.use_decode_path(lambda parts: stub(parts, hidden))
 
 
 def _timed(step, costs, apart=lambda: 0.0) -> tuple[tuple[float, float, int, float], Any]:
@@ -235,7 +238,6 @@ def _sequences(runner, n: int, seed: int, mix: str = "mixed") -> list:
 def _load_runner_class(path: str | None):
     """This package's ``ModelRunner``, or the one in ``path`` loaded as a sibling module of it."""
     from ..engine import runner as current
-    from ..engine import sampler
 
     if path is None:
         return current.ModelRunner
@@ -243,7 +245,6 @@ def _load_runner_class(path: str | None):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    module.batched_probs = functools.partial(sampler.batched_probs, host_reads=False)  # the device path
     return module.ModelRunner
 
 
@@ -254,13 +255,14 @@ def measure(
     The runners' steps interleave, first one then the other and the order swapped every step, so
     the state of the process (the heap after the other runner's frees, caches, the machine's load)
     weighs on both alike."""
-    from ..engine.config import RunnerConfig
+    from ..engine.config import EngineConfig, RunnerConfig
     from ..engine.outputs import SchedulerOutput
+    from ..engine.plan import resolve_plan
 
     state = {}
     for name, (cls, step_graphs) in runner_classes.items():
         config = RunnerConfig(decode="static", sampling_noise="counter", cuda_graphs=False, step_graphs=step_graphs)
-        runner = cls(model, layout, n, 256, eos_id, config)
+        runner = cls(model, layout, n, 256, eos_id, resolve_plan(EngineConfig(runner=config), "cpu"))
         _stub_device_work(runner, n, model.gpt.norm.weight.shape[0])
         seqs = _sequences(runner, n, seed=n, mix=mix)
         state[name] = (runner, seqs, runner.execute(SchedulerOutput(prefill=seqs)), [])
@@ -295,8 +297,9 @@ def measure_core(path: Any, path_name: str, n: int, steps: int, costs) -> dict:
             step_graphs="on" if path_name == "step-graph" else "off",
         ),
     )
-    core = Engine.from_pretrained(path, "cpu", config).core
-    _stub_device_work(core.stage.runner, n, core.stage.runner.model.gpt.norm.weight.shape[0])
+    engine = Engine.from_pretrained(path, "cpu", config)
+    core = engine.core
+    _stub_device_work(engine.runner, n, engine.hidden_size)
     for i in range(n):
         params = SamplingParams(
             seed=i if i % 2 else None,

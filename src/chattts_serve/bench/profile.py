@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine.synthesize(["你好。"], SamplingParams(seed=0, max_new_tokens=8, refine_text=False))  # warm-up
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     timer = StageTimer(sync)
-    core.stage.runner.stage_timer = timer  # prefill, decode, sampling
+    engine.runner.stage_timer = timer  # prefill, decode, sampling
     timer.wrap(core.stage.inputs, "normalizer", "normalise")
     timer.wrap(engine.tokenizer, "encode", "tokenise")
     timer.wrap(engine.model.decoder, "forward", "decoder")
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weight_floor_ms = 1000 * read_floor_s(nbytes, dev)
     # The decode step's memory floor: its weights plus the keys and values it reads, at the bandwidth
     # just measured; real time for a stream is one step per 21.3 ms (46.875 steps per audio second).
-    kv_bytes = kv_positions_per_step * core.stage.runner.kv_bytes_per_position
+    kv_bytes = kv_positions_per_step * engine.runner.kv_bytes_per_position
     kv_floor_ms = weight_floor_ms * kv_bytes / nbytes
     step_floor_ms = weight_floor_ms + kv_floor_ms
     ort_ops = None

@@ -96,15 +96,14 @@ def budget_for(
     """The budget of ``fraction`` of ``device`` for the checkpoint at ``model``, read without loading it."""
     import torch
 
+    from ..engine.plan import resolve_plan
     from ..engine.runner import slot_bytes
-    from ..kernels.quant import parse_precision
     from ..models.chattts import checkpoint
-    from ..models.chattts.gpt import KVCache
 
     root = checkpoint.resolve(model)
     dims = checkpoint.read_config(root)
     # The runner's own rule: the cache holds kv_cache_dtype (bf16 halves it), not always the trunk's.
-    dtype = KVCache.dtype_for(config.runner.kv_cache_dtype, parse_precision(config.precision).trunk_dtype)
+    dtype = resolve_plan(config, "cuda").kv_cache_dtype
     per_slot = slot_bytes(dims.gpt, config.scheduler.max_model_len, dtype)
     total = torch.cuda.get_device_properties(device).total_memory
     return MemoryBudget(total, fraction, weights_bytes(root, config.precision), per_slot, context_reserve)

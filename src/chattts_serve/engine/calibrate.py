@@ -16,6 +16,7 @@ from ..models.chattts.tokenizer import Tokenizer
 from ..sampling_params import RefineParams, SamplingParams
 from .config import EngineConfig
 from .core import EngineCore
+from .plan import resolve_plan
 from .scheduler import SchedulerConfig
 
 CALIBRATION_TEXTS: tuple[str, ...] = (
@@ -38,7 +39,8 @@ def calibrate(
     import torch
 
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=1024))
-    core = EngineCore(ChatTTSStage(model, tokenizer, config, ModelLayout(SPECS["fp32"])), config)
+    plan = resolve_plan(config, model.embed.emb_text.weight.device.type)
+    core = EngineCore(ChatTTSStage(model, tokenizer, config, ModelLayout(SPECS["fp32"]), plan), config)
     speaker = None
     if speaker_stats is not None:
         speaker = encode_speaker(speaker_stats.sample(torch.Generator().manual_seed(seed)))

@@ -26,7 +26,7 @@ DECODE_MODES = ("auto", "rows", "static")
 KV_CACHE_DTYPES = ("auto", "bf16")
 AUDIO_DTYPES = ("auto", "fp32", "tf32", "bf16")
 SWITCHES = ("auto", "on", "off")
-SAMPLING_NOISES = ("auto", "generator", "counter")  # engine.noise.NOISE_SOURCES (no torch here)
+SAMPLING_NOISES = ("auto", "generator", "counter")  # engine.noise
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +74,6 @@ class RunnerConfig:
         if self.ort_auto_crossover < 0:
             raise ValueError(f"ort_auto_crossover must be >= 0 (0: from the CPU table), got {self.ort_auto_crossover}")
 
-    def resolve(self, device_type: str) -> str:
-        """The decode step for a device type ("cpu", "cuda", ...)."""
-        if self.decode != "auto":
-            return self.decode
-        return "static" if device_type == "cuda" else "rows"
-
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -124,12 +118,6 @@ class EngineConfig:
             # A burst as large as the slots must queue (it is admitted next step), not be refused with
             # slots free: the waiting bound is at least the slot count (auto slots included).
             object.__setattr__(self, "scheduler", replace(sc, max_waiting=sc.max_num_seqs))
-
-    def resolve_audio_overlap(self, device_type: str) -> bool:
-        return self.audio_overlap == "on" or (self.audio_overlap == "auto" and device_type == "cuda")
-
-    def resolve_audio_buckets(self, device_type: str) -> bool:
-        return self.audio_buckets == "on" or (self.audio_buckets == "auto" and device_type == "cuda")
 
     @classmethod
     def with_slots(cls, max_num_seqs: int, **kw) -> EngineConfig:

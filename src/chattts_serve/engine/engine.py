@@ -132,10 +132,21 @@ class Engine:
         return self._chattts("the hidden size").model.config.gpt.hidden_size
 
     @property
+    def plan(self):
+        """ChatTTS's execution plan (``engine.plan.ExecutionPlan``): every "auto" of the config as settled."""
+        return self._chattts("the execution plan").plan
+
+    @property
     def decode_mode(self) -> str:
         """ChatTTS's decode step in use: "rows", "static" or "onnx" (the ort-* precisions)."""
-        self._chattts("the decode mode")
-        return self.core.stage.runner.decode_mode
+        return self._chattts("the decode mode").plan.decode_mode
+
+    @property
+    def runner(self):
+        """ChatTTS's model runner (``engine.runner.ModelRunner``): what tools read of it (its KV cache
+        figures) or set (``stage_timer``, ``use_decode_path``)."""
+        self._chattts("the model runner")
+        return self.core.stage.runner
 
     def sample_speaker(self, seed: int | None = None) -> str:
         """A random speaker string (compatible with the reference's ``sample_random_speaker``: the same

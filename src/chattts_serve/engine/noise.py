@@ -1,6 +1,6 @@
 """The exponential noise ``E`` of the sampler's draw ``argmax(p / E)`` (``sampler.sample_with_noise``).
 
-Two sources, chosen by ``RunnerConfig.sampling_noise``:
+Two sources, chosen by ``RunnerConfig.sampling_noise`` (settled once: ``engine.plan``):
 
 ``generator`` (CPU default): one ``torch.Generator`` per sequence and ``exponential_`` on a tensor of
 the rows' shape, exactly what ``torch.multinomial(p, 1, generator)`` draws. A seeded sequence
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from .config import SAMPLING_NOISES as NOISE_SOURCES
-
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -36,15 +34,6 @@ def _signed(x: int) -> int:
     """A 64-bit pattern as the int64 value torch stores for it."""
     x &= _MASK64
     return x - (1 << 64) if x >> 63 else x
-
-
-def resolve_noise(source: str, device_type: str) -> str:
-    """The source for ``RunnerConfig.sampling_noise`` on a device type: auto = counter on CUDA only."""
-    if source not in NOISE_SOURCES:
-        raise ValueError(f"sampling_noise must be one of {', '.join(NOISE_SOURCES)}; got {source!r}")
-    if source != "auto":
-        return source
-    return "counter" if device_type == "cuda" else "generator"
 
 
 def seed_value(seed: int) -> int:

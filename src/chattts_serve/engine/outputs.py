@@ -24,8 +24,17 @@ from typing import Any
 
 import numpy as np
 
-from ..models.family import Word
 from .request import FinishReason, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    """One word's place in its utterance's audio, in samples (counted from predicted durations: a family's
+    ``Speech.words``). Here, below ``models.family``, because the engine's outputs carry it."""
+
+    text: str
+    start: int
+    end: int
 
 
 @dataclass(slots=True)

@@ -1,13 +1,14 @@
 """Prefill for the model runner: the prompts admitted in a step into their KV slots, then each prompt's
 last hidden state and first logits, batched per kind.
 
-Trunk. Torch modes: the prompts go through the trunk together, packed one after another
-(``models.chattts.prefill``: the projections on all their tokens at once, attention prompt by prompt), in calls
-of at most ``max_prefill_tokens`` tokens; a prompt's result is the one it gets alone wherever the
-layout keeps matmul rows independent (every mode but int8-dynamic; see ``models.chattts.prepare``). ``ort-*``
-modes: the prompts of sequences in consecutive slots go in one ONNX Runtime call, right-padded to the
-longest (``query_seqlens`` tells the op each row's length). Either way a burst of 32 admissions is one
-call, not 32, each of which would stream all the weights once.
+Trunk. How the prompts go through the trunk is the decode path's (``DecodePath.prefill``: one of the two
+functions here, or a new backend's own). Torch modes (``torch_prefill``): the prompts go through the trunk
+together, packed one after another (``models.chattts.prefill``: the projections on all their tokens at once,
+attention prompt by prompt), in calls of at most ``max_prefill_tokens`` tokens; a prompt's result is the one
+it gets alone wherever the layout keeps matmul rows independent (every mode but int8-dynamic; see
+``models.chattts.prepare``). ``ort-*`` modes (``onnx_prefill``): the prompts of sequences in consecutive slots
+go in one ONNX Runtime call, right-padded to the longest (``query_seqlens`` tells the op each row's length).
+Either way a burst of 32 admissions is one call, not 32, each of which would stream all the weights once.
 
 Heads. The reference runs every prompt position through the heads and keeps the last. Where a row's
 logits do not depend on the other rows of the matmul (oneDNN-packed heads: the CPU layouts of more
@@ -20,6 +21,7 @@ slot admits one prompt per step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,12 +68,25 @@ class KindPrefill:
     """``[n * rows, vocab]`` fp32: each prompt's first logits (code: one row per codebook)."""
 
 
+Pieces = list[tuple[dict[int, int], torch.Tensor]]
+"""A prefill's trunk output: pieces of (seq id -> its first row, final-norm hidden states ``[rows, hidden]`` fp32)."""
+
+
 class Prefiller:
-    def __init__(self, model: LoadedModel, cache, trunk, pad_rows_to: int, max_prefill_tokens: int) -> None:
-        """``trunk``: the ``ort-*`` session (None in the torch modes); ``cache``: the runner's slot cache."""
+    def __init__(
+        self,
+        model: LoadedModel,
+        cache,
+        trunk,
+        pad_rows_to: int,
+        max_prefill_tokens: int,
+        trunk_rows: Callable[[Prefiller, list[Sequence]], Pieces],
+    ) -> None:
+        """``trunk``: the ``ort-*`` session (None in the torch modes); ``cache``: the runner's slot cache;
+        ``trunk_rows``: how the prompts go through the trunk (the decode path's ``prefill``)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens!r}")
-        self.model, self.cache, self.trunk = model, cache, trunk
+        self.model, self.cache, self.trunk, self.trunk_rows = model, cache, trunk, trunk_rows
         self.pad_rows_to, self.max_prefill_tokens = pad_rows_to, max_prefill_tokens
         self.device = model.embed.emb_text.weight.device
         self.dtype = model.gpt.norm.weight.dtype
@@ -114,7 +129,7 @@ class Prefiller:
 
     def _trunk_rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, int]]:
         """Every prompt's trunk output in one fp32 tensor ``[rows, hidden]``, and where each starts."""
-        pieces = self._onnx(seqs) if self.trunk is not None else self._torch(seqs)
+        pieces = self.trunk_rows(self, seqs)
         starts: dict[int, int] = {}
         base = 0
         for piece_starts, h in pieces:
@@ -122,40 +137,6 @@ class Prefiller:
             base += h.shape[0]
         flat = torch.cat([h for _, h in pieces]) if len(pieces) > 1 else pieces[0][1]
         return flat, starts
-
-    def _onnx(self, seqs: list[Sequence]) -> list[tuple[dict[int, int], torch.Tensor]]:
-        """One ORT call per run of consecutive slots, rows right-padded to the run's longest prompt
-        (padding is zeros: it never enters a row's keys, and int8's per-call activation scale does not
-        see it); each call's output flattened to ``[run * longest, hidden]``."""
-        by_slot = sorted(seqs, key=lambda s: s.slot)
-        runs: list[list[Sequence]] = []
-        for seq in by_slot:
-            if runs and seq.slot == runs[-1][-1].slot + 1:
-                runs[-1].append(seq)
-            else:
-                runs.append([seq])
-        pieces = []
-        for run in runs:
-            lens = np.array([s.prompt_len for s in run], dtype=np.int32)
-            width = int(lens.max())
-            x = torch.zeros(len(run), width, self.model.embed.emb_text.weight.shape[1], device=self.device)
-            for b, seq in enumerate(run):
-                x[b, : seq.prompt_len] = self.embed_prompts([seq])
-            h = self.trunk.run(x, self.cache, run[0].slot, lens - 1, lens)
-            pieces.append(({s.seq_id: b * width for b, s in enumerate(run)}, h.reshape(-1, h.shape[-1])))
-        return pieces
-
-    def _torch(self, seqs: list[Sequence]) -> list[tuple[dict[int, int], torch.Tensor]]:
-        """Prompts packed into calls of at most ``max_prefill_tokens`` tokens."""
-        pieces = []
-        for chunk in self.chunks(seqs):
-            lengths = [s.prompt_len for s in chunk]
-            emb = self.embed_prompts(chunk).to(self.dtype)
-            slots = [s.slot for s in chunk]
-            h = prefill_prompts(self.model.gpt, emb, self.cache, slots, lengths, self.pad_rows_to).float()
-            starts = np.cumsum([0, *lengths[:-1]]).tolist()
-            pieces.append((dict(zip((s.seq_id for s in chunk), starts, strict=True)), h))
-        return pieces
 
     def chunks(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """``seqs`` in admission order, cut into runs of at most ``max_prefill_tokens`` prompt tokens."""
@@ -196,3 +177,39 @@ class Prefiller:
         if speaker_at:
             emb[self._to_device(torch.tensor(speaker_at))] = torch.stack(speakers).to(emb.device, emb.dtype)
         return emb
+
+
+def torch_prefill(pf: Prefiller, seqs: list[Sequence]) -> Pieces:
+    """Prompts packed into calls of at most ``max_prefill_tokens`` tokens."""
+    pieces = []
+    for chunk in pf.chunks(seqs):
+        lengths = [s.prompt_len for s in chunk]
+        emb = pf.embed_prompts(chunk).to(pf.dtype)
+        slots = [s.slot for s in chunk]
+        h = prefill_prompts(pf.model.gpt, emb, pf.cache, slots, lengths, pf.pad_rows_to).float()
+        starts = np.cumsum([0, *lengths[:-1]]).tolist()
+        pieces.append((dict(zip((s.seq_id for s in chunk), starts, strict=True)), h))
+    return pieces
+
+
+def onnx_prefill(pf: Prefiller, seqs: list[Sequence]) -> Pieces:
+    """One ORT call per run of consecutive slots, rows right-padded to the run's longest prompt
+    (padding is zeros: it never enters a row's keys, and int8's per-call activation scale does not
+    see it); each call's output flattened to ``[run * longest, hidden]``."""
+    by_slot = sorted(seqs, key=lambda s: s.slot)
+    runs: list[list[Sequence]] = []
+    for seq in by_slot:
+        if runs and seq.slot == runs[-1][-1].slot + 1:
+            runs[-1].append(seq)
+        else:
+            runs.append([seq])
+    pieces = []
+    for run in runs:
+        lens = np.array([s.prompt_len for s in run], dtype=np.int32)
+        width = int(lens.max())
+        x = torch.zeros(len(run), width, pf.model.embed.emb_text.weight.shape[1], device=pf.device)
+        for b, seq in enumerate(run):
+            x[b, : seq.prompt_len] = pf.embed_prompts([seq])
+        h = pf.trunk.run(x, pf.cache, run[0].slot, lens - 1, lens)
+        pieces.append(({s.seq_id: b * width for b, s in enumerate(run)}, h.reshape(-1, h.shape[-1])))
+    return pieces

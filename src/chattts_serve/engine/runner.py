@@ -5,8 +5,10 @@ few trunk calls as the mode allows, and their first logits from one heads call p
 are independent (``engine.prefill_runner``).
 
 Decode: all running sequences, text and code mixed, in one trunk call; heads and sampling per kind,
-batched. Sampling state lives on the device per KV slot (``engine.slot_state``): admission writes it,
-a step gathers it by slot index and writes its tokens back, so host work and launches do not grow
+batched. How the trunk runs is the decode path (``engine.decode_path``: rows, static, step graph or ONNX
+Runtime), picked once from the execution plan (``engine.plan``) through ``DECODE_PATHS``. Sampling state
+lives on the device per KV slot (``engine.slot_state``): admission writes it, a step gathers it by slot
+index and writes its tokens back (``engine.slot_sampler``), so host work and launches do not grow
 with the batch (except the ``generator`` noise source's one draw per unseeded sequence, and the CPU
 row-by-row attention). A step moves data between host and device at most twice: one staging copy in
 (admissions and index tensors, none while the running set is unchanged) and one copy out (the sampled
@@ -17,30 +19,44 @@ reference-identical).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from ..kernels import decode_attention
 from ..models.chattts.checkpoint import LoadedModel
-from ..models.chattts.config import AUDIO_EOS, GPTConfig
+from ..models.chattts.config import GPTConfig
 from ..models.chattts.gpt import KVCache
 from ..models.chattts.prepare import ModelLayout
-from .config import RunnerConfig
-from .cuda_graph import GraphStore, StaticDecoder
+from .cuda_graph import GraphStore
+from .decode_onnx import OnnxDecode
+from .decode_path import DecodePath, DecodeStep, Heads, RunnerParts
+from .decode_rows import RowsDecode
+from .decode_static import StaticDecode
 from .hidden_store import HiddenStore
-from .noise import CounterNoise, GeneratorNoise, resolve_noise, seed_value
+from .noise import seed_value
 from .outputs import RunnerOutput, SchedulerOutput
+from .plan import DECODE_PATHS as PATH_NAMES
+from .plan import ExecutionPlan
 from .prefill_runner import KindPrefill, Prefiller, SeqInputs, StepSampling
 from .request import Sequence
-from .sampler import PENALTY_WINDOW, batched_probs, sample_with_noise
+from .slot_sampler import SlotSampler
 from .slot_state import Admission, HostStaging, SlotState, TokenReadback
-from .step_graph import StepGraph, step_graphs_apply
-from .step_plan import KindRows, StepPlan, bind, build_plan
+from .step_graph import StepGraph
+from .step_plan import StepPlan, bind, build_plan
 
-__all__ = ["ModelRunner", "SeqInputs", "StepSampling", "auto_num_slots", "fitted_model_len"]
+__all__ = ["DECODE_PATHS", "ModelRunner", "SeqInputs", "StepSampling", "auto_num_slots", "fitted_model_len"]
+
+DECODE_PATHS: dict[str, Callable[[RunnerParts], DecodePath]] = {
+    "rows": RowsDecode,
+    "static": StaticDecode,
+    "step-graph": StepGraph,
+    "onnx": OnnxDecode,
+}
+"""``ExecutionPlan.decode`` -> its path (``engine.decode_path``): a new trunk backend adds its line here."""
+assert tuple(DECODE_PATHS) == PATH_NAMES
 
 
 class StageTimer(Protocol):
@@ -63,7 +79,7 @@ on a CPU half (host RAM is shared with everything else)."""
 def auto_num_slots(
     model: LoadedModel, max_len: int, device: torch.device, dtype: torch.dtype, fraction: float | None = None
 ) -> int:
-    """KV slots of ``dtype`` (``KVCache.dtype_for``) that fit in ``fraction`` (default
+    """KV slots of ``dtype`` (``ExecutionPlan.kv_cache_dtype``) that fit in ``fraction`` (default
     ``AUTO_SLOTS_FRACTION`` of the device type) of the free device memory (host RAM on CPU), 1 to
     ``MAX_AUTO_SLOTS``."""
     if fraction is None:
@@ -121,39 +137,26 @@ class ModelRunner:
         num_slots: int,
         max_model_len: int,
         text_eos_id: int,
-        config: RunnerConfig | None = None,
+        plan: ExecutionPlan,
         max_prefill_tokens: int = 2048,
     ) -> None:
         """``model`` as ``models.chattts.prepare.prepare_model`` left it (``layout``); the runner never changes it.
-        ``max_prefill_tokens``: prompt tokens per torch prefill call (``SchedulerConfig``'s budget per
-        step; a longer prompt still goes alone, whole)."""
+        ``plan``: what runs (``engine.plan.resolve_plan``). ``max_prefill_tokens``: prompt tokens per torch
+        prefill call (``SchedulerConfig``'s budget per step; a longer prompt still goes alone, whole)."""
         self.model = model
-        self.config = config or RunnerConfig()
+        self.plan = plan
         self.device = model.embed.emb_text.weight.device
-        self.dtype = model.gpt.norm.weight.dtype
-        self.trunk = layout.trunk
+        trunk = layout.trunk
         """``ort-*``: prefill and decode run in this ONNX Runtime session over the same slot cache."""
-        self.decode_mode = "onnx" if self.trunk is not None else self.config.resolve(self.device.type)
-        # The static step needs one scratch position past the last real one (see engine.cuda_graph).
-        extra = 1 if self.decode_mode == "static" else 0
-        if self.trunk is not None:
-            if self.config.kv_cache_dtype == "bf16":
-                raise ValueError("kv_cache_dtype bf16 is for the torch precisions; the ort-* cache is fp32")
-            self.cache = self.trunk.new_cache(num_slots, max_model_len)
+        if trunk is not None:
+            cache = trunk.new_cache(num_slots, max_model_len)
         else:
-            kv_dtype = KVCache.dtype_for(self.config.kv_cache_dtype, layout.precision.trunk_dtype)
-            self.cache = model.gpt.new_cache(num_slots, max_model_len + extra, dtype=kv_dtype)
-            if self.decode_mode == "rows":  # build the bf16 cache's attention kernel now, not mid-request
-                decode_attention.prepare(self.cache.k)
-        if self.decode_mode == "static":
-            self.cache.k.zero_(), self.cache.v.zero_()  # rows that decode nothing read finite values
+            # The static step needs one scratch position past the last real one (see engine.cuda_graph).
+            extra = 1 if plan.decode_mode == "static" else 0
+            cache = model.gpt.new_cache(num_slots, max_model_len + extra, dtype=plan.kv_cache_dtype)
+        self.cache: KVCache = cache
         self.num_vq = model.config.gpt.num_vq
         self.text_eos_id = text_eos_id
-        # One slot, unprepared fp32: every matmul runs on exactly the rows a batch-1 reference run uses
-        # (bit-exact with chattts). More slots: packed weights or padded rows (see models.chattts.prepare).
-        self.pad_rows_to = layout.pad_rows_to
-        self.packed = layout.packed
-        self.prefiller = Prefiller(model, self.cache, self.trunk, self.pad_rows_to, max_prefill_tokens)
         self.states: dict[int, int] = {}
         """seq_id -> slot of every sequence with sampling state (registered at prefill)."""
         self._owner: list[int | None] = [None] * num_slots
@@ -162,34 +165,38 @@ class ModelRunner:
         self._staging = HostStaging(num_slots * (self.slot_state.words + 3) + 8, self.device)
         self._readback = TokenReadback(num_slots * self.num_vq, self.device)
         self._plan: StepPlan | None = None
-        self._vocab = {"code": model.embed.head_code.shape[1], "text": model.embed.head_text.shape[0]}
-        self.noise_source = resolve_noise(self.config.sampling_noise, self.device.type)
-        self._generator_noise = GeneratorNoise(num_slots, self.device) if self.noise_source == "generator" else None
-        self._counter_noise = CounterNoise(self.device)
-        self.sync_free = self.device.type != "cpu"
-        """Sampling takes no branch that reads a device value back. On the CPU (False) two such
-        shortcuts are free and faster (``sampler.batched_probs``); tests set True there to run the
-        device path."""
+        self.heads = Heads(model, layout.pad_rows_to)
+        self.sampler = SlotSampler(self.slot_state, num_slots, plan.sampling_noise, text_eos_id, self.device)
         self.stage_timer: StageTimer | None = None
         """Set to time the prefill / decode / sampling stages of every step (profiling)."""
-        cfg = self.config
-        step_graphs = step_graphs_apply(
-            cfg.step_graphs, self.device.type, self.decode_mode, self.noise_source, cfg.cuda_graphs
-        )
         self.graph_store = GraphStore(self.device)
         """Every CUDA graph of this engine, their pool and their one capture stream (``cuda_graph``)."""
-        self.static: StaticDecoder | None = None
-        if self.decode_mode == "static":
-            # With step graphs every decode step replays one of them: the trunk's own graphs (one per
-            # bucket, captured at start-up) would never replay, so they are not captured.
-            trunk_graphs = cfg.cuda_graphs and not step_graphs
-            self.static = StaticDecoder(
-                model.gpt, self.cache, trunk_graphs, cfg.compile, cfg.strict_cuda_graphs, self.graph_store
-            )
-        self.step_graph: StepGraph | None = None
-        """Decode rows as one graph (the CUDA defaults; ``engine.step_graph``)."""
-        if step_graphs:
-            self.step_graph = StepGraph(self, cfg.cuda_graphs, cfg.strict_cuda_graphs)
+        self.parts = RunnerParts(
+            model, layout, plan, cache, self.slot_state, self.heads, self.sampler, self.graph_store
+        )
+        self.decode_path: DecodePath = DECODE_PATHS[plan.decode](self.parts)
+        """The one decode path, chosen once (``engine.decode_path``)."""
+        # One slot, unprepared fp32: every matmul runs on exactly the rows a batch-1 reference run uses
+        # (bit-exact with chattts). More slots: packed weights or padded rows (see models.chattts.prepare).
+        self.prefiller = Prefiller(
+            model, cache, trunk, layout.pad_rows_to, max_prefill_tokens, self.decode_path.prefill
+        )
+
+    def use_decode_path(self, make: Callable[[RunnerParts], DecodePath]) -> DecodePath:
+        """Run every later step's decode rows through ``make(parts)`` instead (``bench.host_overhead``
+        stands in for the device's work this way); returns it."""
+        self.decode_path = make(self.parts)
+        self.prefiller.trunk_rows = self.decode_path.prefill
+        return self.decode_path
+
+    @property
+    def sync_free(self) -> bool:
+        """Sampling takes no branch that reads a device value back (``SlotSampler.sync_free``)."""
+        return self.sampler.sync_free
+
+    @sync_free.setter
+    def sync_free(self, value: bool) -> None:
+        self.sampler.sync_free = value
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -203,6 +210,12 @@ class ModelRunner:
         k = self.cache.k  # [layers, slots, kv_heads, positions, head_dim]
         return 2 * k.shape[0] * k.shape[2] * k.shape[4] * k.element_size()
 
+    def counters(self) -> dict[str, int]:
+        """The decode path's graph counters, every ``EngineStats`` one present (0 where the path has none)."""
+        out = dict.fromkeys(_COUNTERS, 0)
+        out.update(self.decode_path.counters())
+        return out
+
     # ------------------------------------------------------------------ one step
 
     def release(self, finished: list[Sequence]) -> None:
@@ -211,67 +224,28 @@ class ModelRunner:
             slot = self.states.pop(seq.seq_id, None)
             if slot is not None and self._owner[slot] == seq.seq_id:
                 self._owner[slot] = None
-                if self._generator_noise is not None:
-                    self._generator_noise.release(slot)
+                self.sampler.release(slot)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        logits: dict[str, list[torch.Tensor]] = {"code": [], "text": []}
+        first: dict[str, torch.Tensor] = {}
         code_hidden: list[torch.Tensor] = []  # in the code kind's sampling order: prefills, then decodes
         admissions: list[Admission] = []
         if sched.prefill:
             with self._stage("prefill"):
                 pre: dict[str, KindPrefill] = self.prefiller.run(sched.prefill)
-                for kind, p in pre.items():
-                    logits[kind].append(p.logits)
+                first = {kind: p.logits for kind, p in pre.items()}
                 if "code" in pre:
                     code_hidden.append(pre["code"].last)
                 admissions = [self._admission(seq) for seq in sched.prefill]
         plan = self._step_plan(sched, admissions)
-        if sched.decode and self.step_graph is not None:
-            return self._execute_graph(sched, plan, logits, code_hidden)
-        if sched.decode:
-            with self._stage("decode"):
-                h_dec = self._decode_trunk(sched.decode, plan)  # [rows, hidden], padded
-                for k in plan.kinds:
-                    if k.n_decode:
-                        logits[k.kind].append(self._heads(k.kind, h_dec, k.dec_pos, k.n_decode))
-                        if k.kind == "code":
-                            code_hidden.append(h_dec.index_select(0, k.dec_pos))
-        with self._stage("sampling"):
-            sampled = [self._sample(k, torch.cat(logits[k.kind])) for k in plan.kinds]
-            flat = self._readback.read(torch.cat(sampled) if len(sampled) > 1 else sampled[0])
-            # ^ the step's one device-to-host copy and its one wait
+        out = self.decode_path.decode(DecodeStep(plan, sched.decode, first, self._stage))
+        if out.hidden is not None:
+            code_hidden.append(out.hidden)
+        tokens = out.tokens
+        flat = self._readback.read(torch.cat(tokens) if len(tokens) > 1 else tokens[0])
+        # ^ the step's one device-to-host copy and its one wait
         return self._output(plan, flat, code_hidden)
-
-    def _execute_graph(
-        self,
-        sched: SchedulerOutput,
-        plan: StepPlan,
-        prefill_logits: dict[str, list[torch.Tensor]],
-        code_hidden: list[torch.Tensor],
-    ) -> RunnerOutput:
-        """The step with its decode rows in one graph (``engine.step_graph``): the admissions' first
-        tokens are sampled eagerly first (they are not in the graph's rows), then the graph runs every
-        decode row; the tokens come back in one copy, in the order ``_output`` reads."""
-        assert self.step_graph is not None
-        first: dict[str, torch.Tensor] = {}
-        if sched.prefill:
-            with self._stage("sampling"):
-                for k in plan.kinds:
-                    if k.n_prefill:
-                        assert k.slots is not None
-                        slots, hosts = k.slots[: k.n_prefill], k.host_slots[: k.n_prefill]
-                        first[k.kind] = self.sample_slots(
-                            k.kind, slots, k.n_prefill, k.rows, k.k_max, prefill_logits[k.kind][0], hosts
-                        )
-        with self._stage("decode"):
-            decoded, h = self.step_graph.run(plan, max(s.cache_len for s in sched.decode))
-        parts = []
-        for k in plan.kinds:  # each kind: its admissions, then its decode rows (plan order)
-            parts += [t[k.kind] for t in (first, decoded) if k.kind in t]
-        flat = self._readback.read(torch.cat(parts) if len(parts) > 1 else parts[0])  # the step's one wait
-        return self._output(plan, flat, code_hidden + ([h] if h is not None else []))
 
     def _output(self, plan: StepPlan, flat: np.ndarray, code_hidden: list[torch.Tensor]) -> RunnerOutput:
         """The step's tokens per sequence from the host copy ``flat`` (kinds in plan order), and the code
@@ -302,8 +276,7 @@ class ModelRunner:
             raise ValueError(f"{seq.kind} sequence: expected 1 or {rows} temperatures, got {len(s.temperature)}")
         # Unseeded: from the global RNG, so torch.manual_seed() still makes unseeded runs repeatable.
         seed = s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        if self._generator_noise is not None:
-            self._generator_noise.admit(seq.slot, seed, s.seed is not None, rows, self._vocab[seq.kind])
+        self.sampler.admit(seq.slot, seed, s.seed is not None, rows, self.heads.vocab[seq.kind])
         self.states[seq.seq_id] = seq.slot
         self._owner[seq.slot] = seq.seq_id
         return Admission(
@@ -324,7 +297,7 @@ class ModelRunner:
             return self._plan
         st = self._staging
         off = self.slot_state.stage(st, admissions) if admissions else 0
-        plan = build_plan(sched, st, self.num_vq, self._vocab)
+        plan = build_plan(sched, st, self.num_vq, self.heads.vocab)
         st.flush()
         bind(plan, st)
         if admissions:
@@ -332,117 +305,14 @@ class ModelRunner:
         self._plan = plan
         return plan
 
-    def _decode_trunk(self, seqs: list[Sequence], plan: StepPlan) -> torch.Tensor:
-        """Embed every decoding slot's last token (kept on the device) and run the trunk step."""
-        embed = self.model.embed
-        assert plan.dec_slots is not None
-        parts = []
-        for k in plan.kinds:
-            if k.n_decode:
-                last = self.slot_state.last.index_select(0, k.dec_slots)  # text ids fill every column
-                parts.append((k, embed.embed_codes(last) if k.kind == "code" else embed.embed_text(last[:, 0])))
-        if len(parts) == 1:
-            emb = parts[0][1]  # one kind: its rows are the decode rows, in order
-        else:
-            emb = torch.empty(len(seqs), embed.emb_text.weight.shape[1], device=self.device)
-            for k, rows in parts:
-                emb.index_copy_(0, k.dec_pos, rows)
-        if self.static is not None:
-            max_len = max(s.cache_len for s in seqs)
-            positions = self.slot_state.positions(plan.dec_slots)
-            return self.static.run(emb, plan.dec_slots, positions, plan.max_slot, max_len).float()
-        # The row-by-row modes slice the cache with host ints (CPU paths: no device to wait for).
-        lengths = [s.cache_len for s in seqs]
-        slots = [s.slot for s in seqs]
-        if self.trunk is not None:
-            return self._decode_onnx(emb, slots, lengths)
-        return self.model.gpt.decode(emb.to(self.dtype), self.cache, slots, lengths, self.pad_rows_to).float()
 
-    def _decode_onnx(self, emb: torch.Tensor, slots: list[int], lengths: list[int]) -> torch.Tensor:
-        """One ORT step over the slot block ``min(slots) .. max(slots)`` (one contiguous piece of each
-        layer's cache, bound without a copy). Slots in between that decode nothing this step (free,
-        or prefilled this step) are idle rows: zero input, and their cache is left as it is."""
-        lo = min(slots)
-        rows = [s - lo for s in slots]
-        block = max(slots) - lo + 1
-        x = emb.new_zeros(block, 1, emb.shape[1])
-        x[rows, 0] = emb
-        seqlens_k = np.zeros(block, dtype=np.int32)
-        seqlens_k[rows] = lengths  # the new token goes to position lengths[b]: lengths[b] + 1 cached after
-        active = np.zeros(block, dtype=np.int32)
-        active[rows] = 1
-        return self.trunk.run(x, self.cache, lo, seqlens_k, active)[rows, 0]
-
-    def _heads(self, kind: str, h: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
-        """Logits of decode rows ``idx`` (``n`` of them), the matmul padded to ``pad_rows_to`` rows."""
-        rows = h.index_select(0, idx)
-        m = -(-n // self.pad_rows_to) * self.pad_rows_to
-        if m != n:
-            rows = torch.cat([rows, rows.new_zeros(m - n, rows.shape[1])])
-        if kind == "code":
-            return self.model.embed.code_logits(rows)[: n * self.num_vq]
-        return self.model.embed.text_logits(rows)[:n]
-
-    def _sample(self, k: KindRows, logits: torch.Tensor) -> torch.Tensor:
-        """One kind's tokens ``[len(seqs) * rows]``, every row with its slot's parameters, gathered on
-        the device in a fixed number of launches; then recorded into the slots' state."""
-        assert k.slots is not None
-        return self.sample_slots(k.kind, k.slots, len(k.seqs), k.rows, k.k_max, logits, k.host_slots)
-
-    def sample_slots(
-        self,
-        kind: str,
-        slots: torch.Tensor,
-        n: int,
-        rows: int,
-        k_max: int,
-        logits: torch.Tensor,
-        host_slots: list[int] | None = None,
-        active: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Tokens ``[n * rows]`` of the ``n`` sequences in ``slots`` from their ``logits`` ``[n * rows, V]``,
-        recorded into the slots' state. ``k_max`` >= every row's effective top_k (the vocabulary always
-        is: the same k-th value, no host value in the shapes). ``host_slots``: the generator noise's
-        slots. ``active`` ``[n]`` bool (the whole-step graph, ``engine.step_graph``): rows that are not
-        active are sampled but leave their slot's state as it was."""
-        st = self.slot_state
-
-        def per_row(values: torch.Tensor) -> torch.Tensor:  # [n] per sequence -> [n * rows]
-            return values[:, None].expand(n, rows).reshape(n * rows)
-
-        generated = st.generated.index_select(0, slots)
-        temperature = st.temperature.index_select(0, slots)[:, :rows].reshape(n * rows, 1)
-        penalty = per_row(st.penalty.index_select(0, slots))[:, None]
-        top_p = per_row(st.top_p.index_select(0, slots))[:, None]
-        top_k = per_row(st.top_k.index_select(0, slots))
-        block = per_row(generated < st.min_new_tokens.index_select(0, slots))
-        history = st.history.index_select(0, slots)[:, :rows].reshape(n * rows, PENALTY_WINDOW)
-        valid = st.window[None] < per_row(generated.clamp(max=PENALTY_WINDOW))[:, None]
-        if active is not None:  # a row that is not active may hold a text id or a freed slot's ids
-            history = history.masked_fill(~per_row(active)[:, None], 0)
-        eos = AUDIO_EOS if kind == "code" else self.text_eos_id
-        probs = batched_probs(
-            logits,
-            history,
-            valid,
-            temperature,
-            penalty,
-            top_p,
-            top_k,
-            k_max,
-            block,
-            eos,
-            host_reads=not self.sync_free,
-        )
-        vocab = logits.shape[-1]
-        if self._generator_noise is not None:
-            assert host_slots is not None
-            noise = self._generator_noise(host_slots, rows, vocab)
-        else:
-            noise = self._counter_noise(st.seed.index_select(0, slots), generated, rows, vocab)
-        tokens = sample_with_noise(probs, noise)
-        if active is None:
-            st.record(slots, generated, tokens.view(n, rows))
-        else:
-            st.record_active(n, generated, tokens.view(n, rows), active)
-        return tokens
+_COUNTERS = (
+    "graph_replays",
+    "eager_steps",
+    "graphs_refused",
+    "step_graph_replays",
+    "step_graph_eager_steps",
+    "step_graphs_captured",
+    "step_graphs_refused",
+)
+"""The graph counters of ``engine.core.EngineStats``."""

@@ -1,4 +1,5 @@
-"""The decode step as one CUDA graph: embed -> trunk -> heads -> sampling -> slot state.
+"""The "step-graph" decode path (the CUDA default): embed -> trunk -> heads -> sampling -> slot state as one
+CUDA graph (``engine.decode_path``).
 
 Why: with only the trunk captured (``cuda_graph.StaticDecoder``), a step still issues ~140 sampling
 launches per kind one by one from Python, about 2.5 ms of host time per step: more than an H200 needs
@@ -9,9 +10,9 @@ hidden states gathered by slot, the copy back) and the Python that reads the tok
 What it takes: every step with decode rows, in the static decode mode with counter noise (the CUDA
 defaults). Text rows (the refine pass) ride in the same graph (a second variant per bucket: text
 head and text sampling over the bucket's rows). A step's admissions are prefilled and sampled eagerly
-first, as before, and left alone by the graph. Steps with no decode row, and every step on a CPU
-unless ``step_graphs`` is "on", run as before; on a CPU "on" runs the same function eagerly (the
-tests compare it with the ordinary step there).
+first, as before, and left alone by the graph. On a CPU the plan picks this path only when
+``step_graphs`` is "on", and then runs the same function eagerly (the tests compare it with the ordinary
+step there).
 
 The function reads only device buffers whose addresses never change. Rows are slots ``0..bs-1`` (as
 in the static trunk step); ``code_active`` / ``text_active`` mark the rows that decode each kind this
@@ -40,16 +41,15 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
 from .cuda_graph import _TOLERANCE, _bucket
-
-if TYPE_CHECKING:
-    from .runner import ModelRunner
-    from .step_plan import StepPlan
+from .decode_path import Decoded, DecodeStep, RunnerParts
+from .decode_static import static_decoder
+from .prefill_runner import Pieces, Prefiller, torch_prefill
+from .request import Sequence
+from .step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -57,35 +57,27 @@ _MUTABLE = ("last", "generated", "history")
 """The slot state a step writes (``SlotState.record_active``)."""
 
 
-def step_graphs_apply(mode: str, device_type: str, decode_mode: str, noise_source: str, cuda_graphs: bool) -> bool:
-    """Whether the runner routes decode steps through ``StepGraph``: "auto" where the trunk is
-    captured anyway (CUDA, static decode, graphs on) and the noise needs no host (counter); "on"
-    wherever the step is static with counter noise (eagerly where there is no CUDA); "off" never."""
-    possible = decode_mode == "static" and noise_source == "counter"
-    if mode == "on":
-        if not possible:
-            raise ValueError("step_graphs on needs decode static and sampling_noise counter")
-        return True
-    return mode == "auto" and possible and cuda_graphs and device_type == "cuda"
-
-
 class StepGraph:
-    """See the module docstring. ``runner`` owns the model, the static trunk step, the slot state and
-    this object; it is held weakly (no reference cycle: an engine and its graphs go when it is dropped,
-    not at a later garbage collection)."""
+    """See the module docstring. It keeps the runner's parts it uses (never the runner: no reference
+    cycle, so an engine and its graphs go when it is dropped, not at a later garbage collection)."""
 
-    def __init__(self, runner: ModelRunner, use_graphs: bool, strict: bool = False) -> None:
-        static = runner.static
-        assert static is not None, "the step graph needs the static decode step"
-        self.runner: ModelRunner = weakref.proxy(runner)
+    name = "step-graph"
+
+    def __init__(self, parts: RunnerParts) -> None:
+        plan = parts.plan
+        # Every decode step replays one of these graphs: the trunk's own graphs would never replay.
+        static = static_decoder(parts, graphs=False)
         self.static = static
+        self.embed, self.cache, self.slot_state = parts.model.embed, parts.cache, parts.slot_state
+        self.heads, self.sampler = parts.heads, parts.sampler
+        self.num_vq = self.heads.num_vq
         self.device = static.device
-        slots = runner.cache.num_slots
+        slots = self.cache.num_slots
         self.code_active = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self.text_active = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self.rows = torch.arange(slots, device=self.device)
-        self.use_graphs = use_graphs and self.device.type == "cuda"
-        self.strict = strict
+        self.use_graphs = plan.cuda_graphs and self.device.type == "cuda"
+        self.strict = plan.strict_cuda_graphs
         self.store = static.store
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = (
             self.store.table("step")
@@ -110,30 +102,60 @@ class StepGraph:
         """One decode step of slots ``0..bs-1`` (attention over ``ctx`` positions): code tokens
         ``[bs * num_vq]``, final hidden states ``[bs, hidden]`` fp32 and, ``text``, text tokens ``[bs]``.
         Only device buffers in: ``code_active`` / ``text_active`` say which rows decode which kind."""
-        r, st, static = self.runner, self.runner.slot_state, self.static
+        st, static, heads, vocab = self.slot_state, self.static, self.heads, self.heads.vocab
         code_on, rows = self.code_active[:bs], self.rows[:bs]
         pos = st.prompt_len[:bs] + st.generated[:bs] - 1
         # A row that is not active may hold anything (a text id, a freed slot's last token): embed 0.
         last = st.last[:bs]
-        emb = r.model.embed.embed_codes(torch.where(code_on[:, None], last, 0))
+        emb = self.embed.embed_codes(torch.where(code_on[:, None], last, 0))
         on = code_on
         if text:
             text_on = self.text_active[:bs]
-            text_emb = r.model.embed.embed_text(torch.where(text_on, last[:, 0], 0))
+            text_emb = self.embed.embed_text(torch.where(text_on, last[:, 0], 0))
             emb = torch.where(text_on[:, None], text_emb, emb)
             on = code_on | text_on
         static.pos[:bs].copy_(torch.where(on, pos, static.scratch))
         static.emb[:bs].copy_(emb)
-        h = static.fn(static.emb[:bs], r.cache, static.pos[:bs], ctx).float()
-        code_logits = r._heads("code", h, rows, bs)
-        code = r.sample_slots("code", rows, bs, r.num_vq, r._vocab["code"], code_logits, active=code_on)
+        h = static.fn(static.emb[:bs], self.cache, static.pos[:bs], ctx).float()
+        code_logits = heads.logits("code", h, rows, bs)
+        code = self.sampler.sample_slots("code", rows, bs, self.num_vq, vocab["code"], code_logits, active=code_on)
         if not text:
             return code, h
         # After the code rows' record: each kind writes only its rows, the other's come back as they are.
-        text_logits = r._heads("text", h, rows, bs)
-        return code, h, r.sample_slots("text", rows, bs, 1, r._vocab["text"], text_logits, active=text_on)
+        text_logits = heads.logits("text", h, rows, bs)
+        return code, h, self.sampler.sample_slots("text", rows, bs, 1, vocab["text"], text_logits, active=text_on)
 
     # ------------------------------------------------------------------ one step
+
+    def decode(self, step: DecodeStep) -> Decoded:
+        """``DecodePath.decode``: the admissions' first tokens sampled eagerly (they are not in the graph's
+        rows), then every decode row in the graph."""
+        first: dict[str, torch.Tensor] = {}
+        if step.first:
+            with step.stage("sampling"):
+                for k in step.plan.kinds:
+                    if k.n_prefill:
+                        first[k.kind] = self.sampler.sample_first(k, step.first[k.kind])
+        decoded: dict[str, torch.Tensor] = {}
+        hidden = None
+        if step.seqs:
+            with step.stage("decode"):
+                decoded, hidden = self.run(step.plan, max(s.cache_len for s in step.seqs))
+        tokens = []
+        for k in step.plan.kinds:  # each kind: its admissions, then its decode rows (plan order)
+            tokens += [t[k.kind] for t in (first, decoded) if k.kind in t]
+        return Decoded(tokens, hidden)
+
+    def prefill(self, prefiller: Prefiller, seqs: list[Sequence]) -> Pieces:
+        return torch_prefill(prefiller, seqs)
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "step_graph_replays": self.graph_replays,
+            "step_graph_eager_steps": self.eager_steps,
+            "step_graphs_captured": len(self.graphs),
+            "step_graphs_refused": len(self.refused),
+        }
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, max_len: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -164,7 +186,7 @@ class StepGraph:
         hidden = None
         if "code" in decoding:
             slots = decoding["code"].dec_slots
-            tokens["code"] = out[0].view(bs, self.runner.num_vq).index_select(0, slots).view(-1)
+            tokens["code"] = out[0].view(bs, self.num_vq).index_select(0, slots).view(-1)
             hidden = out[1].index_select(0, slots)
         if "text" in decoding:
             tokens["text"] = out[2].index_select(0, decoding["text"].dec_slots)
@@ -186,13 +208,13 @@ class StepGraph:
     def capture_all(self) -> None:
         """Capture and check every bucket's graph on a probe step (module docstring), then put the
         slot state and the masks back as they were (no sequence is running yet)."""
-        st, r = self.runner.slot_state, self.runner
+        st = self.slot_state
         t0 = time.perf_counter()
         saved = {name: getattr(st, name).clone() for name in (*_MUTABLE, "prompt_len")}
         cuda = self.device.type == "cuda"
         reserved = torch.cuda.memory_reserved(self.device) if cuda else 0
         gen = torch.Generator(device="cpu").manual_seed(0)
-        vocab = min(r._vocab.values())
+        vocab = min(self.heads.vocab.values())
         st.last.copy_(torch.randint(0, vocab, st.last.shape, generator=gen))
         st.prompt_len.fill_(1)  # position 0: nothing is cached yet, and the next prefill overwrites it
         probe = self._save()
@@ -225,11 +247,11 @@ class StepGraph:
         )
 
     def _save(self) -> dict[str, torch.Tensor]:
-        st = self.runner.slot_state
+        st = self.slot_state
         return {name: getattr(st, name).clone() for name in _MUTABLE}
 
     def _restore(self, saved: dict[str, torch.Tensor]) -> None:
-        st = self.runner.slot_state
+        st = self.slot_state
         for name, value in saved.items():
             getattr(st, name).copy_(value)
 
@@ -249,7 +271,7 @@ class StepGraph:
             t.fill_(float("nan") if t.is_floating_point() else -1)
         graph.replay()
         rtol, atol = _TOLERANCE.get(self.static.emb.dtype, (1e-5, 1e-5))
-        state_ok = all(torch.equal(getattr(self.runner.slot_state, n), after[n]) for n in _MUTABLE)
+        state_ok = all(torch.equal(getattr(self.slot_state, n), after[n]) for n in _MUTABLE)
         tokens_ok = all(torch.equal(o, w) for o, w in zip(out, want, strict=True) if not o.is_floating_point())
         hidden_ok = bool(torch.allclose(out[1], want[1], rtol=rtol, atol=atol))
         if state_ok and tokens_ok and hidden_ok:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from ..engine.outputs import Word
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -163,15 +165,6 @@ class Utterance:
     """Work units (input tokens): the scheduler admits a batch while their sum fits ``max_batch_work``."""
     inputs: Any
     """The family's own input (token ids, voice, speed, seed): opaque to the engine."""
-
-
-@dataclass(frozen=True, slots=True)
-class Word:
-    """One word's place in its utterance's audio, in samples (counted from predicted durations)."""
-
-    text: str
-    start: int
-    end: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,6 +79,9 @@ LANGUAGES = ["zh", "en"]
 SAMPLE_WIDTH = 2  # bytes: 16-bit PCM
 CHANNELS = 1
 SAMPLES_PER_CHUNK = 1024
+YIELD_EVERY_EVENTS = 16
+"""A long delta's audio-chunk events give the event loop a turn this often: a local client's socket always has
+room, so sending never suspends, and a 10-minute delta (14,000 events) would otherwise hold the loop whole."""
 """Audio is sent in events of at most this many samples (43 ms), as the Wyoming TTS servers do: a player
 starts on the first small one instead of waiting for a whole engine chunk (up to seconds)."""
 DESCRIBED_SAVED_VOICES = 100
@@ -235,11 +238,13 @@ class _AudioOut:
             await self._start()
         pcm = to_pcm16(chunk.audio)
         step = SAMPLES_PER_CHUNK * SAMPLE_WIDTH
-        for i in range(0, len(pcm), step):
+        for n, i in enumerate(range(0, len(pcm), step), 1):
             piece = pcm[i : i + step]
             event = AudioChunk(self.rate, SAMPLE_WIDTH, CHANNELS, piece, timestamp=self._ms()).event()
             await self.connection.send(event)
             self.samples += len(piece) // SAMPLE_WIDTH
+            if n % YIELD_EVERY_EVENTS == 0:
+                await asyncio.sleep(0)
 
     def part_done(self) -> None:
         pass

@@ -7,6 +7,7 @@ import torch
 
 from chattts_serve.models.kokoro import checkpoint as ck
 from chattts_serve.models.kokoro.checkpoint import CheckpointError, fold_weight_norm, is_kokoro_dir, load, resolve
+from chattts_serve.models.kokoro.config import KokoroConfig
 
 
 def _rewrite(src, dst, edit):
@@ -58,12 +59,14 @@ def test_keys_without_the_prefix_load_too(kokoro_tiny, tmp_path, kokoro_model):
 
 def test_affine_instance_norm_weights_are_taken_when_present(kokoro_tiny, tmp_path):
     """The package's own state_dict() carries AdaIN's norm.weight/bias; a file saved from it loads."""
+    width = KokoroConfig.from_file(kokoro_tiny / "config.json").hidden_dim + 2  # the encode block's input
+
     def add(blob):
-        blob["decoder"]["module.encode.norm1.norm.weight"] = torch.full((514,), 2.0)
-        blob["decoder"]["module.encode.norm1.norm.bias"] = torch.zeros(514)
+        blob["decoder"]["module.encode.norm1.norm.weight"] = torch.full((width,), 2.0)
+        blob["decoder"]["module.encode.norm1.norm.bias"] = torch.zeros(width)
 
     model = load(_rewrite(kokoro_tiny, tmp_path / "c", add))
-    assert torch.equal(model.decoder.encode.norm1.norm.weight, torch.full((514,), 2.0))
+    assert torch.equal(model.decoder.encode.norm1.norm.weight, torch.full((width,), 2.0))
 
 
 def test_fold_matches_torch_weight_norm_bit_for_bit():

@@ -25,6 +25,18 @@ def test_round_trip_is_the_official_file():
     assert list(KokoroConfig.official().to_dict()) == list(raw)  # field order too
 
 
+def test_decoder_widths_default_to_the_official_ones_and_round_trip():
+    official = KokoroConfig.official()
+    assert (official.decoder_dim, official.asr_res_dim) == (1024, 64)  # what the package hard-codes
+    raw = _raw()
+    raw.update(hidden_dim=64, decoder_dim=128, asr_res_dim=16)
+    raw["istftnet"]["upsample_initial_channel"] = 32
+    small = KokoroConfig.from_dict(raw)
+    assert (small.hidden_dim, small.decoder_dim, small.asr_res_dim) == (64, 128, 16)
+    assert small.to_dict() == raw
+    assert list(small.to_dict())[-2:] == ["decoder_dim", "asr_res_dim"]  # after the official fields
+
+
 def test_config_is_frozen():
     with pytest.raises(AttributeError):
         KokoroConfig.official().n_token = 3  # type: ignore[misc]
@@ -39,7 +51,9 @@ def _raw():
     [
         (lambda r: r.pop("n_token"), "missing field 'n_token'"),
         (lambda r: r["plbert"].pop("hidden_size"), "missing field 'hidden_size'"),
-        (lambda r: r.update(hidden_dim=256), "hidden_dim must be 512"),
+        (lambda r: r.update(decoder_dim=0), "decoder_dim must be a positive integer"),
+        (lambda r: r.update(asr_res_dim=True), "asr_res_dim must be a positive integer"),
+        (lambda r: r["istftnet"].update(upsample_initial_channel=66), "must halve at every upsampling stage"),
         (lambda r: r.update(n_layer=0), "n_layer must be a positive integer"),
         (lambda r: r.update(text_encoder_kernel_size=4), "must be odd"),
         (lambda r: r["plbert"].update(num_attention_heads=7), "multiple of plbert.num_attention_heads"),

@@ -43,3 +43,23 @@ def test_live_reference(tmp_path, seed):
         assert report[f"{i}/durations"] == 0
     assert max(report.values()) <= 1e-5, report
     assert np.isfinite(list(report.values())).all()
+
+
+def test_reference_bench_keeps_the_protocol(tmp_path):
+    """models/kokoro/reference_bench.py under the reference python: bench/family.py's protocol, and the package
+    speaks the bench's texts as long as our engine does (the same sentences, durations exact)."""
+    from chattts_serve.bench import family as bench_family
+    from chattts_serve.engine.engine import Engine
+    from chattts_serve.models import get
+    from chattts_serve.sampling_params import SamplingParams
+
+    ckpt = write_random(tmp_path / "ckpt", "tiny", seed=3, voices=("zf_xiaobei",))
+    reqs, _ = bench_family.requests("zh", 2, "zf_xiaobei")
+    jobs = {"threads": 1, "rounds": 2, "requests": reqs}
+    out = bench_family.run_reference(REFERENCE_PYTHON, bench_family.reference_script(get("kokoro")), ckpt, jobs)
+    assert out["package"] == "kokoro 0.9.4" and out["threads"] == 1
+    assert len(out["single_s"]) == len(out["sequential_s"]) == 2 and len(out["audio_s"]) == 3
+    engine = Engine.from_pretrained(ckpt)
+    ours = engine.synthesize([r["text"] for r in reqs],
+                             [SamplingParams(seed=r["seed"], speaker="zf_xiaobei", lang="zh") for r in reqs])
+    assert [round(r.duration, 4) for r in ours] == out["audio_s"]

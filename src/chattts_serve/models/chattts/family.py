@@ -72,18 +72,19 @@ class ChatTTSFamily(ModelFamily):
 
         from ...engine.calibrate import calibrate
         from ...engine.onednn import bound_kernel_caches
+        from ...engine.plan import resolve_plan
         from ...engine.runner import auto_num_slots, fitted_model_len
         from ...kernels.quant import check_supported, parse_precision
         from . import checkpoint
-        from .gpt import KVCache
         from .prepare import prepare_model
         from .tokenizer import Tokenizer
 
         bound_kernel_caches()  # before any weights are packed: oneDNN reads it once (see engine.onednn)
         spec = parse_precision(config.precision)
         check_supported(spec, device)
+        plan = resolve_plan(config, device.type)  # every "auto" settled here, once
         model = checkpoint.load(root, device=device, dtype=torch.float32)
-        kv_dtype = KVCache.dtype_for(config.runner.kv_cache_dtype, spec.trunk_dtype)
+        kv_dtype = plan.kv_cache_dtype
         sc = config.scheduler
         if config.auto_slots:  # as many KV slots as half the free memory holds
             n = auto_num_slots(model, sc.max_model_len, device, kv_dtype)
@@ -111,14 +112,15 @@ class ChatTTSFamily(ModelFamily):
             onnx_cache_dir=config.runner.onnx_cache_dir,
             ort_auto_crossover=config.runner.ort_auto_crossover,
         )
-        return ChatTTSModel(self, model, tokenizer, stats, config, layout)
+        logger.info("%s", plan.describe())
+        return ChatTTSModel(self, model, tokenizer, stats, config, layout, plan)
 
 
 class ChatTTSModel(FamilyModel):
-    """A loaded ChatTTS checkpoint: the modules (``model``), tokenizer, speaker statistics and the layout
-    ``prepare_model`` left for the engine config."""
+    """A loaded ChatTTS checkpoint: the modules (``model``), tokenizer, speaker statistics, the layout
+    ``prepare_model`` left for the engine config and the execution plan (``engine.plan``) it runs by."""
 
-    def __init__(self, family: ChatTTSFamily, model, tokenizer, speaker_stats, config, layout) -> None:
+    def __init__(self, family: ChatTTSFamily, model, tokenizer, speaker_stats, config, layout, plan) -> None:
         self.family = family
         self.model = model
         self.root = Path(model.root)
@@ -126,6 +128,7 @@ class ChatTTSModel(FamilyModel):
         self.speaker_stats = speaker_stats
         self.config = config
         self.layout = layout
+        self.plan = plan
         from .voices import ChatTTSVoices
 
         self._voices = ChatTTSVoices(speaker_stats, model.config.gpt.hidden_size)
@@ -160,7 +163,7 @@ class ChatTTSModel(FamilyModel):
     def stage(self, config):
         from .stage import ChatTTSStage
 
-        return ChatTTSStage(self.model, self.tokenizer, config, self.layout)
+        return ChatTTSStage(self.model, self.tokenizer, config, self.layout, self.plan)
 
 
 def _speaker_stats(model):

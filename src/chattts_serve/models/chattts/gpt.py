@@ -8,6 +8,8 @@ same causal/mask arguments), because the fidelity tests require identical sample
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,11 +88,6 @@ class KVCache(nn.Module):
         """Keys and values of one slot of ``max_len`` positions, all layers: the one KV-size rule (the
         runner's auto slots and a replica's memory budget both size the cache by it)."""
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * dtype.itemsize
-
-    @staticmethod
-    def dtype_for(kv_cache_dtype: str, trunk_dtype: torch.dtype) -> torch.dtype:
-        """The dtype the cache holds for ``RunnerConfig.kv_cache_dtype``: "bf16", or "auto" (the trunk's)."""
-        return torch.bfloat16 if kv_cache_dtype == "bf16" else trunk_dtype
 
     @property
     def num_slots(self) -> int:
@@ -286,6 +283,13 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+Attend = Callable[[Attention, torch.Tensor], torch.Tensor]
+"""How a trunk call attends: (the layer's ``Attention``, the normed input) -> the attention output after
+``o_proj``. Each call shape brings its own (``GPT.forward``: the prompt; ``GPT.decode``: each row over its own
+keys; ``GPT.decode_static``: fixed shapes; ``models.chattts.prefill``: packed prompts); the layer around it
+is ``DecoderLayer.forward``, written once."""
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
         super().__init__()
@@ -294,16 +298,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, cache, slots, start, attn_mask):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, slots, start, attn_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def decode(self, h, cos, sin, cache, slots, lengths, where):
-        h = h + self.self_attn.decode(self.input_layernorm(h), cos, sin, cache, slots, lengths, where)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def decode_static(self, h, cos, sin, cache, positions, mask):
-        h = h + self.self_attn.decode_static(self.input_layernorm(h), cos, sin, cache, positions, mask)
+    def forward(self, h: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The layer, the one place its math is written: pre-norm attention and SwiGLU MLP, each added to
+        the residual stream (the reference's order, op for op)."""
+        h = h + attend(self.self_attn, self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -321,6 +319,13 @@ class GPT(nn.Module):
         """(Re)build the non-persistent buffers, e.g. after loading onto a meta-device module."""
         inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta)
         self.register_buffer("inv_freq", inv_freq.to(device) if device else inv_freq, persistent=False)
+
+    def run_layers(self, h: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Every layer over the residual stream ``h`` (before the final norm, which the caller applies to
+        the rows it keeps)."""
+        for layer in self.layers:
+            h = layer(h, attend)
+        return h
 
     def new_cache(self, num_slots: int, max_len: int, dtype=None, device=None) -> KVCache:
         p = next(self.parameters())
@@ -347,10 +352,8 @@ class GPT(nn.Module):
         """Returns final-norm hidden states: [B, hidden] for the last position, or [B, T, hidden]."""
         if start + embeds.shape[1] > cache.max_len:
             raise ValueError(f"sequence of {start + embeds.shape[1]} positions exceeds cache {cache.max_len}")
-        h = embeds
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin, cache, slots, start, attn_mask)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, embeds.dtype)
+        h = self.run_layers(embeds, lambda attn, x: attn(x, cos, sin, cache, slots, start, attn_mask))
         if last_only:
             h = h[:, -1]
         return self.norm(h)
@@ -381,9 +384,7 @@ class GPT(nn.Module):
         cos, sin = rope_cos_sin(pos, self.inv_freq, h.dtype)
         cos, sin = cos[:, None, None], sin[:, None, None]  # shaped once for every layer
         where = (torch.tensor(slots, device=h.device), pos[:bsz])
-        for layer in self.layers:
-            h = layer.decode(h, cos, sin, cache, slots, lengths, where)
-        return self.norm(h)
+        return self.norm(self.run_layers(h, lambda attn, x: attn.decode(x, cos, sin, cache, slots, lengths, where)))
 
     def decode_static(self, embeds: torch.Tensor, cache: KVCache, positions: torch.Tensor, ctx: int) -> torch.Tensor:
         """One decode step for slots ``0..B-1`` (row b = slot b) attending over the first ``ctx`` cache
@@ -394,9 +395,7 @@ class GPT(nn.Module):
         cos, sin = rope_cos_sin(positions, self.inv_freq, embeds.dtype)
         cos, sin = cos[:, None, None], sin[:, None, None]
         mask = (torch.arange(ctx, device=embeds.device)[None, :] <= positions[:, None])[:, None, None, :]
-        h = embeds
-        for layer in self.layers:
-            h = layer.decode_static(h, cos, sin, cache, positions, mask)
+        h = self.run_layers(embeds, lambda attn, x: attn.decode_static(x, cos, sin, cache, positions, mask))
         return self.norm(h)
 
 

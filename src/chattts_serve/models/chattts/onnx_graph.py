@@ -22,6 +22,12 @@ Per layer: RMSNorm (``SimplifiedLayerNormalization``; later ones fused with the 
 ``SkipSimplifiedLayerNormalization``), one q/k/v MatMul, GQA (rotate-half RoPE from fp32 cos/sin
 tables, the same values ``models.chattts.gpt`` uses), o_proj MatMul, SwiGLU with one gate/up MatMul. The
 weights are the only thing ``kernels.onnx_quant`` changes.
+
+This is ``models.chattts.gpt.DecoderLayer.forward`` (the one torch layer, which every torch call shape runs)
+spelled in ONNX ops, with its weights read from that module (``_layer_weights``). It is written rather than
+traced because what makes the step fast has no torch op to trace: GroupQueryAttention's in-place cache (past
+and present bound to one buffer) and idle rows, and ORT's fused residual norms. ``tests/models/chattts/
+test_onnx.py`` holds it to the torch layer (ort-fp32 against ``GPT`` over prefill and decode steps).
 """
 
 from __future__ import annotations

@@ -45,9 +45,7 @@ def prefill_prompts(
     cos, sin = rope_cos_sin(pos, gpt.inv_freq, h.dtype)
     cos, sin = cos[:, None], sin[:, None]  # [rows, 1, head_dim]: shaped once for every layer
     where = (slot_of, pos[:n_tok])
-    for layer in gpt.layers:  # DecoderLayer.forward's residual order
-        h = h + _attend(layer.self_attn, layer.input_layernorm(h), cos, sin, cache, slots, lengths, where)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    h = gpt.run_layers(h, lambda attn, x: _attend(attn, x, cos, sin, cache, slots, lengths, where))
     return gpt.norm(h[:n_tok])
 
 

@@ -13,7 +13,6 @@ import logging
 
 import torch
 
-from ...audio.decode import resolve_audio_dtype
 from ...audio.overlap import AudioDecoder, Entry, split_failed
 from ...audio.policy import StreamPolicy
 from ...cpu import probe
@@ -21,6 +20,7 @@ from ...engine.config import EngineConfig
 from ...engine.input_processor import InputProcessor, PreparedRequest
 from ...engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput, StepOutput
 from ...engine.pipeline import RequestPipeline
+from ...engine.plan import ExecutionPlan
 from ...engine.request import FinishReason, Sequence
 from ...engine.runner import ModelRunner
 from ...sampling_params import SamplingParams
@@ -44,8 +44,11 @@ def check_no_options(params: SamplingParams) -> None:
 class ChatTTSStage:
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, model: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, layout: ModelLayout) -> None:
-        """``model`` prepared by ``models.chattts.prepare.prepare_model`` (which returned ``layout``)."""
+    def __init__(
+        self, model: LoadedModel, tokenizer: Tokenizer, config: EngineConfig, layout: ModelLayout, plan: ExecutionPlan
+    ) -> None:
+        """``model`` prepared by ``models.chattts.prepare.prepare_model`` (which returned ``layout``) for ``plan``
+        (``engine.plan``: the config's every "auto" settled)."""
         self.model = model
         self._failed: list[str] = []
         sc = config.scheduler
@@ -56,22 +59,22 @@ class ChatTTSStage:
                 "(max_position_embeddings)"
             )
         self.runner = ModelRunner(
-            model, layout, sc.max_num_seqs, sc.max_model_len, tokenizer.eos_id, config.runner, sc.max_prefill_tokens
+            model, layout, sc.max_num_seqs, sc.max_model_len, tokenizer.eos_id, plan, sc.max_prefill_tokens
         )
         self.device = self.runner.device
         self.inputs = InputProcessor(tokenizer, gpt.hidden_size, gpt.num_vq, config.max_audio_seconds)
         self.pipeline = RequestPipeline(
             tokenizer, gpt.hidden_size, gpt.num_vq, sc.max_model_len, self.device, sc.max_num_seqs
         )
-        self.audio_dtype = resolve_audio_dtype(config.audio_dtype, self.device.type)
+        self.audio_dtype = plan.audio_dtype
         if self.audio_dtype == "bf16" and self.device.type == "cpu" and not probe().bf16:
             logger.warning("audio_dtype bf16 on a CPU without AVX-512 BF16 or AMX: emulated, slower than fp32")
         self.decoder = AudioDecoder(
             model,
             self.device,
             self.audio_dtype,
-            overlap=config.resolve_audio_overlap(self.device.type),
-            buckets=config.resolve_audio_buckets(self.device.type),
+            overlap=plan.audio_overlap,
+            buckets=plan.audio_buckets,
         )
         if self.device.type == "cuda":
             logger.info(
@@ -133,16 +136,7 @@ class ChatTTSStage:
         self.runner.states.clear()
 
     def counters(self) -> dict[str, int]:
-        static, whole = self.runner.static, self.runner.step_graph
-        return {
-            "graph_replays": static.graph_replays if static else 0,
-            "eager_steps": static.eager_steps if static else 0,
-            "graphs_refused": static.graphs_refused if static else 0,
-            "step_graph_replays": whole.graph_replays if whole else 0,
-            "step_graph_eager_steps": whole.eager_steps if whole else 0,
-            "step_graphs_captured": len(whole.graphs) if whole else 0,
-            "step_graphs_refused": len(whole.refused) if whole else 0,
-        }
+        return self.runner.counters()
 
     # ------------------------------------------------------------------ audio
 

@@ -1,9 +1,15 @@
 """KokoroConfig: the official ``config.json`` read once into a frozen, validated dataclass.
 
-The network's shape is only partly in the file: the decoder's widths (1024, 512, the 64-channel ASR
-residual), the 128/128 split of a voice row and the 24 kHz rate are written into the architecture
-(``kokoro/istftnet.py`` of the package hard-codes them). We keep them as named constants here and check
-that the file agrees with them, so a config that could not run says so at load, not deep in a forward.
+The network's shape is only partly in the official file: the decoder's widths (its 1024-channel blocks and
+the 64-channel ASR residual) and the 24 kHz rate are written into the package's architecture
+(``kokoro/istftnet.py`` hard-codes 1024, 64, and 512 for ``hidden_dim`` and ``upsample_initial_channel``).
+We read the two widths from two optional top-level fields, ``decoder_dim`` and ``asr_res_dim``, whose
+defaults are the official values, so the official file loads unchanged and a test checkpoint can be small
+(``random_checkpoint.tiny_config``). They are top level, not in ``istftnet``: the package passes that
+block to its ``Decoder`` as keyword arguments, where an unknown key is a TypeError, while it ignores
+top-level keys it does not read. ``to_dict`` writes them only when they differ from the defaults, so the
+official file round-trips byte for byte. Everything is checked at load, so a config that could not run
+says so there, not deep in a forward.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from types import MappingProxyType
 from typing import Any
 
 SAMPLE_RATE = 24000
-# Widths fixed by the architecture (not in config.json).
-DECODER_WIDTH = 1024  # the decoder's encode/decode blocks
-DECODER_OUT = 512  # the last decode block, which is also the generator's input
-ASR_RES_WIDTH = 64  # the ASR residual re-injected into every decode block
+# The official widths the package hard-codes; optional config fields here (``decoder_dim``, ``asr_res_dim``).
+DECODER_DIM = 1024  # the decoder's encode/decode blocks
+ASR_RES_DIM = 64  # the ASR residual re-injected into every decode block
+_WIDTHS = {"decoder_dim": DECODER_DIM, "asr_res_dim": ASR_RES_DIM}
+"""The optional width fields and their official values (written by ``to_dict`` only when they differ)."""
 HARMONICS = 8  # the sine source's overtones above F0 (9 sines in all)
 VOICED_THRESHOLD = 10.0  # Hz: F0 above this is voiced
 SINE_AMP = 0.1
@@ -85,6 +92,9 @@ class KokoroConfig:
     dim_in: int = 64
     max_conv_dim: int = 512
     multispeaker: bool = True
+    # Not in the official file (the package hard-codes them): the decoder's widths.
+    decoder_dim: int = DECODER_DIM
+    asr_res_dim: int = ASR_RES_DIM
 
     @property
     def sample_rate(self) -> int:
@@ -130,7 +140,7 @@ class KokoroConfig:
                 n_layer=raw["n_layer"], n_mels=raw["n_mels"], max_dur=raw["max_dur"], dropout=raw["dropout"],
                 text_encoder_kernel_size=raw["text_encoder_kernel_size"], plbert=plbert, istftnet=istft,
                 vocab=MappingProxyType(dict(raw["vocab"])),
-                **{k: raw[k] for k in ("dim_in", "max_conv_dim", "multispeaker") if k in raw},
+                **{k: raw[k] for k in ("dim_in", "max_conv_dim", "multispeaker", *_WIDTHS) if k in raw},
             )
         except KeyError as exc:
             raise ConfigError(f"{source}: missing field {exc.args[0]!r}") from None
@@ -162,14 +172,11 @@ class KokoroConfig:
 
         ints = {"n_token": self.n_token, "hidden_dim": self.hidden_dim, "style_dim": self.style_dim,
                 "n_layer": self.n_layer, "max_dur": self.max_dur,
-                "text_encoder_kernel_size": self.text_encoder_kernel_size}
+                "text_encoder_kernel_size": self.text_encoder_kernel_size, "decoder_dim": self.decoder_dim,
+                "asr_res_dim": self.asr_res_dim, "upsample_initial_channel": self.istftnet.upsample_initial_channel}
         for name, value in ints.items():
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
                  f"{name} must be a positive integer, got {value!r}")
-        # The decoder's widths are written into the architecture, so these follow from them.
-        need(self.hidden_dim == DECODER_OUT, f"hidden_dim must be {DECODER_OUT} (the decoder's ASR input)")
-        need(self.istftnet.upsample_initial_channel == DECODER_OUT,
-             f"istftnet.upsample_initial_channel must be {DECODER_OUT} (the decoder's output)")
         need(self.text_encoder_kernel_size % 2 == 1, "text_encoder_kernel_size must be odd")
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout!r}")
         p = self.plbert
@@ -185,7 +192,8 @@ class KokoroConfig:
         need(all(len(d) > 0 for d in i.resblock_dilation_sizes), "every resblock needs dilations")
         need(i.gen_istft_n_fft > 0 and i.gen_istft_n_fft % 2 == 0, "istftnet.gen_istft_n_fft must be even")
         need(i.gen_istft_hop_size > 0, "istftnet.gen_istft_hop_size must be positive")
-        need(DECODER_OUT % 2 ** len(i.upsample_rates) == 0, "too many upsampling stages for the decoder width")
+        need(i.upsample_initial_channel % 2 ** len(i.upsample_rates) == 0,
+             "istftnet.upsample_initial_channel must halve at every upsampling stage")
         ids = list(self.vocab.values())
         need(len(ids) > 0, "vocab is empty")
         need(all(isinstance(t, str) and len(t) == 1 for t in self.vocab), "vocab keys must be single characters")
@@ -213,4 +221,5 @@ class KokoroConfig:
                 "num_hidden_layers": p.num_hidden_layers, "dropout": p.dropout,
             },
             "vocab": dict(self.vocab),
+            **{k: getattr(self, k) for k, default in _WIDTHS.items() if getattr(self, k) != default},
         }

@@ -20,9 +20,6 @@ from torch.nn import functional as F
 
 from .blocks import AdainResBlk1d, AdaINResBlock1
 from .config import (
-    ASR_RES_WIDTH,
-    DECODER_OUT,
-    DECODER_WIDTH,
     HARMONICS,
     NOISE_STD,
     SAMPLE_RATE,
@@ -163,19 +160,22 @@ class Generator(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, dim_in: int, style_dim: int, cfg: IstftnetConfig):
+    def __init__(self, dim_in: int, style_dim: int, cfg: IstftnetConfig, width: int, asr_res: int):
+        """``dim_in``: the ASR features' width (``hidden_dim``); ``width`` and ``asr_res``: the blocks' and the
+        ASR residual's widths (``decoder_dim``, ``asr_res_dim``: 1024 and 64 in the official model)."""
         super().__init__()
-        side = 2 + ASR_RES_WIDTH  # F0, energy and the ASR residual ride along into every decode block
-        self.encode = AdainResBlk1d(dim_in + 2, DECODER_WIDTH, style_dim)
+        side = 2 + asr_res  # F0, energy and the ASR residual ride along into every decode block
+        out = cfg.upsample_initial_channel
+        self.encode = AdainResBlk1d(dim_in + 2, width, style_dim)
         self.decode = nn.ModuleList([
-            AdainResBlk1d(DECODER_WIDTH + side, DECODER_WIDTH, style_dim),
-            AdainResBlk1d(DECODER_WIDTH + side, DECODER_WIDTH, style_dim),
-            AdainResBlk1d(DECODER_WIDTH + side, DECODER_WIDTH, style_dim),
-            AdainResBlk1d(DECODER_WIDTH + side, DECODER_OUT, style_dim, upsample=True),
+            AdainResBlk1d(width + side, width, style_dim),
+            AdainResBlk1d(width + side, width, style_dim),
+            AdainResBlk1d(width + side, width, style_dim),
+            AdainResBlk1d(width + side, out, style_dim, upsample=True),
         ])
         self.F0_conv = WNConv1d(1, 1, kernel_size=3, stride=2, groups=1, padding=1)
         self.N_conv = WNConv1d(1, 1, kernel_size=3, stride=2, groups=1, padding=1)
-        self.asr_res = nn.Sequential(WNConv1d(DECODER_OUT, ASR_RES_WIDTH, kernel_size=1))
+        self.asr_res = nn.Sequential(WNConv1d(dim_in, asr_res, kernel_size=1))
         self.generator = Generator(style_dim, cfg)
 
     def forward(self, asr: torch.Tensor, f0: torch.Tensor, energy: torch.Tensor, style: torch.Tensor,

@@ -56,7 +56,8 @@ class KokoroModel(nn.Module):
         self.predictor = ProsodyPredictor(config.style_dim, config.hidden_dim, config.n_layer, config.max_dur)
         self.text_encoder = TextEncoder(config.hidden_dim, config.text_encoder_kernel_size, config.n_layer,
                                         config.n_token)
-        self.decoder = Decoder(config.hidden_dim, config.style_dim, config.istftnet)
+        self.decoder = Decoder(config.hidden_dim, config.style_dim, config.istftnet, config.decoder_dim,
+                               config.asr_res_dim)
 
     @property
     def device(self) -> torch.device:

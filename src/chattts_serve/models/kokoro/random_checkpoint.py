@@ -10,9 +10,12 @@ logits near 0 give ~25 frames a phoneme. We bias the duration projection by ``DU
 phoneme lasts round(50 * sigmoid(-3)) ~ 2-3 frames (50-75 ms), as real speech does. Likewise the F0
 head is biased to ~150 Hz, so frames are voiced and the sine source runs as it does on real weights.
 
-``tiny`` keeps every field and name; what it shrinks is only what the package reads from the config
-(ALBERT's sizes, the number of text/duration layers, the generator's resblocks). The decoder's 1024/512
-widths are written into the architecture, so they stay.
+``tiny`` keeps every field and name and shrinks the sizes: ALBERT's, the number of text/duration layers,
+``hidden_dim``, the generator's channels and resblocks, and the decoder's widths (``decoder_dim``,
+``asr_res_dim``: two fields the official file does not carry, config.py). About 1.7M parameters instead of
+81.8M, so the fast tier runs it in seconds. The package hard-codes the decoder's widths, so it loads a tiny
+checkpoint only with its ``Decoder`` built at those widths (scripts/kokoro_reference_oracle.py does that,
+with the package's own modules). The voice packs keep the official [510, 1, 256] (``style_dim`` 128).
 """
 
 from __future__ import annotations
@@ -48,13 +51,18 @@ TINY_VOICES = ("af_heart", "af_bella", "af_sky", "am_adam", "bf_emma", "zf_xiaob
 VOICE_STD = 0.15  # about the spread of the official packs' values
 
 Size = Literal["tiny", "full"]
+TINY_WIDTHS = {"hidden_dim": 64, "decoder_dim": 128, "asr_res_dim": 16, "upsample_initial_channel": 64}
+"""Official: 512, 1024, 64, 512."""
 
 
 def tiny_config() -> KokoroConfig:
     raw = KokoroConfig.official().to_dict()
     raw["plbert"].update(hidden_size=64, num_attention_heads=2, intermediate_size=128, num_hidden_layers=2)
     raw["n_layer"] = 1
-    raw["istftnet"].update(resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]])
+    raw.update(hidden_dim=TINY_WIDTHS["hidden_dim"], decoder_dim=TINY_WIDTHS["decoder_dim"],
+               asr_res_dim=TINY_WIDTHS["asr_res_dim"])
+    raw["istftnet"].update(resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]],
+                           upsample_initial_channel=TINY_WIDTHS["upsample_initial_channel"])
     return KokoroConfig.from_dict(raw, source="tiny config")
 
 

@@ -1,0 +1,106 @@
+"""The execution plan (``engine.plan``): every "auto" of the config settled once, logged once, and read by
+nothing downstream."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import chattts_serve
+from chattts_serve.engine.config import EngineConfig, RunnerConfig, from_flat
+from chattts_serve.engine.engine import Engine
+from chattts_serve.engine.plan import DECODE_PATHS, ExecutionPlan, resolve_plan
+from chattts_serve.engine.runner import DECODE_PATHS as RUNNER_PATHS
+
+
+def test_the_defaults_by_device():
+    cpu = resolve_plan(EngineConfig(), "cpu")
+    assert (cpu.decode, cpu.sampling_noise, cpu.cuda_graphs, cpu.kv_cache_dtype) == (
+        "rows",
+        "generator",
+        False,
+        torch.float32,
+    )
+    assert (cpu.audio_dtype, cpu.audio_overlap, cpu.audio_buckets) == ("fp32", False, False)
+    cuda = resolve_plan(EngineConfig(precision="bf16"), "cuda")
+    assert (cuda.decode, cuda.decode_mode, cuda.sampling_noise, cuda.cuda_graphs) == (
+        "step-graph",
+        "static",
+        "counter",
+        True,
+    )
+    assert cuda.kv_cache_dtype == torch.bfloat16 and not cuda.trunk_graphs
+    assert (cuda.audio_dtype, cuda.audio_overlap, cuda.audio_buckets) == ("bf16", True, True)
+
+
+def test_explicit_values_pass_through():
+    config = from_flat(
+        decode="static",
+        sampling_noise="counter",
+        step_graphs="off",
+        kv_cache_dtype="bf16",
+        audio_dtype="tf32",
+        audio_overlap="off",
+        audio_buckets="on",
+        cuda_graphs=False,
+    )
+    plan = resolve_plan(config, "cuda")
+    assert (plan.decode, plan.sampling_noise, plan.cuda_graphs, plan.kv_cache_dtype) == (
+        "static",
+        "counter",
+        False,
+        torch.bfloat16,
+    )
+    assert (plan.audio_dtype, plan.audio_overlap, plan.audio_buckets) == ("tf32", False, True)
+
+
+def test_ort_precisions_decode_in_onnx_runtime_with_an_fp32_cache():
+    plan = resolve_plan(EngineConfig(precision="ort-int8", runner=RunnerConfig(decode="static")), "cpu")
+    assert plan.decode == "onnx" and plan.kv_cache_dtype == torch.float32
+    with pytest.raises(ValueError, match="the ort-\\* cache is fp32"):
+        resolve_plan(EngineConfig(precision="ort-fp32", runner=RunnerConfig(kv_cache_dtype="bf16")), "cpu")
+
+
+def test_the_plan_is_frozen_and_every_path_has_a_module():
+    plan = resolve_plan(EngineConfig(), "cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.decode = "static"  # type: ignore[misc]
+    assert tuple(RUNNER_PATHS) == DECODE_PATHS
+    assert {f.name for f in dataclasses.fields(ExecutionPlan)} >= {"decode", "kv_cache_dtype", "sampling_noise"}
+
+
+def test_the_plan_is_logged_once_and_the_runner_runs_its_path(tiny_ckpt, caplog):
+    with caplog.at_level(logging.INFO, logger="chattts_serve"):
+        engine = Engine.from_pretrained(tiny_ckpt, "cpu", EngineConfig.with_slots(2))
+    lines = [r.getMessage() for r in caplog.records if "execution plan" in r.getMessage()]
+    assert lines == [engine.plan.describe()]
+    assert lines[0].startswith("execution plan: cpu, precision fp32, decode rows, kv cache fp32, noise generator")
+    assert engine.runner.decode_path.name == engine.plan.decode == engine.decode_mode == "rows"
+    assert engine.runner.kv_cache_dtype == engine.plan.kv_cache_dtype
+
+
+PACKAGE = Path(chattts_serve.__file__).parent
+SETTLED_ONCE = {PACKAGE / "engine" / "config.py", PACKAGE / "engine" / "plan.py"}
+DOWNSTREAM = [
+    *sorted(p for p in (PACKAGE / "engine").glob("*.py") if p not in SETTLED_ONCE),
+    PACKAGE / "audio" / "decode.py",
+    PACKAGE / "audio" / "overlap.py",
+    PACKAGE / "models" / "chattts" / "stage.py",
+]
+
+
+@pytest.mark.parametrize("path", DOWNSTREAM, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_nothing_downstream_compares_with_auto(path):
+    """``x == "auto"`` (or ``!=``, ``in``) is how an "auto" gets resolved; only the config (validation)
+    and the plan may do it."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            values = [node.left, *node.comparators]
+            assert not any(isinstance(v, ast.Constant) and v.value == "auto" for v in values), (
+                f'{path.name}:{node.lineno} resolves an "auto" itself; read the plan (engine.plan)'
+            )
