@@ -97,10 +97,14 @@ def test_reference_bench_times_transformers_on_the_jobs(vits_tiny, tmp_path):
     from chattts_serve.models.vits.model import Utterance
     from chattts_serve.models.vits.tokenizer import VitsTokenizer
 
-    requests = [{"text": "hello world", "seed": 1}, {"text": "the quick brown fox", "speaking_rate": 1.5, "seed": 2}]
+    requests = [
+        {"text": "hello world", "voice": None, "lang": "en", "seed": 1},
+        {"text": "the quick brown fox", "voice": "default", "lang": "en", "seed": 2, "speaking_rate": 1.5},
+        {"text": "a", "seed": 3},
+    ]
     jobs = tmp_path / "jobs.json"
     jobs.write_text(json.dumps({"threads": 1, "rounds": 2, "requests": requests}))
-    done = subprocess.run([REFERENCE_PYTHON, reference_bench.__file__, str(vits_tiny), str(jobs)],
+    done = subprocess.run([REFERENCE_PYTHON, "-I", reference_bench.__file__, str(vits_tiny), str(jobs)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -5,12 +5,14 @@ nothing from chattts_serve, and transformers only inside ``main``):
 
     REFPY reference_bench.py CKPT JOBS.json
 
-JOBS.json: ``{"threads": N, "rounds": R, "requests": [{"text", "speaking_rate", "noise_scale",
-"noise_scale_duration", "seed", "speaker_id"}, ...]}`` (every request field but ``text`` optional: None or absent
-is the checkpoint's). Prints one JSON line: ``{"package": "transformers X.Y VitsModel", "single_s": [...],
-"sequential_s": [...], "audio_s": [...]}``: per round, request 0 alone and all requests one at a time (each as
+JOBS.json: ``{"threads": N, "rounds": R, "requests": [REQUEST, ...]}``, a REQUEST being the family bench's
+``{"text", "voice", "lang", "seed"}`` (``bench/family.py``: ``voice`` null or "default": the checkpoint's one
+speaker, "speaker_N": speaker id N; ``lang`` is read by the checkpoint's tokenizer, not the request), with VITS's
+own optional ``speaking_rate``, ``noise_scale`` and ``noise_scale_duration`` (null or absent: the checkpoint's).
+Prints one JSON line: ``{"package": "transformers X.Y VitsModel", "single_s": [...], "sequential_s": [...],
+"audio_s": [...]}``: per round, ``requests[0]`` alone, then ``requests[1:]`` one after another (each as
 transformers' users run it: the tokenizer, ``torch.manual_seed(seed)``, a batch-1 forward under ``no_grad``); the
-audio seconds of each request (from the first round). One untimed warm-up request runs first.
+audio seconds of every request (from the first round). One untimed warm-up request runs first.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def main(argv: list[str]) -> int:
         model.noise_scale, model.noise_scale_duration, model.speaking_rate = noise, noise_duration, speaking_rate
         if request.get("seed") is not None:
             torch.manual_seed(int(request["seed"]))
-        speaker = request.get("speaker_id")
+        voice = request.get("voice")
+        speaker = None if voice in (None, "default") else int(str(voice).removeprefix("speaker_"))
         with torch.no_grad():
             out = model(input_ids=ids, speaker_id=speaker)
         return int(out.sequence_lengths[0]) / rate
@@ -63,12 +66,12 @@ def main(argv: list[str]) -> int:
     single, sequential, audio = [], [], []
     for _ in range(int(jobs.get("rounds", 1))):
         start = time.perf_counter()
-        run(requests[0])
+        first = run(requests[0])
         single.append(time.perf_counter() - start)
         start = time.perf_counter()
-        lengths = [run(r) for r in requests]
+        rest = [run(r) for r in requests[1:]]
         sequential.append(time.perf_counter() - start)
-        audio = audio or lengths
+        audio = audio or [first, *rest]
     print(json.dumps({
         "package": f"transformers {transformers.__version__} VitsModel",
         "single_s": single,
