@@ -73,6 +73,14 @@ def tts(base: str, **body) -> httpx.Response:
     return r
 
 
+def test_a_server_with_its_warm_up_starts_on_a_vits_checkpoint(tmp_path):
+    """``serve``'s default warm-up used ChatTTS's options (a 400 on another family): the server never started."""
+    root = write_random(tmp_path / "vits", "tiny", seed=0)
+    config = app_config(root, tmp_path, port=free_port(), warmup=True)
+    with serving(create_app(config), config) as srv:
+        assert httpx.get(srv.base + "/ready", timeout=TIMEOUT).status_code == 200
+
+
 def test_models_name_the_family_its_rate_and_word_timestamps(live):
     data = httpx.get(live[0] + "/v1/models", timeout=TIMEOUT).json()["data"]
     assert data[0]["id"] == "vits" and {(m["family"], m["sample_rate"]) for m in data} == {("vits", RATE)}
