@@ -328,7 +328,11 @@ def test_wyoming_speaks_a_kokoro_voice_as_http_does(live):
             return info, audio
 
     info, audio = asyncio.run(speak())
-    assert "zm_yunjian" in [v.name for v in info.tts[0].voices]
+    program = info.tts[0]
+    assert program.name == "kokoro" and program.description == "Kokoro-82M text to speech, 24000 Hz (chattts-serve)"
+    voices = {v.name: v for v in program.voices}
+    assert (voices["zm_yunjian"].languages, voices["af_heart"].languages) == (["zh-CN"], ["en-US"])
+    assert voices["zm_yunjian"].description == "zm_yunjian (Mandarin Chinese, male)"
     heard = pcm(audio)
     http = pcm(tts(live[0], text=ONE, voice="zm_yunjian"))  # unseeded: another draw of the noise
     assert len(heard) == len(http) > 0  # durations do not depend on the noise

@@ -238,3 +238,24 @@ def test_builtin_voices_without_statistics_cannot_be_blended(store):
     with pytest.raises(APIError) as exc:
         resolve_voice(store, BlendEngine(has_stats=False), "alloy+nova", None, "voice")
     assert exc.value.code == "invalid_blend" and "'alloy'" in exc.value.detail
+
+
+def test_vitss_noise_scales_travel_in_its_options_over_the_servers_defaults():
+    from chattts_serve import models
+
+    vits = models.get("vits")
+    defaults = request_defaults('{"noise_scale": 0.3, "noise_scale_duration": 0.4, "temperature": 0.5}')
+    params = build_params(ChatTTSOptions(noise_scale=0.0), ResolvedVoice(), defaults=defaults, family=vits)
+    assert params.options == {"noise_scale": 0.0, "noise_scale_duration": 0.4}  # ChatTTS's default left out
+    assert build_params(ChatTTSOptions(), ResolvedVoice(), family=vits).options is None
+
+
+@pytest.mark.parametrize("family", ["chattts", "kokoro"])
+def test_vitss_noise_scale_is_a_400_on_another_family_naming_it(family):
+    from chattts_serve import models
+
+    with pytest.raises(APIError) as exc:
+        build_params(ChatTTSOptions(noise_scale_duration=0.5), ResolvedVoice(), family=models.get(family))
+    error = exc.value
+    assert (error.status_code, error.param, error.code) == (400, "noise_scale_duration", "unsupported_option")
+    assert "belongs to the vits family" in str(error.detail)

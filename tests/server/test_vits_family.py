@@ -73,6 +73,14 @@ def tts(base: str, **body) -> httpx.Response:
     return r
 
 
+def test_a_server_with_its_warm_up_starts_on_a_vits_checkpoint(tmp_path):
+    """``serve``'s default warm-up used ChatTTS's options (a 400 on another family): the server never started."""
+    root = write_random(tmp_path / "vits", "tiny", seed=0)
+    config = app_config(root, tmp_path, port=free_port(), warmup=True)
+    with serving(create_app(config), config) as srv:
+        assert httpx.get(srv.base + "/ready", timeout=TIMEOUT).status_code == 200
+
+
 def test_models_name_the_family_its_rate_and_word_timestamps(live):
     data = httpx.get(live[0] + "/v1/models", timeout=TIMEOUT).json()["data"]
     assert data[0]["id"] == "vits" and {(m["family"], m["sample_rate"]) for m in data} == {("vits", RATE)}
@@ -111,6 +119,64 @@ def test_speed_is_vitss_speaking_rate(client):
         return len(wav(data)[0])
 
     assert frames(2.0) < frames(1.0) < frames(0.5)
+
+
+QUIET = {"noise_scale": 0.0, "noise_scale_duration": 0.0}
+"""No noise at all: a request's audio no longer depends on its seed."""
+
+
+def test_noise_scales_reach_the_model_from_the_native_route_the_sdk_and_the_websocket(client, live):
+    """VITS's own ``noise_scale`` and ``noise_scale_duration`` are request fields: with both 0 the seed changes
+    nothing (every route gives the same audio), with the checkpoint's it does."""
+    import json
+
+    from websockets.sync.client import connect
+
+    base = live[0]
+    text = "Hello there."
+    noisy = [tts(base, text=text, format="pcm", seed=s).content for s in (1, 2)]
+    assert noisy[0] != noisy[1]
+    quiet = tts(base, text=text, format="pcm", seed=1, **QUIET).content
+    assert tts(base, text=text, format="pcm", seed=2, **QUIET).content == quiet
+    assert tts(base, text=text, format="pcm", seed=1, noise_scale=0.0).content not in (quiet, noisy[0])
+    sdk = client.audio.speech.create(
+        model="vits", voice="default", input=text, response_format="pcm", extra_body={"seed": 3, **QUIET}
+    ).content
+    assert sdk == quiet
+    with connect(base.replace("http", "ws", 1) + "/v1/tts/stream", open_timeout=TIMEOUT) as ws:
+        ws.send(json.dumps({"type": "start", "text": text, "seed": 4, "format": "pcm", **QUIET}))
+        ws.send(json.dumps({"type": "end"}))
+        audio = b""
+        while True:
+            message = ws.recv(timeout=TIMEOUT)
+            if isinstance(message, bytes):
+                audio += message
+            elif json.loads(message)["type"] in ("end", "error"):
+                break
+    assert audio == quiet
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"noise_scale": -0.1}, "noise_scale"),
+        ({"noise_scale_duration": 11}, "noise_scale_duration"),
+        ({"noise_scale": "0.5"}, "noise_scale"),
+        ({"noise_scale_duration": True}, "noise_scale_duration"),
+        ({"phonemes": "h@loU"}, "phonemes"),  # Kokoro's
+        ({"lang_code": "a"}, "lang_code"),
+    ],
+)
+def test_a_bad_noise_scale_or_another_familys_option_is_a_400_naming_it(live, client, gate, body, param):
+    import openai
+
+    _, batches = gate
+    r = httpx.post(live[0] + "/v1/tts", json={"text": TEXT, **body}, timeout=TIMEOUT)
+    assert check_openai_error(r, 400)["param"] == param
+    with pytest.raises(openai.BadRequestError) as info:
+        client.audio.speech.create(model="vits", voice="default", input=TEXT, extra_body=body)
+    assert info.value.body["param"] == param
+    assert batches == []  # refused before the engine
 
 
 def test_native_route_resampled_rates_and_formats(live):
@@ -234,7 +300,11 @@ def test_wyoming_speaks_it_at_the_models_rate(live):
                     return info, events
 
     info, events = asyncio.run(asyncio.wait_for(talk(), TIMEOUT))
-    assert [v.name for v in info.tts[0].voices] == ["default"]
+    program = info.tts[0]
+    assert program.name == "vits" and program.description == "VITS text to speech, 16000 Hz (chattts-serve)"
+    [voice] = program.voices
+    assert (voice.name, voice.languages) == ("default", ["en"])  # tokenizer_config.json's "eng"
+    assert voice.description == "default (the checkpoint's one speaker)"
     assert AudioStart.from_event(events[0]).rate == RATE and events[-1].type == "audio-stop"
     pcm = b"".join(AudioChunk.from_event(e).audio for e in events if AudioChunk.is_type(e.type))
     assert pcm == tts(base, format="pcm", seed=5).content
@@ -305,6 +375,27 @@ def test_speakers_are_voices_blends_and_saved_voices(multi):
     r = httpx.post(multi + "/v1/voices", json={"name": "rnd", "seed": 1}, timeout=TIMEOUT)
     assert "ChatTTS's" in check_openai_error(r, 400)["message"]  # random speakers are ChatTTS's
     assert "speakers 0 .. 2, got speaker 7" in check_openai_error(speak("speaker_7"), 400)["message"]
+
+
+def test_wyoming_describe_lists_a_multi_speaker_checkpoints_speakers(tmp_path):
+    """The family's voices and language, without a server: each speaker, and a saved voice in their language."""
+    from types import SimpleNamespace
+
+    from chattts_serve import models
+    from chattts_serve.models.vits.voices import VitsVoices
+    from chattts_serve.server.voices import VoiceStore
+    from chattts_serve.server.wyoming import _build_info
+
+    store = VoiceStore(str(tmp_path / "voices.db"))
+    store.add("mix", speaker="speakers:0=0.5,2=0.5")
+    engine = SimpleNamespace(family=models.get("vits"), voices=VitsVoices(3, "kor"), sample_rate=22050)
+    program = _build_info(store, engine).tts[0]
+    store.close()
+    assert [(v.name, v.languages) for v in program.voices] == [
+        ("speaker_0", ["ko"]), ("speaker_1", ["ko"]), ("speaker_2", ["ko"]), ("mix", ["ko"])
+    ]
+    assert program.voices[2].description == "speaker_2 (speaker id 2 of 3)"
+    assert "22050 Hz" in program.description
 
 
 def test_a_seeded_request_is_cached_and_the_cache_knows_the_family(multi):

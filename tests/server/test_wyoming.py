@@ -114,6 +114,9 @@ def test_describe_lists_one_tts_program_with_every_voice(wy):
     assert len(info.tts) == 1 and not info.asr and not info.wake
     program = info.tts[0]
     assert program.name == "chattts" and program.installed and program.supports_synthesize_streaming
+    assert program.description == "ChatTTS text to speech, 24000 Hz (chattts-serve)"
+    assert program.attribution.name == "2noise"
+    assert next(v for v in program.voices if v.name == "alloy").description == "alloy (OpenAI voice name)"
     names = [v.name for v in program.voices]
     assert set(OPENAI_VOICES) <= set(names) and "narrator" in names
     assert len(names) == len(set(names))

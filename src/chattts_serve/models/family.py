@@ -91,6 +91,15 @@ class Voices(ABC):
         ChatTTS mixes speaker embeddings in its statistics' space, Kokoro takes the weighted mean of packs.
         Raises ValueError when they cannot be mixed."""
 
+    def description(self, name: str) -> str:
+        """How a listing (Wyoming's ``describe``) presents built-in voice ``name``: by default its name."""
+        return name
+
+    def languages(self, name: str) -> tuple[str, ...]:
+        """The languages built-in voice ``name`` speaks, as BCP 47 tags ("en-US", "zh"), for listings (Home
+        Assistant offers a voice for its languages); () when the checkpoint does not say."""
+        return ()
+
 
 class FamilyModel(ABC):
     """One loaded checkpoint of a family: what the engine and the server read from it."""
@@ -182,6 +191,10 @@ class ModelFamily(ABC):
     owned_options: ClassVar[frozenset[str]] = frozenset()
     """Request options (flat names, as the HTTP API and ``SamplingParams.from_options`` spell them) that
     only this family reads: another family refuses them with a 400 that names this one."""
+    title: ClassVar[str] = ""
+    """The model as a listing names it ("ChatTTS", "Kokoro-82M"; Wyoming's ``describe``); "": ``name``."""
+    attribution: ClassVar[tuple[str, str] | None] = None
+    """Who made the model and where (a name and a URL), for listings; None: nobody is named."""
 
     @abstractmethod
     def is_checkpoint(self, root: Path) -> bool:

@@ -37,6 +37,20 @@ from .wyoming import WyomingServer
 logger = logging.getLogger("chattts_serve.server")
 
 
+async def _warm_up(eng: AsyncEngine) -> None:
+    """One short request before the server says it is ready (kernels, allocator). ChatTTS's caps its tokens; another
+    family's takes a seed only (ChatTTS's options are refused there by name) and a Latin text, which every VITS
+    vocabulary can romanise; a checkpoint that cannot speak it is logged, not fatal (a warm-up is an optimisation)."""
+    if eng.family.name == "chattts":
+        text, params = "你好。", SamplingParams(seed=0, max_new_tokens=4, refine_text=False)
+    else:
+        text, params = "Hello.", SamplingParams(seed=0)
+    try:
+        await eng.generate(text, params)
+    except ValueError as exc:
+        logger.warning("warm-up skipped: the %s model cannot speak %r: %s", eng.family.name, text, exc)
+
+
 def create_app(
     config: ServerConfig,
     engine: AsyncEngine | None = None,
@@ -72,7 +86,7 @@ def create_app(
         app.state.limits = Limits(config.max_concurrent_streams)
         app.state.cache = ResultCache.for_engine(eng, config.cache_mb)
         if config.warmup:
-            await eng.generate("你好。", SamplingParams(seed=0, max_new_tokens=4, refine_text=False))
+            await _warm_up(eng)
         # Home Assistant's protocol, on the same engine, voices and limits as the HTTP API.
         wyoming = WyomingServer(app.state) if config.wyoming.uri is not None else None
         try:

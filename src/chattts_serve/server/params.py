@@ -161,7 +161,8 @@ def build_params(
     its family (the server's defaults keep only the options this family takes). A family that does not take
     ChatTTS's prompt gets the implied speed as its own option instead (``model_speed``, ``SpeedPlan.model``),
     and its own request fields (``ModelFamily.owned_options`` that are not ``SamplingParams``': Kokoro's
-    ``phonemes``, ``lang_code``) in ``SamplingParams.options``. None: every option is taken (ChatTTS's rules)."""
+    ``phonemes``, ``lang_code``; VITS's ``noise_scale``) in ``SamplingParams.options``, the defaults' under the
+    request's. None: every option is taken (ChatTTS's rules)."""
     given_options = _given(**opts.model_dump())
     foreign: set[str] = set()
     own: dict = {}
@@ -174,8 +175,11 @@ def build_params(
         if family.name != "chattts":
             foreign = {n for n, owner in owners.items() if owner != family.name}
             prompt = None  # the speed goes to the family's own option
-        # The family's own request fields that are not SamplingParams' (Kokoro's phonemes) travel in its options.
-        own = {n: v for n, v in given_options.items() if owners.get(n) == family.name and n not in _PARAMS_FIELDS}
+        # The family's own request fields that are not SamplingParams' (Kokoro's phonemes, VITS's noise scales)
+        # travel in its options, the server's defaults for them under the request's.
+        ours = {n for n, owner in owners.items() if owner == family.name and n not in _PARAMS_FIELDS}
+        base = _given(**defaults.model_dump(include=ours)) if defaults is not None else {}
+        own = base | {n: v for n, v in given_options.items() if n in ours}
     family_options = ({"speed": model_speed} if foreign and model_speed != 1.0 else {}) | own
     extra = {"options": family_options} if family_options else {}
 

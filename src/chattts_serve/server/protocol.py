@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from ..audio.resample import MAX_RATE, MIN_RATE
 from ..audio.stretch import MAX_SPEED, MIN_SPEED, SpeedMode
+from ..models.vits.family import NOISE_MAX
 from ..sampling_params import OPTION_BOUNDS as _B
 
 AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw"]  # audio.encode.FORMATS
@@ -100,8 +101,15 @@ class ChatTTSOptions(_Strict):
     lang_code: str | None = Field(None, min_length=1, max_length=8)
     """Kokoro: the text's language ("a" American English, "b" British English, "z" Mandarin; default: the
     voice's first letter), as Kokoro-FastAPI's ``lang_code``."""
+    # VITS's own (models.vits.family.OWNED_OPTIONS); None: the checkpoint's (0.667 and 0.8 for MMS-TTS).
+    noise_scale: float | None = Field(None, ge=0, le=NOISE_MAX)
+    """VITS: the prior's noise (variation of the voice within a sentence); 0: none."""
+    noise_scale_duration: float | None = Field(None, ge=0, le=NOISE_MAX)
+    """VITS: the stochastic duration predictor's noise (variation of the rhythm); 0: none."""
 
     @field_validator(
+        "noise_scale",
+        "noise_scale_duration",
         "temperature", "top_p", "repetition_penalty", "refine_temperature", "refine_top_p", "refine_repetition_penalty"
     )
     @classmethod

@@ -3,8 +3,10 @@
 
 Events are the ``wyoming`` package's own types and its server loop accepts the connections:
 
-* ``describe`` -> ``info``: one TTS program (``chattts``) with OpenAI's voice names and the first
-  ``DESCRIBED_SAVED_VOICES`` saved voices (names only), languages zh and en, ``supports_synthesize_streaming``.
+* ``describe`` -> ``info``: one TTS program, the served family's (``chattts``, ``vits``, ``kokoro``: its model's
+  attribution and sample rate), with the family's built-in voices (ChatTTS: OpenAI's names, zh and en; Kokoro:
+  its packs, each in its language; VITS: its speakers, in the checkpoint's language) and the first
+  ``DESCRIBED_SAVED_VOICES`` saved voices (names only), ``supports_synthesize_streaming``.
   Anyone may ask, so the answer is cached, built off the event loop, and sent at most once a second per
   connection.
 * ``synthesize {text, voice: {name}}`` -> ``audio-start`` (the model's rate, 16-bit, mono), ``audio-chunk``s as
@@ -72,8 +74,8 @@ from .voices import VoiceStoreError
 
 logger = logging.getLogger(__name__)
 
-PROGRAM = "chattts"
 LANGUAGES = ["zh", "en"]
+"""A voice's language that sets a request's ``lang`` (the common option: ChatTTS's normaliser, Kokoro's G2P)."""
 SAMPLE_WIDTH = 2  # bytes: 16-bit PCM
 CHANNELS = 1
 SAMPLES_PER_CHUNK = 1024
@@ -91,7 +93,6 @@ DESCRIBE_INTERVAL_S = 1.0
 INFO_MAX_AGE_S = 10.0
 """The cached ``info`` is rebuilt when the voice store changes, and at least this often (a write by another
 process on the same database file does not reach this process's store's version counter)."""
-_CHATTTS = Attribution(name="2noise", url="https://github.com/2noise/ChatTTS")
 _SERVER = Attribution(name="chattts-serve", url="https://github.com/2noise/ChatTTS")
 
 
@@ -171,9 +172,7 @@ class WyomingServer:
             version = self.state.voices.version
             cached = self._info
             if cached is None or cached[0] != version or time.monotonic() - cached[1] > INFO_MAX_AGE_S:
-                event = (
-                    await asyncio.to_thread(_build_info, self.state.voices, self.state.engine.voices.builtin)
-                ).event()
+                event = (await asyncio.to_thread(_build_info, self.state.voices, self.state.engine)).event()
                 self._info = cached = (version, time.monotonic(), event)
             return cached[2]
 
@@ -403,21 +402,27 @@ class Connection(AsyncEventHandler):
             raise error_from_api(exc) from None
 
 
-def _build_info(store, builtin: tuple[str, ...]) -> Info:
-    """The built-in voices (the model family's), then at most ``DESCRIBED_SAVED_VOICES`` saved ones, by name only: a
-    saved voice's description is the client's text and stays out of an answer anyone may ask for."""
+def _build_info(store, engine) -> Info:
+    """The served family's program (its name, its model's attribution and rate) with its built-in voices (their
+    descriptions and languages are the family's, ``models.family.Voices``), then at most ``DESCRIBED_SAVED_VOICES``
+    saved ones, by name only: a saved voice's description is the client's text and stays out of an answer anyone
+    may ask for. A saved voice speaks the built-in voices' languages (it holds a voice string of the same model)."""
     try:
         saved = [v.name for v in store.list(limit=DESCRIBED_SAVED_VOICES)]
     except VoiceStoreError as exc:  # describe still answers, with the built-in voices
         logger.error("wyoming describe: voices database: %s", exc)
         saved = []
-    voices = [_voice(name, f"{name} (OpenAI voice name)") for name in builtin if name not in saved]
-    voices += [_voice(name, "saved voice") for name in saved]
+    family, catalogue = engine.family, engine.voices
+    attribution = _SERVER if family.attribution is None else Attribution(*family.attribution)
+    builtin = [name for name in catalogue.builtin if name not in saved]
+    voices = [_voice(name, catalogue.description(name), catalogue.languages(name)) for name in builtin]
+    spoken = tuple(dict.fromkeys(tag for name in catalogue.builtin for tag in catalogue.languages(name)))
+    voices += [_voice(name, "saved voice", spoken) for name in saved]
     program = TtsProgram(
-        name=PROGRAM,
-        attribution=_CHATTTS,
+        name=family.name,
+        attribution=attribution,
         installed=True,
-        description="ChatTTS text to speech (chattts-serve)",
+        description=f"{family.title or family.name} text to speech, {engine.sample_rate} Hz (chattts-serve)",
         version=__version__,
         voices=voices,
         supports_synthesize_streaming=True,
@@ -425,12 +430,12 @@ def _build_info(store, builtin: tuple[str, ...]) -> Info:
     return Info(tts=[program])
 
 
-def _voice(name: str, description: str) -> TtsVoice:
+def _voice(name: str, description: str, languages: tuple[str, ...]) -> TtsVoice:
     return TtsVoice(
         name=name,
         attribution=_SERVER,
         installed=True,
         description=description,
         version=None,
-        languages=list(LANGUAGES),
+        languages=list(languages),
     )

@@ -195,9 +195,9 @@ def test_voice_strings_parse():
             v.mix(bad)
 
 
-def test_only_fp32_for_now(vits_tiny):
-    with pytest.raises(ValueError, match="fp32 only"):
-        Engine.from_pretrained(vits_tiny, config=EngineConfig(precision="bf16"))
+def test_another_familys_precision_is_refused(vits_tiny):
+    with pytest.raises(ValueError, match="--precision int8-dynamic is another family's"):
+        Engine.from_pretrained(vits_tiny, config=EngineConfig(precision="int8-dynamic"))
 
 
 def test_ssml_breaks_end_sentences_and_prosody_sets_the_rate(engine):

@@ -84,3 +84,35 @@ def test_live_uroman(tmp_path):
     (ckpt / "tokenizer_config.json").write_text(json.dumps(settings))
     texts = ["Привет, мир!", "hello мир", "你好 world", "Ελληνικά κείμενο", "plain ascii"]
     _check(ckpt, texts, [{**CASES[0], "text": "Привет, мир!"}])
+
+
+def test_reference_bench_times_transformers_on_the_jobs(vits_tiny, tmp_path):
+    """``models/vits/reference_bench.py`` (the bench's reference side) under the reference python: one JSON line
+    with a time per round, and each request's audio length as transformers makes it (durations are ours exactly in
+    fp32, so the lengths agree with ours)."""
+    import torch
+
+    from chattts_serve.models.vits import reference_bench
+    from chattts_serve.models.vits.checkpoint import load
+    from chattts_serve.models.vits.model import Utterance
+    from chattts_serve.models.vits.tokenizer import VitsTokenizer
+
+    requests = [
+        {"text": "hello world", "voice": None, "lang": "en", "seed": 1},
+        {"text": "the quick brown fox", "voice": "default", "lang": "en", "seed": 2, "speaking_rate": 1.5},
+        {"text": "a", "seed": 3},
+    ]
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps({"threads": 1, "rounds": 2, "requests": requests}))
+    done = subprocess.run([REFERENCE_PYTHON, "-I", reference_bench.__file__, str(vits_tiny), str(jobs)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["package"].startswith("transformers ") and result["package"].endswith(" VitsModel")
+    assert len(result["single_s"]) == len(result["sequential_s"]) == 2
+    assert all(s > 0 for s in result["single_s"] + result["sequential_s"])
+    model, tokenizer = load(vits_tiny), VitsTokenizer.from_dir(vits_tiny)
+    for request, seconds in zip(requests, result["audio_s"], strict=True):
+        utt = Utterance(tokenizer.encode(request["text"]), speaking_rate=request.get("speaking_rate"),
+                        generator=torch.Generator().manual_seed(request["seed"]))
+        assert seconds == len(model.synthesize([utt])[0].audio) / model.config.sample_rate

@@ -48,6 +48,8 @@ class ChatTTSFamily(ModelFamily):
     capabilities = Capabilities(streaming="window", timestamps="sentence", refine=True, control_tokens=True)
     hub_repos: ClassVar[tuple[str, ...]] = (DEFAULT_MODEL,)
     owned_options = OWNED_OPTIONS
+    title = "ChatTTS"
+    attribution = ("2noise", "https://github.com/2noise/ChatTTS")
 
     def is_checkpoint(self, root: Path) -> bool:
         # Any asset/ directory: an incomplete one is still ChatTTS's, and ``resolve`` names what it lacks.

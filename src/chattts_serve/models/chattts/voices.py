@@ -67,6 +67,12 @@ class ChatTTSVoices(Voices):
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         return encode_speaker(self.stats.sample(gen))
 
+    def description(self, name: str) -> str:
+        return f"{name} (OpenAI voice name)"
+
+    def languages(self, name: str) -> tuple[str, ...]:
+        return ("zh", "en")  # every speaker speaks both: the text decides
+
     def is_voice(self, text: str) -> bool:
         return looks_like_speaker(text)
 

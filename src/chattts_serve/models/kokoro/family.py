@@ -59,6 +59,18 @@ OPTIONS = ("speed", "phonemes", "lang_code")
 SPEED_RANGE = (0.25, 4.0)  # as OpenAI's speed (audio.stretch.MIN_SPEED, MAX_SPEED)
 LANG_FROM = {"zh": "z", "en": None}  # SamplingParams.lang -> a G2P code (None: the voice's English, a or b)
 MAX_BLEND = 8  # as server.blend.MAX_BLEND_TERMS
+VOICE_LANGUAGES = {
+    "a": ("en-US", "American English"),
+    "b": ("en-GB", "British English"),
+    "e": ("es", "Spanish"),
+    "f": ("fr-FR", "French"),
+    "h": ("hi", "Hindi"),
+    "i": ("it", "Italian"),
+    "j": ("ja", "Japanese"),
+    "p": ("pt-BR", "Brazilian Portuguese"),
+    "z": ("zh-CN", "Mandarin Chinese"),
+}
+"""A pack name's first letter: its language (BCP 47) and its name (Kokoro's VOICES.md); the second is f or m."""
 
 _NAME = r"[a-z]{2}_[a-z0-9]+"  # voices.VOICE_NAME
 _TERM = re.compile(rf"({_NAME})(?:\((\d+(?:\.\d*)?|\.\d+)\))?")
@@ -83,6 +95,17 @@ class KokoroVoices(Voices):
 
     def voice(self, name: str) -> str | None:
         return self._aliases.get(name, name)
+
+    def description(self, name: str) -> str:
+        pack = self._aliases.get(name, name)
+        language = VOICE_LANGUAGES.get(pack[:1], ("", "unknown language"))[1]
+        sex = {"f": "female", "m": "male"}.get(pack[1:2])
+        what = f"{language}, {sex}" if sex else language
+        return f"{name} ({what}; OpenAI voice name for {pack})" if pack != name else f"{name} ({what})"
+
+    def languages(self, name: str) -> tuple[str, ...]:
+        tag = VOICE_LANGUAGES.get(self._aliases.get(name, name)[:1])
+        return () if tag is None else (tag[0],)
 
     def is_voice(self, text: str) -> bool:
         return _VOICE_STRING.fullmatch(text) is not None
@@ -372,6 +395,8 @@ class KokoroFamily(ModelFamily):
     capabilities = Capabilities(streaming="sentence", timestamps="word", refine=False, control_tokens=False)
     hub_repos: ClassVar[tuple[str, ...]] = (HUB_REPO,)
     owned_options = OWNED_OPTIONS
+    title = "Kokoro-82M"
+    attribution = ("hexgrad", "https://huggingface.co/hexgrad/Kokoro-82M")
 
     def is_checkpoint(self, root: Path) -> bool:
         # Kokoro's config.json (its iSTFTNet section): an incomplete directory is still Kokoro's, and ``resolve``

@@ -51,6 +51,9 @@ MAX_UTTERANCE_IDS = 1024
 """Longest utterance in input ids (~500 characters): a longer sentence is cut at words. The text encoder's
 attention is quadratic in it, and the work budget (``max_batch_work``) must hold it."""
 OPTIONS = ("speed", "noise_scale", "noise_scale_duration")
+OWNED_OPTIONS = frozenset({"noise_scale", "noise_scale_duration"})
+"""Request fields only VITS reads (``server.protocol``; its ``speed`` is the common one): another family refuses
+them by name."""
 _BREAK_TOKEN = re.compile(r"\[(?:uv_break|lbreak)\]")  # text.ssml._break's
 _SPEED_STEP = re.compile(r"\[speed_(\d)\]")
 _SEED_STEP = 0x9E3779B97F4A7C15  # odd: utterance seeds seed + i * step (mod 2**63) are distinct for a request
@@ -92,7 +95,7 @@ class ServedVits(BatchModel):
 
     def __init__(self, family: VitsFamily, root: Path, model: VitsModel, tokenizer: VitsTokenizer, config) -> None:
         self.family, self.root, self.model, self.tokenizer, self.config = family, root, model, tokenizer, config
-        self._voices = VitsVoices(model.config.num_speakers)
+        self._voices = VitsVoices(model.config.num_speakers, tokenizer.language)
         self.max_ids = min(MAX_UTTERANCE_IDS, config.scheduler.max_batch_work)
         self.batches: list[int] = []
         """The size of every batch ``synthesize`` ran (tests and diagnostics read it; bounded)."""
@@ -221,6 +224,9 @@ class VitsFamily(ModelFamily):
     execution = "batch"
     capabilities = Capabilities(streaming="sentence", timestamps="word", refine=False, control_tokens=False)
     hub_repos: ClassVar[tuple[str, ...]] = MmsRepos(("facebook/mms-tts-eng", "facebook/mms-tts-kor"))
+    owned_options = OWNED_OPTIONS
+    title = "VITS"
+    attribution = ("Kim et al. (VITS); Meta AI for MMS-TTS", "https://huggingface.co/docs/transformers/model_doc/vits")
 
     def is_checkpoint(self, root: Path) -> bool:
         # checkpoint.is_vits_dir's test plus the vocabulary, without that module (it imports torch).
@@ -241,19 +247,22 @@ class VitsFamily(ModelFamily):
         return write_random(directory, size, seed=seed)
 
     def load(self, root: Path, device: torch.device, config) -> ServedVits:
-        """fp32 only for now (bf16, int8 and CUDA graphs are issue 32 item 5): another precision is refused."""
+        """``config.precision``: fp32 (transformers' output bit for bit), or a faster mode for the flow and the
+        decoder (``kernels``: bf16, ort-fp32); another precision is refused by name."""
         import torch
 
         from .checkpoint import CheckpointError, load
+        from .kernels import attach, check_mode
         from .tokenizer import VitsTokenizer
 
-        if config.precision != "fp32":
-            raise ValueError(f"the vits family runs in fp32 only, got precision {config.precision!r}")
+        check_mode(config.precision, torch.device(device))
         try:
             model = load(root, device=device, dtype=torch.float32)
         except CheckpointError as exc:
             raise ValueError(str(exc)) from None
+        attach(model, config.precision)
         logger.info(
-            "VITS checkpoint %s: %d Hz, %d speaker(s)", root, model.config.sample_rate, model.config.num_speakers
+            "VITS checkpoint %s: %d Hz, %d speaker(s), %s", root, model.config.sample_rate,
+            model.config.num_speakers, config.precision,
         )
         return ServedVits(self, Path(root), model, VitsTokenizer.from_dir(root), config)

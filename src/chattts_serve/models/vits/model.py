@@ -87,6 +87,9 @@ class VitsModel(nn.Module):
         """Run the flow and decoder on padded groups of rows (None: on accelerators, not on the CPU)."""
         self.max_padding = 0.25
         """A group's padded frames may exceed its rows' own frames by at most this fraction."""
+        self.row_decoder = None
+        """A faster kernel for the flow and decoder of one unpadded row (``kernels.attach``: the CPU precision
+        modes); None: eager torch."""
 
     def drop_training_modules(self) -> None:
         """Free the posterior encoder (training only; built so the load can check its weights)."""
@@ -99,6 +102,11 @@ class VitsModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.text_encoder.embed_tokens.weight.dtype
+
+    @property
+    def decode_dtype(self) -> torch.dtype:
+        """The flow and decoder's dtype (bf16 in that mode on an accelerator; the text side stays in ``dtype``)."""
+        return self.decoder.conv_pre.weight.dtype
 
     @torch.inference_mode()
     def synthesize(self, batch: Sequence[Utterance]) -> list[Synthesis]:
@@ -172,12 +180,17 @@ class VitsModel(nn.Module):
         return self.device.type != "cpu" if self.batch_decoder is None else self.batch_decoder
 
     def _decode_padded(self, latents: Sequence[Latent]) -> list[torch.Tensor]:
+        if self.row_decoder is not None and len(latents) == 1:
+            lat = latents[0]
+            return [self.row_decoder(lat.prior[None], None if lat.speaker is None else lat.speaker[None])]
         lengths = Lengths([lat.prior.shape[-1] for lat in latents])
-        prior = torch.zeros(len(latents), self.config.flow_size, lengths.total, device=self.device, dtype=self.dtype)
+        dtype = self.decode_dtype
+        prior = torch.zeros(len(latents), self.config.flow_size, lengths.total, device=self.device, dtype=dtype)
         for row, lat in enumerate(latents):
             prior[row, :, : lat.prior.shape[-1]] = lat.prior
         speaker = self._batch_speaker(latents)
-        mask = lengths.mask(self.device, self.dtype)
+        speaker = None if speaker is None else speaker.to(dtype)
+        mask = lengths.mask(self.device, dtype)
         latent = self.flow.reverse(prior, mask, speaker) * mask
         audio = self.decoder(latent, lengths, speaker)
         hop = self.config.samples_per_frame
@@ -190,7 +203,7 @@ class VitsModel(nn.Module):
         piece's receptive field; see ``decoder.decode_range``)."""
         lat = self.latent(utt)
         latent = self.flow_latent(lat)
-        speaker = None if lat.speaker is None else lat.speaker[None]
+        speaker = None if lat.speaker is None else lat.speaker[None].to(self.decode_dtype)
 
         def pieces() -> Iterator[torch.Tensor]:
             with torch.inference_mode():
@@ -202,9 +215,9 @@ class VitsModel(nn.Module):
     @torch.inference_mode()
     def flow_latent(self, lat: Latent) -> torch.Tensor:
         """One row's decoder input [1, flow_size, T] (for streaming with ``decoder.decode_chunks``)."""
-        prior = lat.prior[None].to(self.device)
-        mask = torch.ones(1, 1, prior.shape[-1], device=self.device, dtype=self.dtype)
-        speaker = None if lat.speaker is None else lat.speaker[None]
+        prior = lat.prior[None].to(self.device, self.decode_dtype)
+        mask = torch.ones(1, 1, prior.shape[-1], device=self.device, dtype=self.decode_dtype)
+        speaker = None if lat.speaker is None else lat.speaker[None].to(self.decode_dtype)
         return self.flow.reverse(prior, mask, speaker) * mask
 
     def _check_ids(self, input_ids: Sequence[int]) -> list[int]:

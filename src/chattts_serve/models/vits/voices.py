@@ -27,9 +27,31 @@ Mix = tuple[tuple[int, float], ...]
 """Speaker ids and weights (> 0, summing to 1); one entry for a plain speaker."""
 
 
+ISO639_1 = {
+    "ara": "ar", "ben": "bn", "ces": "cs", "deu": "de", "ell": "el", "eng": "en", "fas": "fa", "fin": "fi",
+    "fra": "fr", "guj": "gu", "hau": "ha", "heb": "he", "hin": "hi", "hun": "hu", "ind": "id", "ita": "it",
+    "jav": "jv", "kan": "kn", "kor": "ko", "mal": "ml", "mar": "mr", "nld": "nl", "pol": "pl", "por": "pt",
+    "ron": "ro", "rus": "ru", "spa": "es", "swe": "sv", "swh": "sw", "tam": "ta", "tel": "te", "tgl": "tl",
+    "tha": "th", "tur": "tr", "ukr": "uk", "urd": "ur", "vie": "vi", "yor": "yo", "zlm": "ms",
+}  # fmt: skip
+"""MMS-TTS's ISO 639-3 codes (``tokenizer_config.json``'s ``language``) of widely spoken languages -> their
+two-letter codes, which BCP 47 prefers and Home Assistant matches; any other code is listed as it is (a valid
+BCP 47 tag for the many MMS languages that have no two-letter code)."""
+
+
+def language_tag(code: str | None) -> str | None:
+    """A checkpoint's language code as a BCP 47 tag (None: it names none)."""
+    if not isinstance(code, str) or not re.fullmatch(r"[A-Za-z]{2,8}(?:[-_][A-Za-z0-9]{1,8})*", code):
+        return None
+    primary, *rest = code.replace("_", "-").split("-")
+    return "-".join([ISO639_1.get(primary.lower(), primary.lower()), *rest])
+
+
 class VitsVoices(Voices):
-    def __init__(self, num_speakers: int) -> None:
+    def __init__(self, num_speakers: int, language: str | None = None) -> None:
+        """``language``: the checkpoint's (``tokenizer_config.json``: ISO 639-3 for MMS-TTS), for listings."""
         self.num_speakers = num_speakers
+        self.language = language_tag(language)
 
     @property
     def multi(self) -> bool:
@@ -43,6 +65,14 @@ class VitsVoices(Voices):
 
     def voice(self, name: str) -> str | None:
         return name
+
+    def description(self, name: str) -> str:
+        if not self.multi:
+            return f"{name} (the checkpoint's one speaker)"
+        return f"{name} (speaker id {name.removeprefix('speaker_')} of {self.num_speakers})"
+
+    def languages(self, name: str) -> tuple[str, ...]:
+        return () if self.language is None else (self.language,)
 
     def is_voice(self, text: str) -> bool:
         return text == DEFAULT or bool(_SPEAKER.fullmatch(text) or _MIX.fullmatch(text))
