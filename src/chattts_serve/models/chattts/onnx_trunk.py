@@ -68,6 +68,13 @@ class OpProfile:
     """Each run's kind, in order: "decode" (one position per row) or "prefill" (more)."""
 
 
+MIN_ROWS = {"int4-b128": 2}
+"""Calls narrower than this run with idle rows added: at one row MLAS's 4-bit kernel with blocks of 128 takes
+another path (a GEMV) whose sums round differently (~5e-7) from the same row in a wider call, so a stream's codes
+would depend on whether it decodes alone. From two rows on a row's result is the same whatever else is in the
+call (``tests/models/chattts/test_onnx.py``). Block 32 computes one row as it computes many."""
+
+
 class OnnxTrunk:
     """One ORT session of the trunk step; ``run`` prefills or decodes a contiguous block of slots."""
 
@@ -91,6 +98,7 @@ class OnnxTrunk:
         self.threads = threads or torch.get_num_threads()
         """The same thread count as torch: the two never run at once (audio decode follows the step)."""
         self.providers = resolve_providers(provider, device)
+        self.min_rows = MIN_ROWS.get(weights, 1)
         self.weight_bytes = sum(f.stat().st_size for f in (directory / MODEL_FILE, directory / DATA_FILE) if f.exists())
         """Bytes of the export's graph and weights: what one step reads, near enough (``profile``)."""
         self._device_type = "cuda" if device.type == "cuda" else "cpu"
@@ -174,6 +182,8 @@ class OnnxTrunk:
         bsz = embeds.shape[0]
         if lo < 0 or lo + bsz > cache.num_slots:
             raise ValueError(f"slots {lo}..{lo + bsz - 1} outside the cache's {cache.num_slots}")
+        if bsz < self.min_rows <= cache.num_slots:
+            return self._run_widened(embeds, cache, lo, seqlens_k, query_seqlens)
         # The op wants total_sequence_length >= the call's width (a row padded past every real prompt).
         total = max(int(seqlens_k.max()) + 1, embeds.shape[1])
         if total > cache.max_len:
@@ -190,6 +200,18 @@ class OnnxTrunk:
             self._run_kinds.append("decode" if embeds.shape[1] == 1 else "prefill")
         self.session.run_with_iobinding(io)
         return out
+
+    def _run_widened(self, embeds, cache: KVCache, lo: int, seqlens_k: np.ndarray, query_seqlens: np.ndarray):
+        """``run`` over ``min_rows`` slots: the call's rows, then idle neighbours (before them at the cache's
+        end). Idle rows leave their slots' cache alone and cost next to nothing in a step that reads weights."""
+        bsz = embeds.shape[0]
+        start = min(lo, cache.num_slots - self.min_rows)
+        at = lo - start  # the call's first row within the widened block
+        wide = embeds.new_zeros((self.min_rows, *embeds.shape[1:]))
+        wide[at : at + bsz] = embeds
+        k, q = np.zeros(self.min_rows, np.int32), np.zeros(self.min_rows, np.int32)
+        k[at : at + bsz], q[at : at + bsz] = seqlens_k, query_seqlens
+        return self.run(wide, cache, start, k, q)[at : at + bsz]
 
     def _cache_binding(self, cache: KVCache, lo: int, bsz: int):
         """An I/O binding with slots ``lo .. lo + bsz - 1`` of ``cache`` bound as every layer's past and
