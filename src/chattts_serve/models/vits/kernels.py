@@ -8,7 +8,7 @@ names, ``kernels.precisions``):
 ``ort-fp32``  CPU: the flow and decoder exported to ONNX once at load and run by ONNX Runtime (its own conv
               kernels, activations fused), fp32 (``pip install 'chattts-serve[onnx]'``).
 ``bf16``      CPU: the same graph run by OpenVINO with bf16 inference (AVX-512 BF16 / AMX where the CPU has them;
-              ``pip install openvino``); CUDA: the flow and decoder's weights in bf16 on torch.
+              ``pip install -e ".[openvino]"``); CUDA: the flow and decoder's weights in bf16 on torch.
 
 A CPU mode runs a row at a time, as the CPU path always does (``VitsModel.decode_latents``): a row's audio is
 the same alone or in any batch. Their cost against fp32 (SNR, durations) is measured in docs/vits.md.
@@ -149,7 +149,7 @@ def openvino_session(graph: bytes, threads: int, precision: str) -> Session:
     try:
         import openvino as ov
     except ImportError:
-        raise ValueError("--precision bf16 runs VITS on the CPU through OpenVINO: pip install openvino") from None
+        raise ValueError("--precision bf16 runs VITS on the CPU through OpenVINO: the [openvino] extra") from None
     core = ov.Core()
     settings = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
     compiled = core.compile_model(core.read_model(graph, b""), "CPU", settings)
