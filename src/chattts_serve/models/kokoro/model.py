@@ -63,6 +63,20 @@ class KokoroModel(nn.Module):
     def device(self) -> torch.device:
         return self.bert_encoder.weight.device
 
+    @property
+    def decoder_dtype(self) -> torch.dtype:
+        return self.decoder.F0_conv.weight.dtype
+
+    def cast_decoder(self, dtype: torch.dtype) -> KokoroModel:
+        """Run the decoder's network in ``dtype`` (bf16: ``--precision bf16``), everything before it in fp32, so
+        durations and the F0/energy curves are the fp32 ones, exactly. The sine source and the spectra around the
+        generator stay fp32 too: the source integrates F0 into a phase of ~1e5 radians, which bf16 cannot hold."""
+        self.decoder.to(dtype)
+        generator = self.decoder.generator
+        generator.m_source.float()
+        generator.window = generator.window.float()
+        return self
+
     @torch.inference_mode()
     def synthesize(self, utterances: Sequence[Utterance], prosody: str = "rows") -> list[Synthesis]:
         """Audio for every utterance, the decoder run once over the padded batch.
