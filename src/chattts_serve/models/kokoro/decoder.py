@@ -126,7 +126,6 @@ class Generator(nn.Module):
         har = torch.zeros(x.shape[0], self.n_fft + 2, samples.total // self.hop + 1, device=x.device)
         for row, n in enumerate(samples.lengths.tolist()):
             har[row, :, : n // self.hop + 1] = self._analyse(source[row, :n])
-        har = har.to(x.dtype)  # the source and its spectrum stay fp32 (phases); the network runs in x's dtype
 
         at = lengths
         for i, rate in enumerate(self.rates):
@@ -146,7 +145,7 @@ class Generator(nn.Module):
                 y = self.resblocks[i * self.num_kernels + j](x, style, at)
                 xs = y if xs is None else xs + y
             x = xs / self.num_kernels
-        x = self.conv_post(masked(F.leaky_relu(x), at)).float()
+        x = self.conv_post(masked(F.leaky_relu(x), at))
         return [self._synthesise(x[row : row + 1, :, :n]) for row, n in enumerate(at.lengths.tolist())]
 
     def _analyse(self, signal: torch.Tensor) -> torch.Tensor:
@@ -181,12 +180,7 @@ class Decoder(nn.Module):
 
     def forward(self, asr: torch.Tensor, f0: torch.Tensor, energy: torch.Tensor, style: torch.Tensor,
                 frames: Lengths, generators: list[torch.Generator | None]) -> list[torch.Tensor]:
-        """``asr`` [B, C, F] at ``frames``; ``f0``/``energy`` [B, 2F] (zero past each row's end). fp32 in; the
-        network runs in its parameters' dtype (``KokoroModel.decoder_dtype``), the sine source in fp32."""
-        dtype = self.F0_conv.weight.dtype
-        if dtype != torch.float32:
-            asr, energy, style = asr.to(dtype), energy.to(dtype), style.to(dtype)
-        f0_source, f0 = f0, f0.to(dtype)
+        """``asr`` [B, C, F] at ``frames``; ``f0``/``energy`` [B, 2F] (zero past each row's end)."""
         f0_down = masked(self.F0_conv(f0[:, None, :]), frames)
         energy_down = masked(self.N_conv(energy[:, None, :]), frames)
         x = self.encode(torch.cat([asr, f0_down, energy_down], dim=1), style, frames)
@@ -197,4 +191,4 @@ class Decoder(nn.Module):
                 x = torch.cat([x, asr_res, f0_down, energy_down], dim=1)
             x = block(x, style, at)
             at = at.scaled(2) if block.upsample else at
-        return self.generator(x, style, f0_source, at, generators)
+        return self.generator(x, style, f0, at, generators)

@@ -65,16 +65,28 @@ class KokoroModel(nn.Module):
 
     @property
     def decoder_dtype(self) -> torch.dtype:
-        return self.decoder.F0_conv.weight.dtype
+        """The dtype the decoder's convolutions compute in (``cast_decoder``)."""
+        return self.decoder.encode.conv1.weight.dtype
 
     def cast_decoder(self, dtype: torch.dtype) -> KokoroModel:
-        """Run the decoder's network in ``dtype`` (bf16: ``--precision bf16``), everything before it in fp32, so
-        durations and the F0/energy curves are the fp32 ones, exactly. The sine source and the spectra around the
-        generator stay fp32 too: the source integrates F0 into a phase of ~1e5 radians, which bf16 cannot hold."""
-        self.decoder.to(dtype)
-        generator = self.decoder.generator
-        generator.m_source.float()
-        generator.window = generator.window.float()
+        """Run the decoder's convolutions in ``dtype`` (bf16: ``--audio-dtype bf16``), everything else in fp32.
+
+        Only the convolutions, where the time goes: each takes its input rounded to ``dtype`` and gives fp32 back,
+        so the residual sums, the norms, the snakes, the sine source (which integrates F0 into a phase of ~1e5
+        radians) and the spectra keep fp32, and so does everything before the decoder: durations, F0 and energy
+        are the fp32 ones exactly. Measured on the full-size random checkpoint, one thread: 43 dB SNR against
+        fp32 where a decoder wholly in bf16 (its residual stream rounded at every sum) gave 10 dB, for about 0.9x
+        of that one's speed.
+        """
+        convs = [m for m in self.decoder.modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))]
+        for conv in convs:
+            if conv.weight.dtype == dtype:
+                continue
+            first = conv.weight.dtype == torch.float32
+            conv.to(dtype)
+            if first:  # the casts around it, once
+                conv.register_forward_pre_hook(_input_to_weight_dtype)
+                conv.register_forward_hook(_output_to_fp32)
         return self
 
     @torch.inference_mode()
@@ -146,6 +158,14 @@ class KokoroModel(nn.Module):
                              f"got shape {tuple(u.style.shape)}")
         if not u.speed > 0:
             raise ValueError(f"utterance {i}: speed must be positive, got {u.speed!r}")
+
+
+def _input_to_weight_dtype(conv: nn.Module, args: tuple) -> tuple:
+    return (args[0].to(conv.weight.dtype), *args[1:])
+
+
+def _output_to_fp32(conv: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out.float()
 
 
 @dataclass(frozen=True)
