@@ -213,3 +213,16 @@ def test_audio_dtype_sets_the_decoder_dtype(kokoro_tiny, audio_dtype, decoder):
 def test_a_gpt_precision_is_refused_with_the_flag_that_applies(kokoro_tiny):
     with pytest.raises(ValueError, match="--precision int8 is ChatTTS's.*--audio-dtype bf16"):
         models.get("kokoro").load(kokoro_tiny, torch.device("cpu"), EngineConfig(precision="int8"))
+
+
+def test_auto_audio_dtype_is_bf16_on_cuda(kokoro_tiny, monkeypatch):
+    """``--audio-dtype auto`` on CUDA: the decoder's convolutions in bf16 (as ChatTTS's audio decoder). No GPU here:
+    the model is loaded on the CPU in place of the device, which is all the choice reads."""
+    from chattts_serve.models.kokoro import checkpoint
+
+    real = checkpoint.load
+    monkeypatch.setattr(checkpoint, "load", lambda root, device: real(root, "cpu"))
+    family = models.get("kokoro")
+    assert family.load(kokoro_tiny, torch.device("cuda"), EngineConfig()).model.decoder_dtype == torch.bfloat16
+    fp32 = family.load(kokoro_tiny, torch.device("cuda"), EngineConfig(audio_dtype="fp32"))
+    assert fp32.model.decoder_dtype == torch.float32
