@@ -226,3 +226,17 @@ def test_auto_audio_dtype_is_bf16_on_cuda(kokoro_tiny, monkeypatch):
     assert family.load(kokoro_tiny, torch.device("cuda"), EngineConfig()).model.decoder_dtype == torch.bfloat16
     fp32 = family.load(kokoro_tiny, torch.device("cuda"), EngineConfig(audio_dtype="fp32"))
     assert fp32.model.decoder_dtype == torch.float32
+
+
+def test_compile_reaches_the_decoder(kokoro_tiny, monkeypatch):
+    """``--compile``: the served model's generator blocks get the compiled AdaIN + snake (compiling itself is the
+    slow model test's; here torch.compile is stood in for)."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: ("compiled", fn, kw))
+    from chattts_serve.engine.config import from_flat
+
+    config = from_flat(compile=True)
+    loaded = models.get("kokoro").load(kokoro_tiny, torch.device("cpu"), config)
+    fused = {b.fused[0] for b in loaded.model.decoder.generator.resblocks}
+    assert fused == {"compiled"} and loaded.model.decoder.generator.resblocks[0].fused[2] == {"dynamic": True}
+    plain = models.get("kokoro").load(kokoro_tiny, torch.device("cpu"), EngineConfig())
+    assert all(b.fused is None for b in plain.model.decoder.generator.resblocks)

@@ -425,6 +425,8 @@ class KokoroFamily(ModelFamily):
             if torch.device(device).type == "cpu" and not probe().bf16:
                 logger.warning("audio_dtype bf16 on a CPU without AVX-512 BF16 or AMX: emulated, slower than fp32")
             model.cast_decoder(torch.bfloat16)
+        if config.runner.compile:
+            model.compile_decoder()
         packs = {name: load_voice(root, name, model.config.voice_dim) for name in voice_names(root)}
         if config.auto_slots:  # no KV slots to size: --max-num-seqs caps a batch's rows
             config = replace(config, auto_slots=False)

@@ -68,6 +68,19 @@ class KokoroModel(nn.Module):
         """The dtype the decoder's convolutions compute in (``cast_decoder``)."""
         return self.decoder.encode.conv1.weight.dtype
 
+    def compile_decoder(self) -> KokoroModel:
+        """AdaIN and snake of the generator's blocks as one compiled pass each (``torch.compile``, inductor; the
+        engine's ``--compile``): about 1.2x on the decoder (bf16, full size, one thread), no longer the
+        reference's roundings (47.8 dB SNR against the eager bf16 path). Compiled once for any length (dynamic
+        shapes, seconds at the first utterance); a padded (ragged) batch runs the eager path."""
+        from .blocks import AdaINResBlock1, norm_snake
+
+        fused = torch.compile(norm_snake, dynamic=True)
+        for block in self.decoder.modules():
+            if isinstance(block, AdaINResBlock1):
+                block.fused = fused
+        return self
+
     def cast_decoder(self, dtype: torch.dtype) -> KokoroModel:
         """Run the decoder's convolutions in ``dtype`` (bf16: ``--audio-dtype bf16``), everything else in fp32.
 
