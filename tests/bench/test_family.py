@@ -69,7 +69,8 @@ def test_bench_family_against_a_protocol_keeping_reference(tmp_path, capsys, mon
     assert len(ours["rounds"]) == 2 and ours["concurrent_audio_s"] > 0
     assert ours["concurrent_audio_s_per_s"] == pytest.approx(ours["concurrent_audio_s"] / ours["concurrent_s"],
                                                              rel=1e-3)
-    assert 0 < ours["first_sentence_s"] and 0 < ours["first_audio_s"]
+    assert 0 < ours["first_audio_s"] and r["audio_dtype"] == "auto"
+    assert r["first_audio_over_first_sentence"] == pytest.approx(ours["first_audio_s"] / ours["single_s"], rel=1e-2)
     assert ref == {"package": "fake 1.0", "single_s": 1.0, "sequential_s": 3.0, "sequential_audio_s": 6.0,
                    "sequential_audio_s_per_s": 2.0,
                    "rounds": [{"single_s": 1.0, "sequential_s": 3.0}] * 2}

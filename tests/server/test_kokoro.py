@@ -336,3 +336,32 @@ def test_wyoming_speaks_a_kokoro_voice_as_http_does(live):
     heard = pcm(audio)
     http = pcm(tts(live[0], text=ONE, voice="zm_yunjian"))  # unseeded: another draw of the noise
     assert len(heard) == len(http) > 0  # durations do not depend on the noise
+
+
+@pytest.fixture(scope="module")
+def cached_bf16(tmp_path_factory):
+    """A second server: the result cache on, the decoder's convolutions in bf16 (``--audio-dtype bf16``)."""
+    tmp = tmp_path_factory.mktemp("kokoro-bf16")
+    root = models.get("kokoro").write_random(tmp / "kokoro", "tiny")
+    config = app_config(root, tmp, port=free_port(), cache_mb=8, audio_dtype="bf16")
+    app = create_app(config)
+    with serving(app, config) as srv:
+        yield srv.base, app.state.engine
+
+
+def test_a_seeded_request_is_cached_and_bf16_reaches_the_served_model(cached_bf16, live):
+    base, engine = cached_bf16
+    model = engine.engine.family_model
+    assert model.model.decoder_dtype == torch.bfloat16
+    calls = []
+    run = model.synthesize
+    model.synthesize = lambda batch: calls.append(len(batch)) or run(batch)
+    try:
+        body = {"text": ONE, "voice": "zf_xiaobei", "format": "wav", "seed": 4, "stream": False}
+        first, again = post(base + "/v1/tts", json=body), post(base + "/v1/tts", json=body)
+    finally:
+        model.synthesize = run
+    assert (first.headers["X-Cache"], again.headers["X-Cache"]) == ("miss", "hit")
+    assert first.content == again.content and calls == [1]  # the hit never reached the model
+    fp32 = post(live[0] + "/v1/tts", json=body)  # the same checkpoint (seed 0) in fp32: close, not the same bits
+    assert fp32.status_code == 200 and fp32.content != first.content and len(fp32.content) == len(first.content)

@@ -173,7 +173,7 @@ _HELP = {
     "(--max-num-seqs caps its rows)",
     "decode": "decode step: rows (batch-invariant; CPU default) or static (fixed shapes, CUDA graphs; CUDA default)",
     "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only)",
-    "compile": "torch.compile the static decode step",
+    "compile": "torch.compile the static decode step (ChatTTS), the decoder's AdaIN + snake (Kokoro)",
     "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
     "ort_auto_crossover": "ort-auto: trunk calls of this many rows or more run int8, narrower ones 4-bit "
     "(0: from a table by CPU)",

@@ -177,3 +177,66 @@ def test_english_follows_an_english_voice_sentence_by_sentence(served):
     assert [u.text for u in utts] == ["Hello world.", "How are you today?"]
     assert served._g2p.keys() >= {"b"}  # British, from the voice's first letter
     assert [w.text for w in served.synthesize(utts[:1])[0].words] == ["Hello", "world"]
+
+
+def test_rows_run_one_by_one_on_a_cpu_and_padded_elsewhere(served, monkeypatch):
+    """The one rule for batch families (``engine.batch.pads_rows``): the engine hands the whole batch, and the
+    model runs it padded only where the rule says so."""
+    import chattts_serve.engine.batch as batch_module
+
+    assert not batch_module.pads_rows("cpu") and batch_module.pads_rows("cuda") and batch_module.pads_rows("mps")
+    utterances = served.utterances(ZH, SamplingParams(speaker="zf_xiaobei", seed=1))
+    assert len(utterances) == 3
+    calls: list[int] = []
+    real = served.model.synthesize
+    monkeypatch.setattr(served.model, "synthesize", lambda rows: calls.append(len(rows)) or real(rows))
+    alone = served.synthesize(utterances)
+    assert calls == [1, 1, 1]
+    calls.clear()
+    monkeypatch.setattr(batch_module, "pads_rows", lambda device: True)
+    padded = served.synthesize(utterances)
+    assert calls == [3]
+    for a, b in zip(alone, padded, strict=True):  # the same speech either way (within the batch bound)
+        assert a.words == b.words and abs(a.audio - b.audio).max() <= 2e-6
+
+
+@pytest.mark.parametrize(("audio_dtype", "decoder"), [("auto", torch.float32), ("fp32", torch.float32),
+                                                      ("tf32", torch.float32), ("bf16", torch.bfloat16)])
+def test_audio_dtype_sets_the_decoder_dtype(kokoro_tiny, audio_dtype, decoder):
+    family = models.get("kokoro")
+    loaded = family.load(kokoro_tiny, torch.device("cpu"), EngineConfig(audio_dtype=audio_dtype))
+    assert loaded.model.decoder_dtype == decoder and loaded.model.bert_encoder.weight.dtype == torch.float32
+    speech = loaded.synthesize(loaded.utterances("你好。", SamplingParams(speaker="zf_xiaobei", seed=2)))
+    assert speech[0].audio.dtype == "float32" and len(speech[0].audio) > 0
+
+
+def test_a_gpt_precision_is_refused_with_the_flag_that_applies(kokoro_tiny):
+    with pytest.raises(ValueError, match="--precision int8 is ChatTTS's.*--audio-dtype bf16"):
+        models.get("kokoro").load(kokoro_tiny, torch.device("cpu"), EngineConfig(precision="int8"))
+
+
+def test_auto_audio_dtype_is_bf16_on_cuda(kokoro_tiny, monkeypatch):
+    """``--audio-dtype auto`` on CUDA: the decoder's convolutions in bf16 (as ChatTTS's audio decoder). No GPU here:
+    the model is loaded on the CPU in place of the device, which is all the choice reads."""
+    from chattts_serve.models.kokoro import checkpoint
+
+    real = checkpoint.load
+    monkeypatch.setattr(checkpoint, "load", lambda root, device: real(root, "cpu"))
+    family = models.get("kokoro")
+    assert family.load(kokoro_tiny, torch.device("cuda"), EngineConfig()).model.decoder_dtype == torch.bfloat16
+    fp32 = family.load(kokoro_tiny, torch.device("cuda"), EngineConfig(audio_dtype="fp32"))
+    assert fp32.model.decoder_dtype == torch.float32
+
+
+def test_compile_reaches_the_decoder(kokoro_tiny, monkeypatch):
+    """``--compile``: the served model's generator blocks get the compiled AdaIN + snake (compiling itself is the
+    slow model test's; here torch.compile is stood in for)."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: ("compiled", fn, kw))
+    from chattts_serve.engine.config import from_flat
+
+    config = from_flat(compile=True)
+    loaded = models.get("kokoro").load(kokoro_tiny, torch.device("cpu"), config)
+    fused = {b.fused[0] for b in loaded.model.decoder.generator.resblocks}
+    assert fused == {"compiled"} and loaded.model.decoder.generator.resblocks[0].fused[2] == {"dynamic": True}
+    plain = models.get("kokoro").load(kokoro_tiny, torch.device("cpu"), EngineConfig())
+    assert all(b.fused is None for b in plain.model.decoder.generator.resblocks)

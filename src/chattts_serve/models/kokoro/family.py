@@ -25,6 +25,7 @@ torch, the model and misaki are imported when a checkpoint is loaded: the regist
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import secrets
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 
     from .model import KokoroModel
     from .text import Chunk
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE, WEIGHTS_FILE, VOICES_DIR = "config.json", "kokoro-v1_0.pth", "voices"
 HUB_REPO = "hexgrad/Kokoro-82M"
@@ -243,6 +246,14 @@ class LoadedKokoro(BatchModel):
     def sample_rate(self) -> int:
         return self.model.config.sample_rate
 
+    def _scope(self):
+        """TF32 around a forward where ``--audio-dtype tf32`` asked for it on CUDA; strict fp32 otherwise."""
+        from ...audio.decode import resolve_audio_dtype
+        from ...tf32 import fp32_scope, tf32_scope
+
+        tf32 = resolve_audio_dtype(self.config.audio_dtype, self.device.type) == "tf32" and self.device.type == "cuda"
+        return tf32_scope() if tf32 else fp32_scope()
+
     @property
     def device(self) -> torch.device:
         return self.model.device
@@ -332,6 +343,7 @@ class LoadedKokoro(BatchModel):
     def synthesize(self, batch: Sequence[Utterance]) -> list[Speech]:
         import torch
 
+        from ...engine.batch import pads_rows
         from .model import Utterance as Row
         from .text import word_timestamps
 
@@ -339,14 +351,11 @@ class LoadedKokoro(BatchModel):
             Row(u.inputs.ids, u.inputs.style, u.inputs.speed, torch.Generator(self.device).manual_seed(u.inputs.seed))
             for u in batch
         ]
-        if torch.device(self.device).type == "cpu":
-            # On a CPU one padded forward over mixed lengths costs more than its rows one by one (measured 3.8x
-            # for 8 rows of 8-100 phonemes at one thread: padding doubles the decoder's work and its memory
-            # traffic), so rows run alone there; an accelerator takes the padded batch. Either way each row is
-            # its batch-1 result.
-            results = [r for row in rows for r in self.model.synthesize([row])]
-        else:
-            results = self.model.synthesize(rows)
+        with self._scope():
+            if pads_rows(self.device):
+                results = self.model.synthesize(rows)
+            else:  # each row alone (engine.batch.pads_rows: the one rule for batch families)
+                results = [r for row in rows for r in self.model.synthesize([row])]
         out = []
         rate = self.sample_rate
         for u, result in zip(batch, results, strict=True):
@@ -421,13 +430,28 @@ class KokoroFamily(ModelFamily):
         return write_random(directory, size, seed=seed)
 
     def load(self, root: Path, device: torch.device, config) -> LoadedKokoro:
-        """fp32 on ``device``: the model's own precision modes are not here yet, so any other is refused."""
+        """On ``device``, the text side in fp32 (``--precision`` is ChatTTS's GPT's: any but fp32 is refused), the
+        decoder in ``--audio-dtype`` (the name ChatTTS's audio decoder takes): fp32 (the package's bits), bf16
+        (``KokoroModel.cast_decoder``; "auto" on CUDA) or tf32 (fp32 weights, TF32 convolutions on CUDA)."""
+        import torch
+
+        from ...audio.decode import resolve_audio_dtype
         from .checkpoint import load
         from .voices import load_voice, voice_names
 
         if config.precision != "fp32":
-            raise ValueError(f"the kokoro family runs in fp32; --precision {config.precision} is ChatTTS's")
+            raise ValueError(f"the kokoro family runs its text side in fp32; --precision {config.precision} is "
+                             "ChatTTS's (Kokoro's decoder takes --audio-dtype bf16)")
+        audio_dtype = resolve_audio_dtype(config.audio_dtype, torch.device(device).type)
         model = load(root, device)
+        if audio_dtype == "bf16":
+            from ...cpu import probe
+
+            if torch.device(device).type == "cpu" and not probe().bf16:
+                logger.warning("audio_dtype bf16 on a CPU without AVX-512 BF16 or AMX: emulated, slower than fp32")
+            model.cast_decoder(torch.bfloat16)
+        if config.runner.compile:
+            model.compile_decoder()
         packs = {name: load_voice(root, name, model.config.voice_dim) for name in voice_names(root)}
         if config.auto_slots:  # no KV slots to size: --max-num-seqs caps a batch's rows
             config = replace(config, auto_slots=False)

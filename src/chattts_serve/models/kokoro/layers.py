@@ -69,7 +69,8 @@ class StyledInstanceNorm(nn.Module):
         h = self.fc(style)
         h = h.view(h.size(0), h.size(1), 1)
         gamma, beta = torch.chunk(h, chunks=2, dim=1)
-        return (1 + gamma) * instance_norm(x, self.norm.weight, self.norm.bias, lengths) + beta
+        # In place on the norm's fresh output: the same products and sums as (1 + gamma) * norm + beta.
+        return instance_norm(x, self.norm.weight, self.norm.bias, lengths).mul_(1 + gamma).add_(beta)
 
 
 class _AffineOnly(nn.Module):

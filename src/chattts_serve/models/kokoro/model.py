@@ -63,6 +63,45 @@ class KokoroModel(nn.Module):
     def device(self) -> torch.device:
         return self.bert_encoder.weight.device
 
+    @property
+    def decoder_dtype(self) -> torch.dtype:
+        """The dtype the decoder's convolutions compute in (``cast_decoder``)."""
+        return self.decoder.encode.conv1.weight.dtype
+
+    def compile_decoder(self) -> KokoroModel:
+        """AdaIN and snake of the generator's blocks as one compiled pass each (``torch.compile``, inductor; the
+        engine's ``--compile``): about 1.2x on the decoder (bf16, full size, one thread), no longer the
+        reference's roundings (47.8 dB SNR against the eager bf16 path). Compiled once for any length (dynamic
+        shapes, seconds at the first utterance); a padded (ragged) batch runs the eager path."""
+        from .blocks import AdaINResBlock1, norm_snake
+
+        fused = torch.compile(norm_snake, dynamic=True)
+        for block in self.decoder.modules():
+            if isinstance(block, AdaINResBlock1):
+                block.fused = fused
+        return self
+
+    def cast_decoder(self, dtype: torch.dtype) -> KokoroModel:
+        """Run the decoder's convolutions in ``dtype`` (bf16: ``--audio-dtype bf16``), everything else in fp32.
+
+        Only the convolutions, where the time goes: each takes its input rounded to ``dtype`` and gives fp32 back,
+        so the residual sums, the norms, the snakes, the sine source (which integrates F0 into a phase of ~1e5
+        radians) and the spectra keep fp32, and so does everything before the decoder: durations, F0 and energy
+        are the fp32 ones exactly. Measured on the full-size random checkpoint, one thread: 43 dB SNR against
+        fp32 where a decoder wholly in bf16 (its residual stream rounded at every sum) gave 10 dB, for about 0.9x
+        of that one's speed.
+        """
+        convs = [m for m in self.decoder.modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))]
+        for conv in convs:
+            if conv.weight.dtype == dtype:
+                continue
+            first = conv.weight.dtype == torch.float32
+            conv.to(dtype)
+            if first:  # the casts around it, once
+                conv.register_forward_pre_hook(_input_to_weight_dtype)
+                conv.register_forward_hook(_output_to_fp32)
+        return self
+
     @torch.inference_mode()
     def synthesize(self, utterances: Sequence[Utterance], prosody: str = "rows") -> list[Synthesis]:
         """Audio for every utterance, the decoder run once over the padded batch.
@@ -132,6 +171,14 @@ class KokoroModel(nn.Module):
                              f"got shape {tuple(u.style.shape)}")
         if not u.speed > 0:
             raise ValueError(f"utterance {i}: speed must be positive, got {u.speed!r}")
+
+
+def _input_to_weight_dtype(conv: nn.Module, args: tuple) -> tuple:
+    return (args[0].to(conv.weight.dtype), *args[1:])
+
+
+def _output_to_fp32(conv: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out.float()
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,9 @@ class VitsModel(nn.Module):
         return out  # type: ignore[return-value]
 
     def _together(self) -> bool:
-        return self.device.type != "cpu" if self.batch_decoder is None else self.batch_decoder
+        from ...engine.batch import pads_rows
+
+        return pads_rows(self.device) if self.batch_decoder is None else self.batch_decoder
 
     def _decode_padded(self, latents: Sequence[Latent]) -> list[torch.Tensor]:
         if self.row_decoder is not None and len(latents) == 1:
