@@ -78,6 +78,15 @@ class ExecutionPlan:
         )
 
 
+def resolve_audio_dtype(requested: str, device_type: str) -> str:
+    """``--audio-dtype`` on a device, for every family that decodes audio in torch: "auto" is bf16 on CUDA and
+    fp32 elsewhere; the graph dtypes (ONNX Runtime, OpenVINO) run on the CPU only."""
+    audio_dtype = requested if requested != "auto" else ("bf16" if device_type == "cuda" else "fp32")
+    if audio_dtype in AUDIO_GRAPH_DTYPES and device_type != "cpu":
+        raise ValueError(f"audio_dtype {audio_dtype} runs on the CPU only; on {device_type} use bf16, tf32 or fp32")
+    return audio_dtype
+
+
 def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
     """``config`` on a device type: the one place an "auto" is read. Raises ValueError for combinations
     that cannot run (step graphs "on" off the static step or with generator noise; a bf16 KV cache under
@@ -102,9 +111,7 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
     # The static step on CUDA: FlexAttention where its probe runs (``CHATTTS_CUDA_ATTENTION`` may force
     # either; the probe runs once a process). Off CUDA the masked SDPA unless forced.
     attention = flex_decode.choose(device_type, kv_dtype) if decode in ("static", "step-graph") else "sdpa"
-    audio_dtype = config.audio_dtype if config.audio_dtype != "auto" else ("bf16" if cuda else "fp32")
-    if audio_dtype in AUDIO_GRAPH_DTYPES and device_type != "cpu":
-        raise ValueError(f"audio_dtype {audio_dtype} runs on the CPU only; on {device_type} use bf16, tf32 or fp32")
+    audio_dtype = resolve_audio_dtype(config.audio_dtype, device_type)
     overlap = config.audio_overlap == "on" or (config.audio_overlap == "auto" and cuda)
     buckets = config.audio_buckets == "on" or (config.audio_buckets == "auto" and cuda)
     return ExecutionPlan(

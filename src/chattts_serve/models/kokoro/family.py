@@ -248,10 +248,9 @@ class LoadedKokoro(BatchModel):
 
     def _scope(self):
         """TF32 around a forward where ``--audio-dtype tf32`` asked for it on CUDA; strict fp32 otherwise."""
-        from ...audio.decode import resolve_audio_dtype
         from ...tf32 import fp32_scope, tf32_scope
 
-        tf32 = resolve_audio_dtype(self.config.audio_dtype, self.device.type) == "tf32" and self.device.type == "cuda"
+        tf32 = self.config.audio_dtype == "tf32" and self.device.type == "cuda"  # resolved once, in ``load``
         return tf32_scope() if tf32 else fp32_scope()
 
     @property
@@ -435,7 +434,7 @@ class KokoroFamily(ModelFamily):
         (``KokoroModel.cast_decoder``; "auto" on CUDA) or tf32 (fp32 weights, TF32 convolutions on CUDA)."""
         import torch
 
-        from ...audio.decode import resolve_audio_dtype
+        from ...engine.plan import resolve_audio_dtype
         from .checkpoint import load
         from .voices import load_voice, voice_names
 
@@ -443,6 +442,9 @@ class KokoroFamily(ModelFamily):
             raise ValueError(f"the kokoro family runs its text side in fp32; --precision {config.precision} is "
                              "ChatTTS's (Kokoro's decoder takes --audio-dtype bf16)")
         audio_dtype = resolve_audio_dtype(config.audio_dtype, torch.device(device).type)
+        if audio_dtype not in ("fp32", "bf16", "tf32"):
+            raise ValueError(f"the kokoro family's decoder runs in fp32, bf16 or tf32; --audio-dtype {audio_dtype} "
+                             "is ChatTTS's audio stage as one ONNX Runtime / OpenVINO graph")
         model = load(root, device)
         if audio_dtype == "bf16":
             from ...cpu import probe
@@ -453,6 +455,7 @@ class KokoroFamily(ModelFamily):
         if config.runner.compile:
             model.compile_decoder()
         packs = {name: load_voice(root, name, model.config.voice_dim) for name in voice_names(root)}
+        config = replace(config, audio_dtype=audio_dtype)  # "auto" resolved once, here
         if config.auto_slots:  # no KV slots to size: --max-num-seqs caps a batch's rows
             config = replace(config, auto_slots=False)
         return LoadedKokoro(self, Path(root), model, packs, config)
