@@ -477,6 +477,25 @@ def test_the_page_offers_the_served_familys_voices_and_options(request, browser,
         assert page.state() == "done", pg.inner_text("#status")
         assert int(pg.eval_on_selector("#wave", "c => c.dataset.samples")) > 0
 
+        # Word timings: the same request through the captioned route, each word in the table.
+        captioned = httpx.post(
+            base + "/v1/tts/captioned", json={**body, "stream": False, "format": "wav"}, timeout=HTTP_TIMEOUT
+        )
+        assert captioned.status_code == 200, captioned.text
+        expected = [
+            [w["word"], f"{w['start_time']:.3f}", f"{w['end_time']:.3f}"]
+            for s in captioned.json()["segments"]
+            for w in s["words"]
+        ]
+        assert expected
+        with pg.expect_response(lambda r: r.url.endswith("/v1/tts/captioned")):
+            pg.click("#words-button")
+        pg.wait_for_function("!document.getElementById('words').hidden")
+        rows = pg.eval_on_selector_all(
+            "#words tbody tr", "trs => trs.map(tr => [...tr.cells].map(td => td.textContent))"
+        )
+        assert rows == expected
+
         # A blend of built-in voices replaces the voice chosen; a bad option value is the server's 400.
         first, second = builtin[0], builtin[-1]
         pg.fill("#blend", f"{first}(2)+{second}(1)")
@@ -495,6 +514,7 @@ def test_chattts_keeps_its_own_block(page):
     pg = page.pg
     pg.wait_for_function("document.body.dataset.family === 'chattts'")
     assert pg.is_visible("#advanced") and not pg.is_visible("#options")
+    assert not pg.is_visible("#words-button")  # ChatTTS times sentences, not words
     assert pg.input_value("#text") == models.get("chattts").sample_text
     builtin = pg.eval_on_selector_all("#voices-builtin option", "os => os.map(o => o.value)")
     assert builtin == [v["name"] for v in _card(page.base)["voices"]]
