@@ -207,3 +207,28 @@ def test_synthesize_detects_a_kokoro_checkpoint(tmp_path, capsys):
         assert w.getframerate() == 24000 and w.getnframes() > 0
     assert main([*args, "--temperature", "0.5"]) == 2
     assert "option 'temperature' belongs to the chattts family; this model is a kokoro model" in capsys.readouterr().err
+
+
+def test_synthesize_takes_vitss_noise_scales(tmp_path, capsys):
+    """``--noise-scale`` and ``--noise-scale-duration`` reach the model: with both 0, VITS samples nothing, so
+    two seeds speak the same; with the checkpoint's noise they do not. Another family's model refuses them."""
+    from chattts_serve.cli import main
+    from chattts_serve.models.vits.random_checkpoint import write_random
+
+    root = write_random(tmp_path / "v", "tiny", seed=0)
+
+    def speak(seed: int, *flags: str) -> bytes:
+        out = tmp_path / f"{seed}{''.join(flags)}.wav"
+        args = ["synthesize", "hello world", "-o", str(out), "--model", str(root), "--seed", str(seed), *flags]
+        assert main(args) == 0
+        with wave.open(str(out)) as w:
+            return w.readframes(w.getnframes())
+
+    quiet = ("--noise-scale", "0", "--noise-scale-duration", "0")
+    assert speak(1, *quiet) == speak(2, *quiet)
+    assert speak(1) != speak(2)
+    assert main(["checkpoint", "random", str(tmp_path / "k"), "--family", "kokoro"]) == 0
+    capsys.readouterr()
+    args = ["synthesize", "你好。", "-o", str(tmp_path / "k.wav"), "--model", str(tmp_path / "k"), "--noise-scale", "0"]
+    assert main(args) == 2
+    assert "option 'noise_scale' belongs to the vits family; this model is a kokoro model" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from .engine.config import add_engine_arguments, add_max_num_seqs_argument
 from .kernels.onnx_runtime import WEIGHT_KINDS
 from .models.chattts.config import DEFAULT_MODEL
 from .models.family import SIZES
+from .models.flags import add_family_arguments, with_family_options
 from .sampling_params import SAMPLING_FLAGS, SamplingParams, add_sampling_arguments
 
 MODEL_ENV = "CHATTTS_SERVE_MODEL"
@@ -64,6 +65,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_model_args(syn)
     syn.add_argument("--family", choices=models.names(), help="the model family (default: detected from --model)")
     add_sampling_arguments(syn)
+    add_family_arguments(syn)
     syn.set_defaults(func=_synthesize)
 
     from .server.config import WYOMING_URI, add_server_arguments
@@ -83,7 +85,7 @@ def _build_parser() -> argparse.ArgumentParser:
         sub.add_parser("ray", help="scale out on Ray: Serve replicas, Data batch jobs (needs the .[ray] extra)"),
         server_args=add_server_arguments,
         model_args=_add_model_args,
-        sampling_args=add_sampling_arguments,
+        sampling_args=_add_all_sampling_arguments,
         sampling_flags=SAMPLING_FLAGS,
     )
 
@@ -180,6 +182,12 @@ def _wyoming(args: argparse.Namespace) -> int:
     return run_wyoming(ServerConfig.from_args(args))
 
 
+def _add_all_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """ChatTTS's sampling flags and every family's own (``models.flags``: ``--noise-scale``, ``--lang-code``)."""
+    add_sampling_arguments(p)
+    add_family_arguments(p)
+
+
 def _synthesize(args: argparse.Namespace) -> int:
     from .audio.wav import write_wav
     from .distributed.jobs import Item, item_params, read_items, with_seed
@@ -191,6 +199,7 @@ def _synthesize(args: argparse.Namespace) -> int:
     if args.devices and not args.input:
         raise ValueError("--devices needs --input")
     params = SamplingParams.from_options(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
+    params = with_family_options(params, args)
     if args.input:
         items = with_seed(read_items(args.input), params.seed)  # the same ids and seeds as `ray batch`
     else:

@@ -154,3 +154,19 @@ def test_devices_split_the_texts_and_write_what_one_process_writes(tiny_ckpt, tm
     for name in names:
         assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
     assert main(["synthesize", "hello", "--devices", "cpu,cpu", "--model", str(tiny_ckpt)]) == 2  # needs --input
+
+
+def test_ray_batch_takes_a_familys_own_options(tmp_path, monkeypatch):
+    """``ray batch --noise-scale``: the job's base params carry VITS's noise scales, as ``synthesize``'s do."""
+    from chattts_serve.distributed import cluster, ray_batch
+    from chattts_serve.models.vits.random_checkpoint import write_random
+
+    root = write_random(tmp_path / "v", "tiny")
+    (tmp_path / "in.txt").write_text("hello world\n", encoding="utf-8")
+    seen = {}
+    monkeypatch.setattr(cluster, "connect", lambda *a, **k: None)
+    monkeypatch.setattr(ray_batch, "run_batch", lambda items, out, **kw: seen.update(kw) or {"failed": 0})
+    monkeypatch.setattr("ray.shutdown", lambda: None)
+    argv = ["ray", "batch", "--input", str(tmp_path / "in.txt"), "--output-dir", str(tmp_path / "out")]
+    assert main([*argv, "--model", str(root), "--noise-scale", "0.2", "--noise-scale-duration", "0"]) == 0
+    assert seen["base"].options == {"noise_scale": 0.2, "noise_scale_duration": 0.0}

@@ -14,10 +14,12 @@ import httpx
 import numpy as np
 import pytest
 
+from chattts_serve import models
 from chattts_serve.audio.wav import write_wav
+from chattts_serve.models.vits.random_checkpoint import write_random as write_vits
 from chattts_serve.sampling_params import speed_prompt
 
-from .conftest import HTTP_TIMEOUT, SR, decode_audio, metric, start_server, wait_until
+from .conftest import HTTP_TIMEOUT, SR, decode_audio, metric, running_server, start_server, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -104,6 +106,7 @@ class Page:
     """A fresh browser context on one server's playground, with the page errors it saw."""
 
     def __init__(self, browser, base: str) -> None:
+        self.base = base
         self.context = browser.new_context(accept_downloads=True)
         self.pg = self.context.new_page()
         self.pg.set_default_timeout(60_000)
@@ -362,3 +365,156 @@ def test_api_key(browser, tiny_ckpt, tmp_path):
             page.context.close()
         log = srv.log()
     assert key not in log
+
+
+# ------------------------------------------------------------------------------------- other families
+# The page is the same for every family: it asks /v1/models what the served family reads and offers that.
+
+
+@pytest.fixture(scope="module")
+def kokoro_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("playground-kokoro")
+    root = models.get("kokoro").write_random(tmp / "kokoro", "tiny")
+    with running_server(root, tmp, "--max-num-seqs", "4", in_process=True) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def vits_server(tmp_path_factory):
+    """A 3-speaker checkpoint: its speakers are the built-in voices."""
+    tmp = tmp_path_factory.mktemp("playground-vits")
+    root = write_vits(tmp / "vits", "tiny", seed=1, num_speakers=3, speaker_embedding_size=8)
+    with running_server(root, tmp, "--max-num-seqs", "4", in_process=True) as base:
+        yield base
+
+
+def _card(base: str) -> dict:
+    r = httpx.get(base + "/v1/models", timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200
+    return r.json()["data"][0]
+
+
+# Per family: its options as /v1/models lists them, a value for each that the server takes, and a voice.
+FAMILY_OPTIONS = {
+    "kokoro": {"speed": 1.5, "lang_code": "z", "phonemes": "ni↓xau↓"},
+    "vits": {"speed": 0.8, "noise_scale": 0.3, "noise_scale_duration": 0.5},
+    "chattts": {"temperature": 0.5, "top_p": 0.8, "top_k": 10, "refine_text": False, "refine_prompt": "[oral_2]"},
+}
+
+
+@pytest.mark.parametrize("family", ["kokoro", "vits", "chattts"])
+def test_models_lists_the_familys_voices_options_and_sample_text(request, family):
+    base = request.getfixturevalue({"kokoro": "kokoro_server", "vits": "vits_server", "chattts": "server"}[family])
+    card = _card(base)
+    assert card["family"] == family
+    options = {o["name"]: o for o in card["options"]}
+    assert list(options) == list(FAMILY_OPTIONS[family])
+    # Only this family's own options and common ones: never one another family owns.
+    owners = models.option_owners()
+    assert all(owners.get(name, family) == family for name in options), options
+    assert card["sample_text"] == models.get(family).sample_text
+    voices = [v["name"] for v in card["voices"]]
+    if family == "vits":
+        assert voices == ["speaker_0", "speaker_1", "speaker_2"]
+        assert options["noise_scale"]["default"] is None and options["noise_scale"]["maximum"] == 10.0
+    if family == "kokoro":
+        assert {"af_heart", "zf_xiaobei"} <= set(voices)
+        assert options["lang_code"]["kind"] == "choice" and "z" in options["lang_code"]["choices"]
+    # Every option listed, at a value in its range, is one the server takes.
+    text = "hello world" if family == "vits" else "你好。"
+    body = {"text": text, "format": "pcm", "seed": 1, **FAMILY_OPTIONS[family]}
+    if family == "chattts":
+        body.update(min_new_tokens=8, max_new_tokens=8)
+    else:
+        body["voice"] = voices[-1]
+    for name, value in FAMILY_OPTIONS[family].items():
+        spec = options[name]
+        if spec["kind"] in ("number", "integer"):
+            assert spec["minimum"] <= value <= spec["maximum"], (name, spec)
+    r = httpx.post(base + "/v1/tts", json=body, timeout=HTTP_TIMEOUT)
+    assert r.status_code == 200, r.text
+
+
+FAMILY_FORM = {  # what a person types in each family's option form, and the voice they pick
+    "kokoro": ({"opt-speed": "1.5", "opt-lang_code": "z"}, "zf_xiaobei", "你好，世界。"),
+    "vits": (
+        {"opt-speed": "0.8", "opt-noise_scale": "0.3", "opt-noise_scale_duration": "0"},
+        "speaker_2",
+        "hello world",
+    ),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["kokoro", "vits"])
+def test_the_page_offers_the_served_familys_voices_and_options(request, browser, family):
+    base = request.getfixturevalue(f"{family}_server")
+    page = Page(browser, base)
+    try:
+        pg = page.pg
+        pg.wait_for_function(f"document.body.dataset.family === '{family}'")
+        # ChatTTS's block is gone, the family's form is there instead, with its sample text.
+        assert not pg.is_visible("#advanced") and pg.is_visible("#options")
+        assert pg.input_value("#text") == models.get(family).sample_text
+        fields = pg.eval_on_selector_all("#option-fields [id^=opt-]", "es => es.map(e => e.id)")
+        assert fields == [f"opt-{name}" for name in FAMILY_OPTIONS[family]]
+        builtin = pg.eval_on_selector_all("#voices-builtin option", "os => os.map(o => o.value)")
+        assert builtin == [v["name"] for v in _card(base)["voices"]]
+
+        form, voice, text = FAMILY_FORM[family]
+        pg.fill("#text", text)
+        pg.fill("#seed", str(SEED))
+        pg.select_option("#voice", voice)
+        pg.click("#options summary")
+        for field, value in form.items():
+            if pg.eval_on_selector(f"#{field}", "e => e.tagName") == "SELECT":
+                pg.select_option(f"#{field}", value)
+            else:
+                pg.fill(f"#{field}", value)
+        body, _ = page.speak()
+        options = {f.removeprefix("opt-"): float(v) if v[0].isdigit() else v for f, v in form.items()}
+        assert body == {"text": text, "format": "pcm", "stream": True, "voice": voice, "seed": SEED, **options}
+        assert page.state() == "done", pg.inner_text("#status")
+        assert int(pg.eval_on_selector("#wave", "c => c.dataset.samples")) > 0
+
+        # Word timings: the same request through the captioned route, each word in the table.
+        captioned = httpx.post(
+            base + "/v1/tts/captioned", json={**body, "stream": False, "format": "wav"}, timeout=HTTP_TIMEOUT
+        )
+        assert captioned.status_code == 200, captioned.text
+        expected = [
+            [w["word"], f"{w['start_time']:.3f}", f"{w['end_time']:.3f}"]
+            for s in captioned.json()["segments"]
+            for w in s["words"]
+        ]
+        assert expected
+        with pg.expect_response(lambda r: r.url.endswith("/v1/tts/captioned")):
+            pg.click("#words-button")
+        pg.wait_for_function("!document.getElementById('words').hidden")
+        rows = pg.eval_on_selector_all(
+            "#words tbody tr", "trs => trs.map(tr => [...tr.cells].map(td => td.textContent))"
+        )
+        assert rows == expected
+
+        # A blend of built-in voices replaces the voice chosen; a bad option value is the server's 400.
+        first, second = builtin[0], builtin[-1]
+        pg.fill("#blend", f"{first}(2)+{second}(1)")
+        body, _ = page.speak()
+        assert body["voice"] == f"{first}(2)+{second}(1)" and page.state() == "done", pg.inner_text("#status")
+        pg.fill("#opt-speed", "9")
+        page.speak()
+        assert page.state() == "error" and "400" in pg.inner_text("#status") and "speed" in pg.inner_text("#status")
+        assert not page.errors, page.errors
+    finally:
+        page.context.close()
+
+
+@pytest.mark.e2e
+def test_chattts_keeps_its_own_block(page):
+    pg = page.pg
+    pg.wait_for_function("document.body.dataset.family === 'chattts'")
+    assert pg.is_visible("#advanced") and not pg.is_visible("#options")
+    assert not pg.is_visible("#words-button")  # ChatTTS times sentences, not words
+    assert pg.input_value("#text") == models.get("chattts").sample_text
+    builtin = pg.eval_on_selector_all("#voices-builtin option", "os => os.map(o => o.value)")
+    assert builtin == [v["name"] for v in _card(page.base)["voices"]]

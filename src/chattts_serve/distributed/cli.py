@@ -153,10 +153,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _batch(args: argparse.Namespace, sampling_flags: tuple[str, ...]) -> int:
     from ..engine.config import EngineConfig, engine_config_from_args
+    from ..models.flags import with_family_options
     from ..sampling_params import SamplingParams
     from .jobs import read_items, with_seed
 
     base = SamplingParams.from_options(**{name: getattr(args, name) for name in sampling_flags})
+    base = with_family_options(base, args)  # the families' own flags (models.flags), checked against the model
     items = with_seed(read_items(args.input), base.seed)
     rows_per_batch = args.rows_per_batch if args.rows_per_batch is not None else args.max_num_seqs
     if rows_per_batch < 1:

@@ -61,6 +61,25 @@ class Capabilities:
     """Inline tokens in the text such as ``[laugh]`` and ``[uv_break]`` (SSML breaks become them)."""
 
 
+@dataclass(frozen=True, slots=True)
+class OptionSpec:
+    """One request option as a form offers it (the playground; ``/v1/models``' ``options``): the server checks
+    the value (``server.protocol``, ``FamilyModel.check_options``); this only says how to ask for it."""
+
+    name: str
+    """The flat request field (``POST /v1/tts``), as ``owned_options`` and ``SamplingParams.from_options`` spell it."""
+    kind: Literal["number", "integer", "text", "choice", "boolean"]
+    label: str
+    default: float | int | str | bool | None = None
+    """What the server uses when the field is left out; None: the checkpoint's own (unknown before a load)."""
+    minimum: float | None = None
+    maximum: float | None = None
+    step: float | None = None
+    choices: tuple[str, ...] = ()
+    """"choice": the values it takes (a form offers "(default)", sending nothing, besides them)."""
+    help: str = ""
+
+
 class Voices(ABC):
     """A loaded model's voices. A voice travels as a string (``SamplingParams.speaker``): the family's codec
     says which strings are voices (ChatTTS: base16384 speaker strings; Kokoro: pack names such as
@@ -195,6 +214,14 @@ class ModelFamily(ABC):
     """The model as a listing names it ("ChatTTS", "Kokoro-82M"; Wyoming's ``describe``); "": ``name``."""
     attribution: ClassVar[tuple[str, str] | None] = None
     """Who made the model and where (a name and a URL), for listings; None: nobody is named."""
+    sample_text: ClassVar[str] = "Hello! This is a quick test of the speech server."
+    """A sentence in the family's language, for a first try (the playground's text)."""
+
+    def request_options(self) -> tuple[OptionSpec, ...]:
+        """The request options this family reads beyond text, voice and seed (its ``owned_options`` and the
+        common ones it honours, such as ``speed``), in the order a form shows them. ``/v1/models`` lists them so
+        a client (the playground) offers this family's options and no other's. By default: none."""
+        return ()
 
     @abstractmethod
     def is_checkpoint(self, root: Path) -> bool:

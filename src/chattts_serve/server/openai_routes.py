@@ -37,11 +37,20 @@ def model_ids(engine) -> tuple[str, ...]:
 
 @router.get("/v1/models")
 async def models(request: Request) -> ModelList:
-    """Every model id, each with the served model's family and sample rate."""
+    """Every model id, each with the served model's family, sample rate, capabilities, built-in voices and request
+    options (what the playground offers)."""
     eng = getattr(request.app.state, "engine", None)
     if eng is None:  # still loading: the ids alone
         return ModelList(data=[ModelCard(id=m, created=_CREATED) for m in MODEL_IDS])
-    facts = {"family": eng.family.name, "sample_rate": eng.sample_rate, "capabilities": asdict(eng.family.capabilities)}
+    family, voices = eng.family, eng.voices
+    facts = {
+        "family": family.name,
+        "sample_rate": eng.sample_rate,
+        "capabilities": asdict(family.capabilities),
+        "voices": [{"name": n, "description": voices.description(n)} for n in voices.builtin],
+        "options": [asdict(o) for o in family.request_options()],
+        "sample_text": family.sample_text,
+    }
     return ModelList(data=[ModelCard(id=m, created=_CREATED, **facts) for m in model_ids(eng)])
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -310,6 +310,13 @@ class ModelCard(BaseModel):
     capabilities: dict[str, str | bool] | None = None
     """Not OpenAI's: what the family can do (``models.family.Capabilities``): ``streaming`` ("window" or
     "sentence"), ``timestamps`` ("sentence" or "word"), ``refine``, ``control_tokens``."""
+    voices: list[dict[str, str]] | None = None
+    """Not OpenAI's: the model's built-in voices, each ``{"name", "description"}`` (saved ones: ``/v1/voices``)."""
+    options: list[dict[str, Any]] | None = None
+    """Not OpenAI's: the request options the family reads beyond text, voice and seed, each as
+    ``models.family.OptionSpec`` (name, kind, label, default, minimum, maximum, step, choices, help)."""
+    sample_text: str | None = None
+    """Not OpenAI's: a sentence in the model's language, for a first try."""
 
 
 class ModelList(BaseModel):

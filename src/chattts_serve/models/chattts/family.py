@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from ...sampling_params import SamplingParams
-from ..family import Capabilities, FamilyModel, ModelFamily, Size
+from ..family import Capabilities, FamilyModel, ModelFamily, OptionSpec, Size
 from .config import DEFAULT_MODEL, SAMPLE_RATE
 
 if TYPE_CHECKING:
@@ -50,6 +50,17 @@ class ChatTTSFamily(ModelFamily):
     owned_options = OWNED_OPTIONS
     title = "ChatTTS"
     attribution = ("2noise", "https://github.com/2noise/ChatTTS")
+    sample_text = "今天天气真不错，我们一起去公园散步吧。"
+
+    def request_options(self) -> tuple[OptionSpec, ...]:
+        d = SamplingParams()
+        return (
+            OptionSpec("temperature", "number", "Temperature", d.temperature, 0.01, 5.0, 0.05),
+            OptionSpec("top_p", "number", "Top-p", d.top_p, 0.01, 1.0, 0.05),
+            OptionSpec("top_k", "integer", "Top-k", d.top_k, 0, 1000, 1),
+            OptionSpec("refine_text", "boolean", "refine text first", d.refine_text),
+            OptionSpec("refine_prompt", "text", "Control tokens (refine pass)", help="[oral_2][laugh_0][break_6]"),
+        )
 
     def is_checkpoint(self, root: Path) -> bool:
         # Any asset/ directory: an incomplete one is still ChatTTS's, and ``resolve`` names what it lacks.

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from ..family import BatchModel, Capabilities, ModelFamily, Size, Speech, Utterance, Voices, Word
+from ..family import BatchModel, Capabilities, ModelFamily, OptionSpec, Size, Speech, Utterance, Voices, Word
 
 if TYPE_CHECKING:
     import torch
@@ -405,6 +405,19 @@ class KokoroFamily(ModelFamily):
     owned_options = OWNED_OPTIONS
     title = "Kokoro-82M"
     attribution = ("hexgrad", "https://huggingface.co/hexgrad/Kokoro-82M")
+    sample_text = "Hello! This is Kokoro, speaking from your own server."
+
+    def request_options(self) -> tuple[OptionSpec, ...]:
+        from .text.g2p import LANGS  # torch-free
+
+        return (
+            OptionSpec("speed", "number", "Speed", 1.0, *SPEED_RANGE, 0.05),
+            OptionSpec(
+                "lang_code", "choice", "Language", choices=tuple(LANGS),
+                help=", ".join(f"{k}: {v}" for k, v in LANGS.items()) + " (default: the voice's first letter)",
+            ),
+            OptionSpec("phonemes", "text", "Phonemes", help="speak these phonemes exactly instead of the text's"),
+        )
 
     def is_checkpoint(self, root: Path) -> bool:
         # Kokoro's config.json (its iSTFTNet section): an incomplete directory is still Kokoro's, and ``resolve``

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...audio.stretch import MAX_SPEED, MIN_SPEED
-from ..family import BatchModel, Capabilities, ModelFamily, Size, Speech, Utterance, Word
+from ..family import BatchModel, Capabilities, ModelFamily, OptionSpec, Size, Speech, Utterance, Word
 from ..hub import checkpoint_config
 from .text import Piece, pieces
 from .voices import Mix, VitsVoices
@@ -227,6 +227,16 @@ class VitsFamily(ModelFamily):
     owned_options = OWNED_OPTIONS
     title = "VITS"
     attribution = ("Kim et al. (VITS); Meta AI for MMS-TTS", "https://huggingface.co/docs/transformers/model_doc/vits")
+
+    def request_options(self) -> tuple[OptionSpec, ...]:
+        return (  # the noise scales' default is the checkpoint's (MMS-TTS: 0.667 and 0.8)
+            OptionSpec("speed", "number", "Speaking rate", 1.0, *SPEED_RANGE, 0.05),
+            OptionSpec("noise_scale", "number", "noise_scale", None, 0.0, NOISE_MAX, 0.05, help="voice variation"),
+            OptionSpec(
+                "noise_scale_duration", "number", "noise_scale_duration", None, 0.0, NOISE_MAX, 0.05,
+                help="rhythm variation",
+            ),
+        )
 
     def is_checkpoint(self, root: Path) -> bool:
         # checkpoint.is_vits_dir's test plus the vocabulary, without that module (it imports torch).
