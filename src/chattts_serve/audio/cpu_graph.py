@@ -69,12 +69,14 @@ class AudioGraph:
         if runtime.startswith("ov-"):
             import openvino as ov
 
+            from ..kernels import openvino
+
             with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
                 warnings.simplefilter("ignore")  # its TorchScript trace's deprecation notices
                 graph = ov.convert_model(net, example_input=example)
             config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
             config["INFERENCE_PRECISION_HINT"] = "f32" if runtime == "ov-fp32" else "bf16"
-            compiled = ov.Core().compile_model(graph, "CPU", config)
+            compiled = openvino.compile_model(graph, config)
             self._request = compiled.create_infer_request()
             self._run = lambda x: self._request.infer({0: x})[0]
         else:

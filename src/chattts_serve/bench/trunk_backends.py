@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..kernels import openvino
+
 OPS = ("qkv", "oproj", "gateup", "down", "heads")
 """The weight matmuls of a decode step, by the tag each carries in graph node names."""
 
@@ -393,7 +395,7 @@ class OpenVinoBackend(Backend):
         config = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
         if hint:
             config["INFERENCE_PRECISION_HINT"] = hint
-        self.compiled = core.compile_model(model, "CPU", config)
+        self.compiled = openvino.compile_model(model, config, core)
         self.request = self.compiled.create_infer_request()
         self.name = name
         self.note = f"activations {self.compiled.get_property('INFERENCE_PRECISION_HINT')}"
@@ -406,7 +408,7 @@ class OpenVinoBackend(Backend):
         return torch.as_tensor(np.array(self.step(x)[0]))
 
     def op_profile(self, x: torch.Tensor, runs: int) -> dict[str, float]:
-        compiled = self.core.compile_model(self.model, "CPU", {**self.config, "PERF_COUNT": True})
+        compiled = openvino.compile_model(self.model, {**self.config, "PERF_COUNT": True}, self.core)
         req = compiled.create_infer_request()
         req.infer({0: x.numpy()})
         ms: dict[str, float] = defaultdict(float)

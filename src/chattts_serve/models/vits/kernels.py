@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ...kernels import openvino
 from .masks import Lengths
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ def openvino_session(graph: bytes, threads: int, precision: str) -> Session:
         raise ValueError("--precision bf16 runs VITS on the CPU through OpenVINO: the [openvino] extra") from None
     core = ov.Core()
     settings = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
-    compiled = core.compile_model(core.read_model(graph, b""), "CPU", settings)
+    compiled = openvino.compile_model(core.read_model(graph, b""), settings, core)
     local = threading.local()  # an infer request serves one call at a time: one per calling thread
 
     def run(feeds: dict):
