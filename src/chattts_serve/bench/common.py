@@ -115,11 +115,13 @@ def run_tool(
     args: argparse.Namespace,
     run: Callable[[argparse.Namespace], dict[str, Any]],
     plot: Callable[[dict[str, Any], str], bool] | None = None,
+    markdown: Callable[[dict[str, Any]], str] | None = None,
 ) -> int:
     """The ``main`` of every in-process bench tool: fail before a long run if a plot was asked for and
-    cannot be drawn, run, draw (``plot`` says whether it drew), print one JSON line. A ValueError (bad
-    flags) exits 2 with its message."""
-    if args.plot:
+    cannot be drawn, run, draw (``plot`` says whether it drew), print the ``markdown`` table where
+    ``--markdown`` asks, then one JSON line. A ValueError (bad flags) exits 2 with its message."""
+    plot_to = getattr(args, "plot", None)
+    if plot_to:
         stats.require_matplotlib()
     try:
         result = run(args)
@@ -128,8 +130,10 @@ def run_tool(
     from ..cpu import probe
 
     result.setdefault("cpu", probe().describe())  # every figure says which CPU it came from
-    if args.plot and plot is not None and plot(result, args.plot):
-        result["plot"] = args.plot
+    if plot_to and plot is not None and plot(result, plot_to):
+        result["plot"] = plot_to
+    if markdown is not None and getattr(args, "markdown", False):
+        print(markdown(result))
     stats.emit(result)
     return 0
 

@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import stats
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -241,16 +239,6 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .common import fail
+    from .common import run_tool
 
-    try:
-        result = measure(args)
-    except ValueError as exc:
-        return fail(str(exc))
-    from ..cpu import probe
-
-    result["cpu"] = probe().describe()
-    if args.markdown:
-        print(markdown(result))
-    stats.emit(result)
-    return 0
+    return run_tool(args, measure, markdown=markdown)
