@@ -3,6 +3,8 @@ measured bound of fp32's, every row the same alone and in a batch, and clear ref
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -17,9 +19,10 @@ from chattts_serve.models.vits.random_checkpoint import write_random
 
 from .test_model import SENTENCES, _fresh, _utterances
 
-MIN_SNR_DB = {"ort-fp32": 90.0, "bf16": 20.0, "torch-bf16": 20.0}
+MIN_SNR_DB = {"ort-fp32": 90.0, "bf16": 20.0, "torch-bf16": 20.0, "int8": 20.0}
 """Each mode's floor against fp32 on the tiny checkpoint. Measured there (min of 8 requests): ort-fp32 122 dB,
-bf16 (OpenVINO) 40 dB, torch bf16 36 dB; on the full-size one: 106 dB and 33 dB (docs/vits.md)."""
+bf16 (OpenVINO) 40 dB, torch bf16 36 dB, int8 (OpenVINO) 34 dB; on the full-size one: 106 dB, 33 dB and 24 dB
+(docs/vits.md)."""
 TORCH_BF16_BATCH_BOUND = 1e-3
 """torch bf16's padded batch against each row alone (its masks hold the rows apart; other blockings may round
 differently: measured 0 on the CPU with the tiny checkpoint, whose audio peaks near 0.08)."""
@@ -39,12 +42,14 @@ def _moded(root, mode: str):
     return model
 
 
-@pytest.fixture(scope="module", params=["ort-fp32", "bf16", "torch-bf16"])
+@pytest.fixture(scope="module", params=["ort-fp32", "bf16", "torch-bf16", "int8"])
 def mode(request, vits_tiny):
     if request.param == "ort-fp32":
         pytest.importorskip("onnxruntime")
-    if request.param == "bf16":
+    if request.param in ("bf16", "int8"):
         pytest.importorskip("openvino")
+    if request.param == "int8":
+        pytest.importorskip("nncf")
     return request.param, _moded(vits_tiny, request.param)
 
 
@@ -85,9 +90,11 @@ def test_streamed_pieces_join_to_the_whole_in_torch_bf16(vits_tiny, vits_tokeniz
     assert joined.shape == whole.shape and float((joined - whole).abs().max()) <= TORCH_BF16_BATCH_BOUND
 
 
-@pytest.mark.parametrize("name", ["ort-fp32", "bf16"])
+@pytest.mark.parametrize("name", ["ort-fp32", "bf16", "int8"])
 def test_a_multi_speaker_checkpoint_in_a_cpu_mode(tmp_path, vits_tokenizer, name):
     pytest.importorskip("onnxruntime" if name == "ort-fp32" else "openvino")
+    if name == "int8":
+        pytest.importorskip("nncf")
     root = write_random(tmp_path / "ms", "tiny", seed=1, num_speakers=3, speaker_embedding_size=8)
     fp32, moded = load(root), _moded(root, name)
     ids = vits_tokenizer.encode(SENTENCES[0])
@@ -107,12 +114,41 @@ def test_the_engine_serves_a_mode_and_refuses_another_familys(vits_tiny):
     [a] = fp32.synthesize("Hello there.", SamplingParams(seed=3))
     [b] = ort.synthesize("Hello there.", SamplingParams(seed=3))
     assert a.audio.shape == b.audio.shape and snr_db(torch.from_numpy(a.audio), torch.from_numpy(b.audio)) > 90
-    for precision in ("int8", "fp16", "ort-int4"):
-        with pytest.raises(ValueError, match=f"vits family runs in fp32, bf16, ort-fp32; --precision {precision}"):
+    for precision in ("int8-dynamic", "fp16", "ort-int4"):
+        with pytest.raises(ValueError, match=f"runs in fp32, bf16, ort-fp32, int8; --precision {precision}"):
             Engine.from_pretrained(vits_tiny, config=EngineConfig(precision=precision))
 
 
-def test_ort_fp32_is_a_cpu_mode():
-    with pytest.raises(ValueError, match="ort-fp32 runs VITS on the CPU"):
-        kernels.check_mode("ort-fp32", torch.device("cuda"))
+@pytest.mark.parametrize("name", ["ort-fp32", "int8"])
+def test_a_cpu_only_mode_is_refused_on_an_accelerator(name):
+    with pytest.raises(ValueError, match=f"{name} runs VITS on the CPU"):
+        kernels.check_mode(name, torch.device("cuda"))
     kernels.check_mode("bf16", torch.device("cuda"))
+
+
+def test_int8_without_nncf_names_the_extra(monkeypatch):
+    """The [openvino] extra pins nncf; an install without it is told so, not given a bare ImportError."""
+    monkeypatch.setitem(sys.modules, "nncf", None)
+    with pytest.raises(ValueError, match=r"--precision int8 .*nncf: the \[openvino\] extra"):
+        kernels.int8_weights(object())
+
+
+def test_int8_compresses_every_decoder_convolution(vits_model):
+    """The mode is int8 in fact: nncf's data-free compression reaches each of the decoder's convolutions (a
+    silently skipped layer would leave the SNR bound met and the mode a relabelled f32)."""
+    ov = pytest.importorskip("openvino")
+    pytest.importorskip("nncf")
+    graph = kernels.export_onnx(vits_model, kernels.Decoder(vits_model.decoder))
+    compressed = kernels.int8_weights(ov.Core().read_model(graph, b""))
+    kinds = ("Convolution", "ConvolutionBackpropData")
+    convolutions = [op for op in compressed.get_ops() if op.get_type_name() in kinds]
+    assert convolutions and all(_weight_constant(op).get_element_type() == ov.Type.u8 for op in convolutions)
+
+
+def _weight_constant(convolution):
+    """The constant a convolution's weights come from, up through nncf's decompression (Convert, Subtract of the
+    zero point, Multiply by the scale: the quantized values are each one's first input) and any Reshape."""
+    node = convolution.input_value(1).get_node()
+    while node.get_type_name() != "Constant":
+        node = node.input_value(0).get_node()
+    return node

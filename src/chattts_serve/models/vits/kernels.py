@@ -9,6 +9,8 @@ names, ``kernels.precisions``):
               kernels, activations fused), fp32 (``pip install 'chattts-serve[onnx]'``).
 ``bf16``      CPU: the same graph run by OpenVINO with bf16 inference (AVX-512 BF16 / AMX where the CPU has them;
               ``pip install -e ".[openvino]"``); CUDA: the flow and decoder's weights in bf16 on torch.
+``int8``      CPU: the same graph run by OpenVINO, the flow in f32, the decoder's weights compressed to int8 (nncf's
+              data-free per-channel ``INT8_ASYM``, the [openvino] extra) and its activations in f32.
 
 A CPU mode runs a row at a time, as the CPU path always does (``VitsModel.decode_latents``): a row's audio is
 the same alone or in any batch. Their cost against fp32 (SNR, durations) is measured in docs/vits.md.
@@ -17,6 +19,7 @@ the same alone or in any batch. Their cost against fp32 (SNR, durations) is meas
 from __future__ import annotations
 
 import io
+import logging
 import threading
 import warnings
 from collections.abc import Callable
@@ -31,7 +34,7 @@ from .masks import Lengths
 if TYPE_CHECKING:
     import numpy as np
 
-MODES = ("fp32", "bf16", "ort-fp32")
+MODES = ("fp32", "bf16", "ort-fp32", "int8")
 """The precisions VITS takes (``EngineConfig.precision``); any other is refused by name."""
 
 RowDecoder = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -76,6 +79,8 @@ def check_mode(precision: str, device: torch.device) -> None:
         raise ValueError(f"the vits family runs in {', '.join(MODES)}; --precision {precision} is another family's")
     if precision == "ort-fp32" and device.type != "cpu":
         raise ValueError("--precision ort-fp32 runs VITS on the CPU (ONNX Runtime); on an accelerator use bf16")
+    if precision == "int8" and device.type != "cpu":
+        raise ValueError("--precision int8 runs VITS on the CPU (OpenVINO); on an accelerator use bf16")
 
 
 def attach(model, precision: str, threads: int | None = None) -> None:
@@ -91,6 +96,9 @@ def attach(model, precision: str, threads: int | None = None) -> None:
     flow, decoder = export_onnx(model, Flow(model.flow)), export_onnx(model, Decoder(model.decoder))
     if precision == "ort-fp32":
         model.row_decoder = _chained(ort_session(flow, threads), ort_session(decoder, threads))
+    elif precision == "int8":  # f32 activations: bf16 ones ran at bf16's speed for 1 dB less (docs/vits.md)
+        decoder_session = openvino_session(decoder, threads, "f32", compress=True)
+        model.row_decoder = _chained(openvino_session(flow, threads, "f32"), decoder_session)
     else:  # the flow in fp32 (bf16 there costs 8 dB of SNR for a few % of the time), the decoder in bf16
         model.row_decoder = _chained(openvino_session(flow, threads, "f32"), openvino_session(decoder, threads, "bf16"))
 
@@ -146,14 +154,20 @@ def ort_session(graph: bytes, threads: int) -> Session:
     return lambda feeds: session.run(None, feeds)[0]
 
 
-def openvino_session(graph: bytes, threads: int, precision: str) -> Session:
+def openvino_session(graph: bytes, threads: int, precision: str, compress: bool = False) -> Session:
+    """``graph`` compiled by OpenVINO's CPU plugin computing in ``precision`` (``f32``/``bf16``); ``compress``: its
+    weights compressed to int8 first (``int8_weights``)."""
     try:
         import openvino as ov
     except ImportError:
-        raise ValueError("--precision bf16 runs VITS on the CPU through OpenVINO: the [openvino] extra") from None
+        mode = "int8" if compress else "bf16"
+        raise ValueError(f"--precision {mode} runs VITS on the CPU through OpenVINO: the [openvino] extra") from None
     core = ov.Core()
+    model = core.read_model(graph, b"")
+    if compress:
+        model = int8_weights(model)
     settings = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
-    compiled = openvino.compile_model(core.read_model(graph, b""), settings, core)
+    compiled = openvino.compile_model(model, settings, core)
     local = threading.local()  # an infer request serves one call at a time: one per calling thread
 
     def run(feeds: dict):
@@ -163,3 +177,19 @@ def openvino_session(graph: bytes, threads: int, precision: str) -> Session:
         return request.infer(feeds)[0]
 
     return run
+
+
+def int8_weights(model):
+    """An OpenVINO model with its convolutions' weights compressed to int8 by nncf (data-free: per output channel,
+    asymmetric; no calibration set, so the mode needs nothing but the checkpoint)."""
+    try:
+        import nncf
+        from nncf.common.logging import nncf_logger
+    except ImportError:
+        raise ValueError("--precision int8 compresses VITS's decoder with nncf: the [openvino] extra") from None
+    level = nncf_logger.level
+    nncf_logger.setLevel(logging.WARNING)  # its statistics table (INFO) is noise in a server's log
+    try:
+        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+    finally:
+        nncf_logger.setLevel(level)
