@@ -92,3 +92,25 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.25, log: 
             tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}\n{tail}")
         time.sleep(interval)
+
+
+@contextmanager
+def served_on_ray(tmp: Path, root: Path) -> Iterator[str]:
+    """``chattts-serve ray serve`` of the checkpoint at ``root`` (its family detected from its files) on a fresh
+    local cluster: one replica behind Serve's HTTP proxy on 127.0.0.1; yields the proxy's base URL."""
+    port = free_port()
+    with ray_cluster() as cluster:
+        cmd = cli(
+            "ray", "serve", "--address", cluster.address, "--model", str(root), "--host", "127.0.0.1",
+            "--port", str(port), "--num-replicas", "1", "--num-cpus-per-replica", "0.5", "--threads", "1",
+            "--voices-db", str(tmp / "voices.sqlite3"), "--log-level", "warning",
+        )  # fmt: skip
+        log = tmp / "ray-serve.log"
+        with background(cmd, log) as proc:
+
+            def ready() -> bool:
+                assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+                return "serving " in log.read_text(errors="replace")
+
+            wait_for(ready, 240, "the application", log=log)
+            yield f"http://127.0.0.1:{port}"

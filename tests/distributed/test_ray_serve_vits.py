@@ -10,8 +10,7 @@ import pytest
 
 from chattts_serve.models.vits.random_checkpoint import write_random
 
-from ..support.servers import free_port
-from .conftest import background, cli, ray_cluster, wait_for
+from .conftest import served_on_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -21,23 +20,8 @@ QUIET = {"noise_scale": 0.0, "noise_scale_duration": 0.0}
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray-vits")
-    root = write_random(tmp / "vits", "tiny", seed=0)
-    port = free_port()
-    with ray_cluster() as cluster:
-        cmd = cli(
-            "ray", "serve", "--address", cluster.address, "--model", str(root), "--host", "127.0.0.1",
-            "--port", str(port), "--num-replicas", "1", "--num-cpus-per-replica", "0.5", "--threads", "1",
-            "--voices-db", str(tmp / "voices.sqlite3"), "--log-level", "warning",
-        )  # fmt: skip
-        log = tmp / "ray-serve.log"
-        with background(cmd, log) as proc:
-
-            def ready() -> bool:
-                assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-                return "serving " in log.read_text(errors="replace")
-
-            wait_for(ready, 240, "the application", log=log)
-            yield f"http://127.0.0.1:{port}"
+    with served_on_ray(tmp, write_random(tmp / "vits", "tiny", seed=0)) as url:
+        yield url
 
 
 def pcm(base: str, **body) -> bytes:
