@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 from chattts_serve.server.app import create_app
-from tests.support.servers import app_config, check_openai_error, free_port, serving, wait_until
+from tests.support.servers import (
+    app_config,
+    burst_behind_a_held_batch,
+    check_openai_error,
+    free_port,
+    serving,
+    wait_until,
+)
 from tests.support.sine_family import FRAME, RATE, registered
 
 TEXT = "One two three. Four five!"
@@ -159,16 +166,7 @@ def test_concurrent_requests_run_in_one_batch(live, model):
         body = {"text": f"R{i}.", "format": "pcm", "stream": False}
         results[i] = httpx.post(base + "/v1/tts", json=body, timeout=TIMEOUT).content
 
-    first = threading.Thread(target=post, args=(0,))
-    first.start()
-    assert wait_until(lambda: engine.stats().num_running == 1, 30)  # held in the model
-    others = [threading.Thread(target=post, args=(i,)) for i in (1, 2, 3)]
-    for t in others:
-        t.start()
-    assert wait_until(lambda: len(engine._collectors) == 4, 30)  # submitted, behind the held step
-    model.gate.release(10)
-    for t in (first, *others):
-        t.join(TIMEOUT)
+    burst_behind_a_held_batch(engine, post, lambda: model.gate.release(10), TIMEOUT)
     assert model.batches == [1, 3]
     assert {len(v) for v in results.values()} == {2 * samples(["R0."])}
 

@@ -15,7 +15,13 @@ import pytest
 
 from chattts_serve.models.vits.random_checkpoint import write_random
 from chattts_serve.server.app import create_app
-from tests.support.servers import app_config, check_openai_error, free_port, serving, wait_until
+from tests.support.servers import (
+    app_config,
+    burst_behind_a_held_batch,
+    check_openai_error,
+    free_port,
+    serving,
+)
 
 RATE = 16000
 TEXT = "Hello, World! The quick brown fox."
@@ -255,16 +261,7 @@ def test_concurrent_requests_share_a_batch_and_each_equals_itself_alone(live, ga
         body = {"text": texts[i], "format": "pcm", "stream": False, "seed": 100 + i}
         results[i] = httpx.post(base + "/v1/tts", json=body, timeout=TIMEOUT).content
 
-    first = threading.Thread(target=post, args=(0,))
-    first.start()
-    assert wait_until(lambda: engine.stats().num_running == 1, 30)  # held in the model
-    others = [threading.Thread(target=post, args=(i,)) for i in (1, 2, 3)]
-    for t in others:
-        t.start()
-    assert wait_until(lambda: len(engine._collectors) == 4, 30)  # submitted, behind the held step
-    permits.release(100)
-    for t in (first, *others):
-        t.join(TIMEOUT)
+    burst_behind_a_held_batch(engine, post, lambda: permits.release(100), TIMEOUT)
     assert batches == [1, 3]
     for i in texts:
         alone = tts(base, text=texts[i], format="pcm", seed=100 + i).content

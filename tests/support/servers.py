@@ -109,3 +109,19 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: fl
         if time.monotonic() > deadline:
             return False
         time.sleep(interval)
+
+
+def burst_behind_a_held_batch(engine, post: Callable[[int], None], release: Callable[[], None], timeout: float) -> None:
+    """``post(0)`` until its batch is held in the model, then ``post(1..3)`` at once until all four are submitted
+    behind the held step; ``release()`` the model and wait for every request. The next batch then holds the three
+    together, as far as the engine's budget lets it (the caller asserts what ran)."""
+    first = threading.Thread(target=post, args=(0,))
+    first.start()
+    assert wait_until(lambda: engine.stats().num_running == 1, 30)  # held in the model
+    others = [threading.Thread(target=post, args=(i,)) for i in (1, 2, 3)]
+    for t in others:
+        t.start()
+    assert wait_until(lambda: len(engine._collectors) == 4, 30)  # submitted, behind the held step
+    release()
+    for t in (first, *others):
+        t.join(timeout)
