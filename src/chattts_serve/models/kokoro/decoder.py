@@ -120,13 +120,25 @@ class Generator(nn.Module):
     def forward(self, x: torch.Tensor, style: torch.Tensor, f0: torch.Tensor, lengths: Lengths,
                 generators: list[torch.Generator | None]) -> list[torch.Tensor]:
         """``x`` [B, C, T] and ``f0`` [B, T] at ``lengths`` -> one waveform per row."""
+        har = self.excitation(f0, lengths, generators)
+        spec, at = self.spectrum(x, style, har, lengths)
+        return [self.synthesise(spec[row : row + 1, :, :n]) for row, n in enumerate(at.lengths.tolist())]
+
+    def excitation(self, f0: torch.Tensor, lengths: Lengths, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """The sine source's spectrum [B, n_fft + 2, T * upsample_scale / hop + 1] (magnitudes, then phases) from
+        ``f0`` [B, T] at ``lengths``: the generator's random draws, and its only input besides ``x``."""
         samples = lengths.scaled(self.upsample_scale)
         f0_audio = F.interpolate(f0[:, None, :], scale_factor=self.upsample_scale, mode="nearest")[:, 0, :]
         source = self.m_source(f0_audio, samples, generators)
-        har = torch.zeros(x.shape[0], self.n_fft + 2, samples.total // self.hop + 1, device=x.device)
+        har = torch.zeros(f0.shape[0], self.n_fft + 2, samples.total // self.hop + 1, device=f0.device)
         for row, n in enumerate(samples.lengths.tolist()):
             har[row, :, : n // self.hop + 1] = self._analyse(source[row, :n])
+        return har
 
+    def spectrum(self, x: torch.Tensor, style: torch.Tensor, har: torch.Tensor,
+                 lengths: Lengths) -> tuple[torch.Tensor, Lengths]:
+        """The convolutions: ``x`` [B, C, T] at ``lengths`` and the source's ``har`` -> the predicted log-magnitudes
+        and phases [B, n_fft + 2, L] and their lengths (``synthesise`` turns a row into audio)."""
         at = lengths
         for i, rate in enumerate(self.rates):
             x = F.leaky_relu(x, negative_slope=0.1)
@@ -145,14 +157,14 @@ class Generator(nn.Module):
                 y = self.resblocks[i * self.num_kernels + j](x, style, at)
                 xs = y if xs is None else xs + y
             x = xs / self.num_kernels
-        x = self.conv_post(masked(F.leaky_relu(x), at))
-        return [self._synthesise(x[row : row + 1, :, :n]) for row, n in enumerate(at.lengths.tolist())]
+        return self.conv_post(masked(F.leaky_relu(x), at)), at
 
     def _analyse(self, signal: torch.Tensor) -> torch.Tensor:
         spec = torch.stft(signal[None], self.n_fft, self.hop, self.n_fft, window=self.window, return_complex=True)
         return torch.cat([torch.abs(spec), torch.angle(spec)], dim=1)[0]
 
-    def _synthesise(self, x: torch.Tensor) -> torch.Tensor:
+    def synthesise(self, x: torch.Tensor) -> torch.Tensor:
+        """One row's ``spectrum`` [1, n_fft + 2, L] -> its waveform [samples] (the inverse STFT)."""
         bins = self.n_fft // 2 + 1
         spec = torch.exp(x[:, :bins, :])
         phase = torch.sin(x[:, bins:, :])
@@ -181,6 +193,12 @@ class Decoder(nn.Module):
     def forward(self, asr: torch.Tensor, f0: torch.Tensor, energy: torch.Tensor, style: torch.Tensor,
                 frames: Lengths, generators: list[torch.Generator | None]) -> list[torch.Tensor]:
         """``asr`` [B, C, F] at ``frames``; ``f0``/``energy`` [B, 2F] (zero past each row's end)."""
+        x, at = self.features(asr, f0, energy, style, frames)
+        return self.generator(x, style, f0, at, generators)
+
+    def features(self, asr: torch.Tensor, f0: torch.Tensor, energy: torch.Tensor, style: torch.Tensor,
+                 frames: Lengths) -> tuple[torch.Tensor, Lengths]:
+        """The 1024-channel blocks: the generator's input [B, C, 2F] and its lengths."""
         f0_down = masked(self.F0_conv(f0[:, None, :]), frames)
         energy_down = masked(self.N_conv(energy[:, None, :]), frames)
         x = self.encode(torch.cat([asr, f0_down, energy_down], dim=1), style, frames)
@@ -191,4 +209,4 @@ class Decoder(nn.Module):
                 x = torch.cat([x, asr_res, f0_down, energy_down], dim=1)
             x = block(x, style, at)
             at = at.scaled(2) if block.upsample else at
-        return self.generator(x, style, f0, at, generators)
+        return x, at
