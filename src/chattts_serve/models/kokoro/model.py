@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,6 +26,9 @@ from .config import KokoroConfig
 from .decoder import Decoder
 from .layers import Lengths, masked
 from .prosody import ProsodyPredictor, TextEncoder
+
+if TYPE_CHECKING:
+    from .kernels import RowSpectrum
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,10 @@ class KokoroModel(nn.Module):
                                         config.n_token)
         self.decoder = Decoder(config.hidden_dim, config.style_dim, config.istftnet, config.decoder_dim,
                                config.asr_res_dim)
+
+    row_spectrum: RowSpectrum | None = None
+    """The decoder after its source as a compiled graph for one unpadded row (``kernels.attach``: the OpenVINO modes);
+    None: torch runs it."""
 
     @property
     def device(self) -> torch.device:
@@ -119,10 +127,12 @@ class KokoroModel(nn.Module):
             return []
         for i, u in enumerate(utterances):
             self._check(i, u)
+        if self.row_spectrum is not None:
+            return [self._graph_row(u) for u in utterances]
         if prosody == "batch" or len(utterances) == 1:
-            side = self._text_side(utterances)
+            side = self.text_side(utterances)
         else:
-            side = _stack_sides([self._text_side([u]) for u in utterances])
+            side = _stack_sides([self.text_side([u]) for u in utterances])
         audio = self.decoder(side.asr, side.f0, side.energy, side.decoder_style, side.frames,
                              [u.generator for u in utterances])
         spf = self.config.samples_per_frame
@@ -133,7 +143,17 @@ class KokoroModel(nn.Module):
             for row, (u, f) in enumerate(zip(utterances, side.frames.lengths.tolist(), strict=True))
         ]
 
-    def _text_side(self, utterances: Sequence[Utterance]) -> _TextSide:
+    def _graph_row(self, u: Utterance) -> Synthesis:
+        """One utterance through ``row_spectrum`` (``kernels.attach``): the text side and the source in torch, the
+        decoder's convolutions in the graph, the inverse STFT in torch."""
+        side = self.text_side([u])
+        generator = self.decoder.generator
+        har = generator.excitation(side.f0, side.frames.scaled(2), [u.generator])  # F0 runs at 2x frames
+        audio = generator.synthesise(self.row_spectrum(side.asr, side.f0, side.energy, side.decoder_style, har))
+        return Synthesis(audio=audio, durations=side.durations[0].cpu(), f0=side.f0[0].cpu(),
+                         energy=side.energy[0].cpu(), samples_per_frame=self.config.samples_per_frame)
+
+    def text_side(self, utterances: Sequence[Utterance]) -> _TextSide:
         """Everything before the decoder, for a padded batch (one forward)."""
         device, sd = self.device, self.config.style_dim
         token_counts = torch.tensor([len(u.input_ids) for u in utterances], dtype=torch.long)
