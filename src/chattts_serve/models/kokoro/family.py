@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from .model import KokoroModel
+    from .rows import RowPool
     from .text import Chunk
 
 logger = logging.getLogger(__name__)
@@ -241,6 +242,7 @@ class LoadedKokoro(BatchModel):
         self._voices = KokoroVoices(packs)
         self._g2p: dict[str, Any] = {}
         self._g2p_lock = threading.Lock()  # one G2P per language, built once, called by one thread at a time
+        self._rows: RowPool | None = None  # a CPU batch's rows, one per core (``rows``), made at the first batch
 
     @property
     def sample_rate(self) -> int:
@@ -328,6 +330,17 @@ class LoadedKokoro(BatchModel):
             out.append(Utterance(chunk.text, len(ids), inputs))
         return out
 
+    def _row_pool(self) -> RowPool:
+        import torch
+
+        from .rows import RowPool
+
+        if self._rows is None:  # sized by the engine thread's torch threads (--threads), as a lone row runs
+            self._rows = RowPool(torch.get_num_threads())
+            if self._rows.workers > 1:
+                self.model.text_threads = 1  # a row's F0 the same alone or pooled (``rows``)
+        return self._rows
+
     def _chunks(self, text: str, lang: str, split: bool) -> list[Chunk]:
         from .sentences import sentence_chunks
         from .text import G2P, G2PUnavailable, chunk_text
@@ -353,8 +366,8 @@ class LoadedKokoro(BatchModel):
         with self._scope():
             if pads_rows(self.device):
                 results = self.model.synthesize(rows)
-            else:  # each row alone (engine.batch.pads_rows: the one rule for batch families)
-                results = [r for row in rows for r in self.model.synthesize([row])]
+            else:  # each row alone (engine.batch.pads_rows: the one rule for batch families), one per core
+                results = self._row_pool().map(lambda row: self.model.synthesize([row])[0], rows)
         out = []
         rate = self.sample_rate
         for u, result in zip(batch, results, strict=True):

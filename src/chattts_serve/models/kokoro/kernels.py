@@ -205,19 +205,24 @@ def quantize(graph, feeds: list[dict]):
 
 def session(graph, core, precision: str, threads: int) -> RowSpectrum:
     """``graph`` compiled by OpenVINO's CPU plugin computing in ``precision``; callable from any thread (an infer
-    request serves one call at a time: one per calling thread)."""
-    settings = {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
-    compiled = openvino.compile_model(graph, settings, core)
+    request serves one call at a time: one per calling thread). A caller that runs torch on fewer threads than
+    ``threads`` (a ``rows.RowPool`` worker: one row per core) gets a compilation with one stream per thread, so
+    rows run side by side; any other, one stream on all ``threads`` (the lowest latency for one row)."""
+    latency = openvino.compile_model(graph, {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads,
+                                             "PERFORMANCE_HINT": "LATENCY"}, core)
+    parallel = latency if threads < 2 else openvino.compile_model(
+        graph, {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": threads}, core)
     local = threading.local()
 
     def run(*inputs: torch.Tensor) -> torch.Tensor:
-        request = getattr(local, "request", None)
+        compiled = latency if torch.get_num_threads() >= threads else parallel
+        requests = local.__dict__.setdefault("requests", {})
+        request = requests.get(id(compiled))
         if request is None:
-            request = local.request = compiled.create_infer_request()
+            request = requests[id(compiled)] = compiled.create_infer_request()
         feeds: dict[str, np.ndarray] = {
             name: t.detach().float().cpu().contiguous().numpy() for name, t in zip(INPUTS, inputs, strict=True)
         }
         return torch.from_numpy(request.infer(feeds)[0].copy())
 
     return run
-

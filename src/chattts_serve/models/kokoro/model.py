@@ -26,6 +26,7 @@ from .config import KokoroConfig
 from .decoder import Decoder
 from .layers import Lengths, masked
 from .prosody import ProsodyPredictor, TextEncoder
+from .rows import torch_threads
 
 if TYPE_CHECKING:
     from .kernels import RowSpectrum
@@ -63,6 +64,10 @@ class KokoroModel(nn.Module):
         self.decoder = Decoder(config.hidden_dim, config.style_dim, config.istftnet, config.decoder_dim,
                                config.asr_res_dim)
 
+    text_threads: int | None = None
+    """The torch threads the text side runs on (None: the caller's). ``rows.RowPool`` sets 1: a row's F0 must not
+    depend on the thread count it happened to run with (a 1-ulp change of F0 moves the waveform by ~1e-1 through
+    the sine phase, and the LSTMs' last bits do change with it), and one thread is what a pooled row has."""
     row_spectrum: RowSpectrum | None = None
     """The decoder after its source as a compiled graph for one unpadded row (``kernels.attach``: the OpenVINO modes);
     None: torch runs it."""
@@ -129,10 +134,11 @@ class KokoroModel(nn.Module):
             self._check(i, u)
         if self.row_spectrum is not None:
             return [self._graph_row(u) for u in utterances]
-        if prosody == "batch" or len(utterances) == 1:
-            side = self.text_side(utterances)
-        else:
-            side = _stack_sides([self.text_side([u]) for u in utterances])
+        with torch_threads(self.text_threads):
+            if prosody == "batch" or len(utterances) == 1:
+                side = self.text_side(utterances)
+            else:
+                side = _stack_sides([self.text_side([u]) for u in utterances])
         audio = self.decoder(side.asr, side.f0, side.energy, side.decoder_style, side.frames,
                              [u.generator for u in utterances])
         spf = self.config.samples_per_frame
@@ -146,7 +152,8 @@ class KokoroModel(nn.Module):
     def _graph_row(self, u: Utterance) -> Synthesis:
         """One utterance through ``row_spectrum`` (``kernels.attach``): the text side and the source in torch, the
         decoder's convolutions in the graph, the inverse STFT in torch."""
-        side = self.text_side([u])
+        with torch_threads(self.text_threads):
+            side = self.text_side([u])
         generator = self.decoder.generator
         har = generator.excitation(side.f0, side.frames.scaled(2), [u.generator])  # F0 runs at 2x frames
         audio = generator.synthesise(self.row_spectrum(side.asr, side.f0, side.energy, side.decoder_style, har))
