@@ -173,3 +173,29 @@ def test_a_stream_takes_a_token_every_step_while_a_long_prompt_prefills(chunking
             assert sum(c.length for c in out.chunks()) <= PREFILL_BLOCK
     [final] = [o for o in outputs if o.request_id == "long" and o.finished]
     np.testing.assert_array_equal(np.concatenate([s.codes for s in final.segments]), alone.codes)
+
+
+def test_a_request_aborted_mid_prefill_frees_its_slot_and_leaves_nothing_behind(chunking_engine):
+    """Aborted between two chunks: it ends "aborted", its slot is free again, the stream goes on, and the next
+    request prefilled into that slot gets the codes it gets alone (the half-written prompt does not leak)."""
+    engine = chunking_engine
+    core = engine.core
+    [alone] = engine.synthesize(LONG, PARAMS)
+    core.add_request("stream2", core.prepare("你好。", STREAM))
+    while not (core.scheduler.running and core.scheduler.running[0].tokens):
+        core.step()
+    [stream] = core.scheduler.running
+    core.add_request("cut", core.prepare(LONG, PARAMS))
+    while not any(s.request_id == "cut" and s.prefilling and s.num_prefilled for s in core.scheduler.running):
+        core.step()
+    free = core.scheduler.num_free_slots
+    assert core.abort("cut")
+    ended = [o for o in core.step() if o.request_id == "cut"]
+    assert [(o.finished, o.finish_reason) for o in ended] == [(True, "aborted")]
+    assert core.scheduler.num_free_slots == free + 1 and stream in core.scheduler.running
+    core.add_request("again", core.prepare(LONG, PARAMS))
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step()
+    [final] = [o for o in outputs if o.request_id == "again" and o.finished]
+    np.testing.assert_array_equal(np.concatenate([s.codes for s in final.segments]), alone.codes)

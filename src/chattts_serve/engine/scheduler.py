@@ -56,8 +56,9 @@ class SchedulerConfig:
     max_prefill_tokens: int = 2048
     """Prompt tokens prefilled per step while sequences decode: a longer prompt goes in chunks over several
     steps (``prefill_chunk``), so a burst of new requests stalls the running ones by at most this much
-    prefill per step. With nothing decoding, at least one whole prompt per step. Also the most tokens one
-    torch prefill call packs together (a step's admissions go in one call)."""
+    prefill per step (or one ``prefill_chunk``, where the budget is smaller). With nothing decoding, at least
+    one whole prompt per step. Also the most tokens one torch prefill call packs together (a step's
+    admissions go in one call)."""
     admission: Literal["slots", "work"] = "slots"
     """"slots": a sequence holds a KV slot from admission to its end (autoregressive families). "work": a
     step's batch is admitted by ``max_batch_work`` and runs whole (batch families); set from the family."""
