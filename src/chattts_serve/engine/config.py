@@ -168,7 +168,8 @@ _HELP = {
     "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence; at most the checkpoint's "
     "max_position_embeddings; fixed slots are shortened at load where memory does not hold them)",
     "max_waiting": "sequences that may wait for a slot; beyond it submissions are refused",
-    "max_prefill_tokens": "prompt tokens prefilled per step, in one batched call (caps how long running streams wait)",
+    "max_prefill_tokens": "prompt tokens prefilled per step while streams decode (a longer prompt goes in chunks "
+    "over several steps): bounds how long one step stalls the running streams",
     "max_batch_work": "batch families (whole utterances, no KV slots): input tokens one step's batch may hold "
     "(--max-num-seqs caps its rows)",
     "decode": "decode step: rows (batch-invariant; CPU default) or static (fixed shapes, CUDA graphs; CUDA default)",
