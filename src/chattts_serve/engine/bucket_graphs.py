@@ -56,6 +56,11 @@ def grid(rows: list[int], lengths: list[int], max_work: int | None) -> list[tupl
     return sorted(keep, key=lambda b: (b[1], b[0]), reverse=True)
 
 
+def wanted(device: torch.device | str, config: Any) -> bool:
+    """Whether a batch family captures its graphs: on CUDA with ``--cuda-graphs`` (the default), as ChatTTS."""
+    return torch.device(device).type == "cuda" and config.runner.cuda_graphs
+
+
 class BucketGraphs:
     def __init__(
         self,
