@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ...kernels.lengths import DeviceLengths, masked_instance_norm
+
 
 class Lengths:
     """Per-row valid lengths of a padded batch at one time rate, with the mask built once."""
@@ -86,8 +88,11 @@ def instance_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, len
 
     Rows of one length go through one kernel call. Ragged rows are normalised one by one on their own
     slices, with the same kernel a lone utterance uses, so a row's result does not depend on its batch
-    (norms are cheap next to the convolutions around them; the padding is left at zero).
+    (norms are cheap next to the convolutions around them; the padding is left at zero). Lengths on the device
+    (a CUDA graph's bucket-padded forward) take masked statistics instead: no host value.
     """
+    if isinstance(lengths, DeviceLengths):
+        return masked_instance_norm(x, weight, bias, lengths, eps)
     if not lengths.ragged:
         return F.instance_norm(x, weight=weight, bias=bias, use_input_stats=True, eps=eps)
     out = torch.zeros_like(x)

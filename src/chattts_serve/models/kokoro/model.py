@@ -58,6 +58,8 @@ class KokoroModel(nn.Module):
                                         config.n_token)
         self.decoder = Decoder(config.hidden_dim, config.style_dim, config.istftnet, config.decoder_dim,
                                config.asr_res_dim)
+        self.graphs = None
+        """The decoder's CUDA graphs per bucket (``graphs.KokoroGraphs``, on CUDA with ``--cuda-graphs``)."""
 
     @property
     def device(self) -> torch.device:
@@ -123,8 +125,10 @@ class KokoroModel(nn.Module):
             side = self._text_side(utterances)
         else:
             side = _stack_sides([self._text_side([u]) for u in utterances])
-        audio = self.decoder(side.asr, side.f0, side.energy, side.decoder_style, side.frames,
-                             [u.generator for u in utterances])
+        generators = [u.generator for u in utterances]
+        audio = self.graphs.decode(side, generators) if self.graphs is not None else None
+        if audio is None:  # no graphs, or none for this batch's bucket (nothing drawn yet)
+            audio = self.decoder(side.asr, side.f0, side.energy, side.decoder_style, side.frames, generators)
         spf = self.config.samples_per_frame
         return [
             Synthesis(audio=audio[row], durations=side.durations[row, : len(u.input_ids)].cpu(),
