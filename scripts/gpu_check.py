@@ -26,9 +26,12 @@
 8. Where a step's time goes: ``profile --device cuda`` at 1 / 64 / 512 streams.
 9. Host work: ``bench host-overhead`` (the step graph's host side, this machine's CPU) at 512
    sequences: the goal is <= 15 us per sequence-step.
-10. Every other family: for each registered batch family (``chattts_serve.models``: Kokoro, VITS), a
-   random full-size checkpoint, 256 texts of ~10 s of speech at 64 concurrent requests through the
-   engine: audio seconds per second.
+10. Every other family (run after the precision check, so it fits the 8 minutes): for each registered
+   batch family (``chattts_serve.models``: Kokoro, VITS), a random full-size checkpoint in bf16, its CUDA
+   graphs per (rows, frames) bucket captured at load (each bucket's replay checked against its eager
+   forward; none may be refused), the same seeded requests through the graphs and eagerly (equal lengths,
+   waveforms within bf16 rounding), then 256 texts of ~10 s of speech at 64 concurrent requests through
+   the engine with the graphs and eagerly: audio seconds per second, and the graphs' speedup.
 
 Each check runs in a process of its own under its own time limit (``CHECKS``): a sticky CUDA error,
 a crash or a hang loses that check only. Every result is one JSON line, printed and appended to
@@ -286,6 +289,8 @@ GOALS = (
     Goal("first_chunk_1_stream_s", "<=", 0.050),
     Goal("first_chunk_p99_512_staggered_s", "<=", 0.300),
     Goal("max_rtf_512_staggered", "<=", 0.999),
+    Goal("family_graphs_refused", "==", 0, speed=False),
+    Goal("family_graph_audio_equals_eager", "==", True, speed=False),
 )
 """The H200's first rung (issue 31, item 12): offline 256 x 10 s in <= 3 s, first chunk <= 50 ms, 512
 staggered streams each at least real time with p99 first chunk <= 300 ms, one wait per decode step
@@ -482,22 +487,41 @@ FAMILY_TEXT = (
 """About ten seconds of speech at a natural rate (26 words)."""
 
 
-def check_family(name: str, device: str, quick: bool) -> dict:
-    """One batch family (Kokoro, VITS): a random checkpoint (full size on a GPU), ``n`` texts of ~10 s at
-    ``concurrency`` requests at once through the engine (a new one as each finishes): audio s per s."""
-    from chattts_serve import models
+FAMILY_HALF = {"kokoro": {"audio_dtype": "bf16"}, "vits": {"precision": "bf16"}}
+"""Each batch family's bf16 mode on a GPU (Kokoro's decoder convolutions; VITS's flow and decoder)."""
+FAMILY_SAME_BOUND = {"fp32": 1e-3, "bf16": 0.1}
+"""Graph vs eager waveforms of the same seeded requests (peaks ~0.5): the padded forward's masked statistics
+round otherwise, and bf16 convolutions amplify that; a graph that replays garbage or stale audio is off by O(1)."""
+
+
+def _family_load(engine) -> tuple[Any, dict]:
+    """(the family's torch model, which holds ``graphs`` or None), its graphs' start-up report (or None)."""
+    model = engine.core.stage.model.model
+    graphs = getattr(model, "graphs", None)
+    return model, (graphs.graphs.describe() if graphs is not None else None)
+
+
+def _family_same(engine, model, graphs, texts: list[str]) -> dict:
+    """The same seeded requests with the model's graphs, then eagerly (graphs set aside): lengths equal, and the
+    largest waveform difference."""
+    params = [SamplingParams(seed=10 + i) for i in range(len(texts))]
+    runs = []
+    for g in (graphs, None):
+        model.graphs = g
+        runs.append([r.audio for r in engine.synthesize(texts, params)])
+    model.graphs = graphs
+    same_len = all(len(a) == len(b) for a, b in zip(*runs, strict=True))
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(*runs, strict=True)) if same_len else None
+    return {"lengths_equal": same_len, "max_abs_diff": diff}
+
+
+def _family_throughput(core, n: int, concurrency: int, text: str) -> dict:
+    """``n`` copies of ``text`` with at most ``concurrency`` requests at once (a new one as each finishes)."""
     from chattts_serve.audio.policy import StreamPolicy
 
-    n, concurrency = (2, 2) if quick else (256, 64)
-    text = "Hello there." if quick else FAMILY_TEXT
-    family = models.get(name)
-    root = family.write_random(Path(tempfile.mkdtemp()) / name, "tiny" if quick else "full", seed=0)
-    t0 = time.perf_counter()
-    eng = Engine.from_pretrained(root, device, EngineConfig.with_slots(concurrency), family=name)
-    load_s = time.perf_counter() - t0
-    core = eng.core
     params = SamplingParams()
     core.prepare(text, params)  # refused input fails here, before the clock
+    before = core.stats()
     waiting, live, done, audio, errors = list(range(n)), 0, 0, 0.0, []
     t0 = time.perf_counter()
     while done < n:
@@ -511,18 +535,73 @@ def check_family(name: str, device: str, quick: bool) -> dict:
                 if out.error:
                     errors.append(out.error)
     wall = time.perf_counter() - t0
+    after = core.stats()
     return {
-        "check": "family_throughput",
-        "family": name,
-        "texts": n,
-        "concurrency": concurrency,
-        "load_s": round(load_s, 2),
         "wall_s": round(wall, 3),
         "audio_s": round(audio, 2),
         "audio_s_per_s": round(audio / wall, 2) if wall > 0 else None,
+        "graph_replays": after.graph_replays - before.graph_replays,
+        "eager_batches": after.eager_steps - before.eager_steps,
         "errors": errors[:5],
-        "passed": not errors and audio > 0,
     }
+
+
+def check_family(name: str, device: str, quick: bool) -> dict:
+    """One batch family (Kokoro, VITS): a random checkpoint (full size on a GPU, bf16 there: ``FAMILY_HALF``),
+    ``n`` texts of ~10 s at ``concurrency`` requests at once through the engine: audio s per s, with the family's
+    CUDA graphs per bucket (``--cuda-graphs``, the default) and eagerly (the same engine, its graphs set aside).
+    The graphs' start-up report: captured and refused per bucket, each bucket's replay vs its eager forward
+    (``engine.bucket_graphs``), time and memory; and the same seeded requests through both paths."""
+    from chattts_serve import models
+    from chattts_serve.engine.config import from_flat
+
+    n, concurrency = (2, 2) if quick else (256, 64)
+    text = "Hello there." if quick else FAMILY_TEXT
+    on_gpu = device.startswith("cuda")
+    half = on_gpu and not quick
+    family = models.get(name)
+    root = family.write_random(Path(tempfile.mkdtemp()) / name, "tiny" if quick else "full", seed=0)
+    config = from_flat(EngineConfig.with_slots(concurrency), **(FAMILY_HALF[name] if half else {}))
+    t0 = time.perf_counter()
+    eng = Engine.from_pretrained(root, device, config, family=name)
+    load_s = time.perf_counter() - t0
+    model, graphs_report = _family_load(eng)
+    graphs = model.graphs
+    texts = [FAMILY_TEXT, "Hello there.", "A short one, then a longer sentence follows it here.", "Yes."]
+    same = _family_same(eng, model, graphs, texts[: 2 if quick else 4]) if graphs is not None else None
+    runs = {}
+    for mode, g in (("graphs", graphs), ("eager", None)):
+        if mode == "graphs" and graphs is None:
+            continue
+        model.graphs = g
+        runs[mode] = _family_throughput(eng.core, n, concurrency, text)
+    model.graphs = graphs
+    main = runs.get("graphs", runs["eager"])
+    bound = FAMILY_SAME_BOUND["bf16" if half else "fp32"]
+    same_ok = same is None or (same["lengths_equal"] and same["max_abs_diff"] <= bound)
+    errors = [e for r in runs.values() for e in r["errors"]]
+    out = {
+        "check": "family_throughput",
+        "family": name,
+        "dtype": "bf16" if half else "fp32",
+        "texts": n,
+        "concurrency": concurrency,
+        "load_s": round(load_s, 2),
+        "wall_s": main["wall_s"],
+        "audio_s": main["audio_s"],
+        "audio_s_per_s": main["audio_s_per_s"],
+        "runs": runs,
+        "graphs": graphs_report,
+        "graphs_vs_eager_audio": same,
+        "graphs_vs_eager_bound": bound,
+        "graphs_vs_eager_ok": same_ok if same is not None else None,
+        "errors": errors[:5],
+        "passed": not errors and main["audio_s"] > 0 and same_ok
+        and (graphs_report is None or graphs_report["refused"] == 0),
+    }
+    if "graphs" in runs and runs["eager"]["audio_s_per_s"]:
+        out["graphs_speedup"] = round(runs["graphs"]["audio_s_per_s"] / runs["eager"]["audio_s_per_s"], 3)
+    return out
 
 
 def run_families(a: argparse.Namespace, emit: Emit) -> None:
@@ -656,6 +735,7 @@ CHECKS = (
     Check("offline", run_offline, 120),
     Check("streams", run_streams, 150),
     Check("precision_vs_fp32", run_precision, 120),
+    Check("families", run_families, 150),
     Check("offline_fp32", lambda a, emit: emit(_offline(a.model, a.device, "fp32", 256, 469)), 90, True, False, True),
     Check("int8_vs_bf16", run_int8_vs_bf16, 90, optional=True, gpu_only=True),
     Check(
@@ -668,7 +748,6 @@ CHECKS = (
     ),
     Check("profile", run_profile, 120, optional=True),
     Check("host_overhead", lambda a, emit: emit(check_host_overhead(a.quick)), 90),
-    Check("families", run_families, 150, optional=True),
 )
 
 
@@ -712,6 +791,9 @@ def goal_values(results: list[dict], quick: bool) -> dict[str, Any]:
     values["first_chunk_1_stream_s"] = one["levels"][0]["ttfb_s"]["p50"] if one else None
     values["first_chunk_p99_512_staggered_s"] = many["levels"][0]["ttfb_s"]["p99"] if many else None
     values["max_rtf_512_staggered"] = many["levels"][0]["rtf"]["max"] if many else None
+    graphed = [r for r in results if r["check"] == "family_throughput" and _ok(r) and r.get("graphs")]
+    values["family_graphs_refused"] = sum(r["graphs"]["refused"] for r in graphed) if graphed else None
+    values["family_graph_audio_equals_eager"] = all(r["graphs_vs_eager_ok"] for r in graphed) if graphed else None
     return values
 
 

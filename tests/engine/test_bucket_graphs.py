@@ -82,6 +82,8 @@ def test_capture_then_replays_give_each_row_its_unpadded_result():
     assert len(capture.shapes) == 6  # nothing captured while serving
     for x, y in zip(xs, got, strict=True):
         torch.testing.assert_close(y, _alone(x), rtol=1e-5, atol=1e-5)
+    report = graphs.describe()
+    assert report["captured"] == 6 and report["refused"] == 0 and report["max_replay_vs_eager"] == 0.0
     assert graphs.pieces(3, 7) == [(0, 3, 4)]  # a short batch pads to the 8 bucket, 3 rows to 4
     assert graphs.pieces(9, 16) == [(0, 4, 4), (4, 4, 4), (8, 1, 1)]
 

@@ -100,6 +100,8 @@ class BucketGraphs:
         """Captured graphs that failed their self-check."""
         self.capture_s = 0.0
         self.capture_bytes = 0
+        self.diffs: dict[tuple[int, int], float] = {}
+        """Each bucket's self-check: max |replay - eager| (refused ones included)."""
 
     # ------------------------------------------------------------------ start-up
 
@@ -122,6 +124,7 @@ class BucketGraphs:
                 self.probe(static, length, gen)
                 ok, diff = graph_matches_eager(graph.replay, out, lambda static=static: self.forward(static),
                                                self.tolerance)
+                self.diffs[(rows, length)] = diff
                 if ok:
                     self.graphs[(rows, length)] = (graph, out)
                 else:
@@ -199,6 +202,18 @@ class BucketGraphs:
     def counters(self) -> dict[str, int]:
         """For ``EngineStats`` (the Prometheus series ChatTTS's graphs feed too)."""
         return {"graph_replays": self.replays, "eager_steps": self.eager, "graphs_refused": self.refused}
+
+    def describe(self) -> dict[str, Any]:
+        """What the start-up did, for a report (the GPU check): buckets, refusals, the worst self-check."""
+        return {
+            "captured": len(self.graphs),
+            "refused": self.refused,
+            "rows": self.rows,
+            "lengths": self.lengths,
+            "capture_s": round(self.capture_s, 2),
+            "capture_mib": round(self.capture_bytes / 2**20, 1),
+            "max_replay_vs_eager": max(self.diffs.values(), default=None),
+        }
 
     def _view(self, length: int, rows: int) -> Static:
         return {k: v[:rows] for k, v in self._static[length].items()}
