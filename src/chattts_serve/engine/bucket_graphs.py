@@ -80,9 +80,10 @@ class BucketGraphs:
         """``forward(static)``: the bucket-padded forward of the static inputs (row slices of them), its output
         [rows, ...]; it must take no host value from the device. ``inputs(rows, length)``: fresh static inputs
         at a bucket. ``probe(static, length, generator)``: fill them with a random batch of ragged rows (each
-        length in 1..length) for the self-check. ``max_work``: the largest ``rows * length`` captured.
-        ``tolerance``: (rtol, atol) of the self-check (None: by the output's dtype). ``capture``: how one call
-        is captured, returning (graph, static output) (None: the store's CUDA capture; tests pass a stand-in)."""
+        length in 1..length) for the self-check, drawn on the device (``generator`` is the device's).
+        ``max_work``: the largest ``rows * length`` captured. ``tolerance``: (rtol, atol) of the self-check
+        (None: by the output's dtype). ``capture``: how one call is captured, returning (graph, static output)
+        (None: the store's CUDA capture; tests pass a stand-in)."""
         self.name, self.device = name, torch.device(device)
         self.forward, self.inputs, self.probe = forward, inputs, probe
         self.rows, self.lengths = sorted(rows), sorted(lengths)
@@ -119,7 +120,7 @@ class BucketGraphs:
                 static = self._view(length, rows)
                 self._reset(static)
                 graph, out = self._capture(lambda static=static: self.forward(static))
-                gen = torch.Generator(device="cpu").manual_seed(rows * 7919 + length)
+                gen = torch.Generator(device=self.device).manual_seed(rows * 7919 + length)
                 self._reset(static)
                 self.probe(static, length, gen)
                 ok, diff = graph_matches_eager(graph.replay, out, lambda static=static: self.forward(static),

@@ -78,18 +78,17 @@ class KokoroGraphs:
 
     def _probe(self, s: Static, frames: int, gen: torch.Generator) -> None:
         """A random ragged batch: features zero past each row's end, F0 in a voice's range."""
-        rows = s["lengths"].shape[0]
-        lengths = torch.randint(1, frames + 1, (rows,), generator=gen)
+        lengths = s["lengths"]
+        lengths.copy_(torch.randint(1, frames + 1, lengths.shape, generator=gen, device=gen.device))
         lengths[0] = frames  # one row fills the bucket
-        s["lengths"].copy_(lengths)
-        dev = s["asr"].device
-        for row, n in enumerate(lengths.tolist()):
-            s["asr"][row, :, :n].copy_(torch.randn(s["asr"].shape[1], n, generator=gen))
-            s["f0"][row, : 2 * n].copy_(torch.rand(2 * n, generator=gen) * 200 + 80)
-            s["energy"][row, : 2 * n].copy_(torch.randn(2 * n, generator=gen))
-            h = self._har_steps(n)
-            s["har"][row, :, :h].copy_(torch.randn(s["har"].shape[1], h, generator=gen))
-        s["style"].copy_(torch.randn(s["style"].shape, generator=gen).to(dev))
+        rows = DeviceLengths(lengths, frames)
+        s["asr"].normal_(generator=gen).mul_(rows.mask(lengths.device, torch.float32))
+        twice = rows.scaled(2).mask(lengths.device, torch.float32)[:, 0]
+        s["f0"].uniform_(80, 280, generator=gen).mul_(twice)
+        s["energy"].normal_(generator=gen).mul_(twice)
+        har = rows.scaled(2 * self.generator.upsample_scale // self.generator.hop, extra=1)
+        s["har"].normal_(generator=gen).mul_(har.mask(lengths.device, torch.float32))
+        s["style"].normal_(generator=gen)
 
     # ------------------------------------------------------------------ serving
 

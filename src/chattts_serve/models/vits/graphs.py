@@ -70,14 +70,13 @@ class VitsGraphs:
         return self.model.decoder(latent, lengths, speaker)
 
     def _probe(self, s: Static, frames: int, gen: torch.Generator) -> None:
-        rows = s["lengths"].shape[0]
-        lengths = torch.randint(1, frames + 1, (rows,), generator=gen)
+        lengths = s["lengths"]
+        lengths.copy_(torch.randint(1, frames + 1, lengths.shape, generator=gen, device=gen.device))
         lengths[0] = frames  # one row fills the bucket
-        s["lengths"].copy_(lengths)
-        for row, n in enumerate(lengths.tolist()):
-            s["prior"][row, :, :n].copy_(torch.randn(s["prior"].shape[1], n, generator=gen))
+        prior = s["prior"]
+        prior.normal_(generator=gen).mul_(DeviceLengths(lengths, frames).mask(prior.device, prior.dtype))
         if "speaker" in s:
-            s["speaker"].copy_(torch.randn(s["speaker"].shape, generator=gen))
+            s["speaker"].normal_(generator=gen)
 
     # ------------------------------------------------------------------ serving
 
