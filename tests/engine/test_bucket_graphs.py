@@ -115,6 +115,25 @@ def test_a_graph_that_differs_from_the_eager_forward_is_refused():
         _graphs(StandInCapture(works=False), strict=True).capture_all()
 
 
+def test_a_bucket_whose_capture_fails_is_refused_not_fatal():
+    def failing_second():
+        capture, calls = StandInCapture(), []
+
+        def fn(call):
+            calls.append(1)
+            if len(calls) == 2:  # the second bucket's capture fails, as an op CUDA cannot capture would
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return capture(call)
+
+        return fn
+
+    graphs = _graphs(failing_second())
+    graphs.capture_all()
+    assert graphs.refused == 1 and len(graphs.graphs) == 5 and (2, 16) not in graphs.graphs
+    with pytest.raises(RuntimeError, match="not permitted"):
+        _graphs(failing_second(), strict=True).capture_all()
+
+
 def test_the_padded_forward_has_no_host_sync():
     static = _inputs(4, 16)
     _probe(static, 16, torch.Generator().manual_seed(1))

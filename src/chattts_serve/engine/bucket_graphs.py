@@ -10,9 +10,9 @@ This module is the machinery every family shares; a family says only what its fo
 a bucket, and a random batch to check a graph with (``BucketGraphs``'s three callables). Capture goes through the
 engine's ``GraphStore`` (one capture stream and pool, refused graphs kept until close) and each graph is checked
 once against the same forward run eagerly (``cuda_graph.graph_matches_eager``: the static output poisoned with
-NaN, then replayed); one that differs is refused (``strict``: raises) and its bucket runs eagerly, as does a batch
-longer than the largest length bucket. Largest buckets are captured first so the smaller ones reuse the pool.
-The time and memory the captures took are logged.
+NaN, then replayed); one that differs, or whose capture fails, is refused (``strict``: raises) and its bucket runs
+eagerly, as does a batch longer than the largest length bucket. Largest buckets are captured first so the smaller
+ones reuse the pool. The time and memory the captures took are logged.
 
 Static inputs are allocated once per length bucket at its largest rows bucket; the smaller rows buckets' graphs
 read row slices of them. Each replay zeroes them, sets every row's length to 1 (rows past the batch: finite,
@@ -119,7 +119,13 @@ class BucketGraphs:
                     self._static[length] = self.inputs(rows, length)  # the largest rows bucket comes first
                 static = self._view(length, rows)
                 self._reset(static)
-                graph, out = self._capture(lambda static=static: self.forward(static))
+                try:
+                    graph, out = self._capture(lambda static=static: self.forward(static))
+                except RuntimeError as exc:  # an op CUDA cannot capture: that bucket runs eagerly
+                    if self.strict:
+                        raise
+                    bad.append(f"rows {rows} length {length} (capture failed: {exc})")
+                    continue
                 gen = torch.Generator(device=self.device).manual_seed(rows * 7919 + length)
                 self._reset(static)
                 self.probe(static, length, gen)
