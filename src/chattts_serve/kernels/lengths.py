@@ -50,3 +50,26 @@ def masked_instance_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     centred = (x - mean) * mask
     var = (centred * centred).sum(dim=2, keepdim=True) / count
     return centred * torch.rsqrt(var + eps) * weight[None, :, None] + bias[None, :, None] * mask
+
+
+def masked_bilstm(lstm: torch.nn.LSTM, x: torch.Tensor, lengths: DeviceLengths) -> torch.Tensor:
+    """A one-layer bidirectional ``lstm`` over [B, T, C] (batch first) that stops at each row's end, with the
+    lengths on the device: what ``pack_padded_sequence`` does (whose lengths must be on the host). The forward
+    direction runs over the padded batch (padding comes after a row's steps, so they never see it); the backward
+    one over each row reversed within its length (a gather), then turned back. Padding comes back as zeros."""
+    if lstm.num_layers != 1 or not lstm.bidirectional or not lstm.batch_first:
+        raise ValueError("masked_bilstm takes a one-layer bidirectional batch-first LSTM")
+    b, t, c = x.shape
+    mask = lengths.mask(x.device, x.dtype).transpose(1, 2)  # [B, T, 1]
+    x = x * mask
+    steps = torch.arange(t, device=x.device)[None, :]
+    n = lengths.lengths[:, None]
+    flip = torch.where(steps < n, n - 1 - steps, steps)  # row b's step i <-> step n_b - 1 - i (an involution)
+    h0 = x.new_zeros(1, b, lstm.hidden_size)
+    names = ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
+    forward = torch.lstm(x, (h0, h0), [getattr(lstm, k) for k in names], True, 1, 0.0, False, False, True)[0]
+    reverse = [getattr(lstm, k + "_reverse") for k in names]
+    rx = torch.gather(x, 1, flip[:, :, None].expand(-1, -1, c))
+    backward = torch.lstm(rx, (h0, h0), reverse, True, 1, 0.0, False, False, True)[0]
+    backward = torch.gather(backward, 1, flip[:, :, None].expand(-1, -1, backward.shape[2]))
+    return torch.cat([forward, backward], dim=-1) * mask

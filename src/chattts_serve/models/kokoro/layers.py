@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ...kernels.lengths import DeviceLengths, masked_instance_norm
+from ...kernels.lengths import DeviceLengths, masked_bilstm, masked_instance_norm
 
 
 class Lengths:
@@ -108,6 +108,8 @@ def run_lstm(lstm: nn.LSTM, x: torch.Tensor, lengths: Lengths, pack: bool = True
     ``pack=False`` runs the plain (unpacked) recurrence when no row is padded, as the package does for
     its frame-level LSTMs: packing changes the kernel and so the last bits of the result.
     """
+    if isinstance(lengths, DeviceLengths):  # a CUDA graph's padded forward: no host lengths to pack by
+        return masked_bilstm(lstm, x, lengths)
     if not pack and not lengths.ragged:
         return lstm(x)[0]
     packed = nn.utils.rnn.pack_padded_sequence(x, lengths.lengths, batch_first=True, enforce_sorted=False)

@@ -121,9 +121,11 @@ class KokoroModel(nn.Module):
             return []
         for i, u in enumerate(utterances):
             self._check(i, u)
-        if prosody == "batch" or len(utterances) == 1:
+        # With CUDA graphs the text side runs as one padded forward (``graphs.KokoroGraphs.text_side``).
+        side = self.graphs.text_side(utterances) if self.graphs is not None else None
+        if side is None and (prosody == "batch" or len(utterances) == 1):
             side = self._text_side(utterances)
-        else:
+        elif side is None:
             side = _stack_sides([self._text_side([u]) for u in utterances])
         generators = [u.generator for u in utterances]
         audio = self.graphs.decode(side, generators) if self.graphs is not None else None

@@ -50,6 +50,9 @@ class VitsGraphs:
     def counters(self) -> dict[str, int]:
         return self.graphs.counters()
 
+    def describe(self) -> dict:
+        return self.graphs.describe()
+
     # ------------------------------------------------------------------ the captured forward
 
     def _inputs(self, rows: int, frames: int) -> Static:
