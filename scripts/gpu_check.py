@@ -493,7 +493,7 @@ FAMILY_SAME_BOUND = 0.1
 """Graph vs eager audio of the same seeded requests, as the relative distance of their STFT magnitudes
 (``_spectral_distance``). Not sample by sample: with the text side graphed (Kokoro) F0 moves by float rounding,
 which the sine source integrates into a phase of ~1e4 radians, so waveforms drift apart (by up to 0.1 on peaks of
-0.4, full size, fp32) while their spectra stay put (0.012 on the tiny checkpoint); a replay of garbage, silence or
+0.4, full size, fp32) while their spectra stay put (0.012 tiny, 0.023 full size); a replay of garbage, silence or
 stale audio is at 0.5-1 or more."""
 
 
