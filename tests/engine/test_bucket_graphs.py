@@ -130,6 +130,7 @@ def test_a_bucket_whose_capture_fails_is_refused_not_fatal():
     graphs = _graphs(failing_second())
     graphs.capture_all()
     assert graphs.refused == 1 and len(graphs.graphs) == 5 and (2, 16) not in graphs.graphs
+    assert graphs.pieces(2, 16) == [(0, 2, 4)]  # the next wider graph of the bucket takes the refused one's rows
     with pytest.raises(RuntimeError, match="not permitted"):
         _graphs(failing_second(), strict=True).capture_all()
 

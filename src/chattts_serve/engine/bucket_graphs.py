@@ -171,8 +171,8 @@ class BucketGraphs:
         out = []
         for lo in range(0, n, top):
             m = min(top, n - lo)
-            rows = next(r for r in self.rows if r >= m)
-            if (rows, length) not in self.graphs:
+            rows = next((r for r in self.rows if r >= m and (r, length) in self.graphs), None)
+            if rows is None:  # a refused bucket and none wider captured
                 return None
             out.append((lo, m, rows))
         return out
