@@ -485,6 +485,20 @@ FAMILY_TEXT = (
     "to find the old farmer standing by the gate."
 )
 """About ten seconds of speech at a natural rate (26 words)."""
+FAMILY_PHONEMES = (
+    "ðə kwˈɪk bɹˈWn fˈɑːks ʤˈʌmps ˌOvɚ ðə lˈAzi dˈɑːɡ, ænd ðˈɛn ɪt ɹˈʌnz bˈæk əkɹˌɑːs ðə kwˈIət fˈiːld tə fˈInd ðɪ "
+    "ˈOld fˈɑːɹmɚ stˈændɪŋ bI ðə ɡˈAt."
+)
+"""``FAMILY_TEXT`` in Kokoro's phonemes (misaki 0.9.4's English G2P): the check gives Kokoro these (its ``phonemes``
+option), so the GPU machine needs no G2P (misaki, spaCy, espeak-ng are not among the carried wheels)."""
+
+
+def _family_params(family: str, seed: int | None = None, words: int | None = None) -> SamplingParams:
+    """A request's parameters: Kokoro speaks ``FAMILY_PHONEMES`` (its first ``words`` words) as given."""
+    if family != "kokoro":
+        return SamplingParams(seed=seed)
+    return SamplingParams(seed=seed, options={"phonemes": " ".join(FAMILY_PHONEMES.split()[:words])})
+
 
 
 FAMILY_HALF = {"kokoro": {"audio_dtype": "bf16"}, "vits": {"precision": "bf16"}}
@@ -511,10 +525,11 @@ def _family_load(engine) -> tuple[Any, dict]:
     return model, (graphs.describe() if graphs is not None else None)
 
 
-def _family_same(engine, model, graphs, texts: list[str]) -> dict:
+def _family_same(engine, model, graphs, family: str, texts: list[str]) -> dict:
     """The same seeded requests with the model's graphs, then eagerly (graphs set aside): lengths equal (durations
     are exact either way), the largest spectral distance (``FAMILY_SAME_BOUND``) and waveform difference."""
-    params = [SamplingParams(seed=10 + i) for i in range(len(texts))]
+    # Mixed lengths: the texts, or for Kokoro the phonemes of as many words as each text has.
+    params = [_family_params(family, 10 + i, len(t.split())) for i, t in enumerate(texts)]
     runs = []
     for g in (graphs, None):
         model.graphs = g
@@ -529,11 +544,10 @@ def _family_same(engine, model, graphs, texts: list[str]) -> dict:
     }
 
 
-def _family_throughput(core, n: int, concurrency: int, text: str) -> dict:
+def _family_throughput(core, n: int, concurrency: int, text: str, params: SamplingParams) -> dict:
     """``n`` copies of ``text`` with at most ``concurrency`` requests at once (a new one as each finishes)."""
     from chattts_serve.audio.policy import StreamPolicy
 
-    params = SamplingParams()
     core.prepare(text, params)  # refused input fails here, before the clock
     before = core.stats()
     waiting, live, done, audio, errors = list(range(n)), 0, 0, 0.0, []
@@ -582,13 +596,13 @@ def check_family(name: str, device: str, quick: bool) -> dict:
     model, graphs_report = _family_load(eng)
     graphs = model.graphs
     texts = [FAMILY_TEXT, "Hello there.", "A short one, then a longer sentence follows it here.", "Yes."]
-    same = _family_same(eng, model, graphs, texts[: 2 if quick else 4]) if graphs is not None else None
+    same = _family_same(eng, model, graphs, name, texts[: 2 if quick else 4]) if graphs is not None else None
     runs = {}
     for mode, g in (("graphs", graphs), ("eager", None)):
         if mode == "graphs" and graphs is None:
             continue
         model.graphs = g
-        runs[mode] = _family_throughput(eng.core, n, concurrency, text)
+        runs[mode] = _family_throughput(eng.core, n, concurrency, text, _family_params(name))
     model.graphs = graphs
     main = runs.get("graphs", runs["eager"])
     bound = FAMILY_SAME_BOUND

@@ -1,6 +1,7 @@
 """``scripts/gpu_check.py``'s families check down its GPU path on the CPU: the families' graphs per bucket stood in
 for (``wanted`` and the capture), so the graph report, the graphs-vs-eager audio and both throughput runs (with
-the graphs, then with them set aside) run as they will on a lent GPU, at tiny sizes."""
+the graphs, then with them set aside) run as they will on a lent GPU, at tiny sizes, and without a G2P (Kokoro
+speaks phonemes: the GPU machine has neither misaki nor espeak-ng)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ def test_the_families_check_reports_graphs_and_both_runs(gpu_check, family, monk
         real = cls.__init__
         monkeypatch.setattr(cls, "__init__", lambda self, model, max_rows, strict=False, real=real: real(
             self, model, max_rows, strict, (16, 256), capture=StandInCapture()))
+    from chattts_serve.models.kokoro import text as kokoro_text
+
+    def no_g2p(*a, **k):  # the GPU machine has no G2P (misaki, spaCy, espeak-ng): Kokoro gets phonemes
+        raise AssertionError("the families check must not need a G2P")
+
+    monkeypatch.setattr(kokoro_text, "G2P", no_g2p)
     r = gpu_check.check_family(family, "cpu", quick=True)
     assert r["passed"], r
     assert r["graphs"]["captured"] > 0 and r["graphs"]["refused"] == 0
