@@ -113,7 +113,8 @@ class KokoroModel(nn.Module):
         values bit for bit. That matters because the sine source integrates F0 into a phase of ~1e4-1e5
         radians over an utterance: a 1-ulp change of F0 moves the waveform by ~1e-2. ``"batch"`` runs the
         text side as one padded forward too (key-masked attention, packed LSTMs): durations still match,
-        F0 within ~1e-6 relative, and the waveform only within that phase drift.
+        F0 within ~1e-6 relative, and the waveform only within that phase drift. With ``graphs`` (CUDA graphs
+        per bucket, ``graphs.KokoroGraphs``) the text side runs through them, as ``"batch"`` does.
         """
         if prosody not in ("rows", "batch"):
             raise ValueError(f"prosody must be 'rows' or 'batch', got {prosody!r}")
