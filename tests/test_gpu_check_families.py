@@ -43,7 +43,11 @@ def test_the_families_check_reports_graphs_and_both_runs(gpu_check, family, monk
         raise AssertionError("the families check must not need a G2P")
 
     monkeypatch.setattr(kokoro_text, "G2P", no_g2p)
-    r = gpu_check.check_family(family, "cpu", quick=True)
+    emitted: list[dict] = []
+    r = gpu_check.check_family(family, "cpu", quick=True, emit=emitted.append)
+    # the main row first (kept if the deadline cuts the eager run), then the eager run with the speedup
+    assert [e["check"] for e in emitted] == ["family_throughput", "family_eager"]
+    assert set(emitted[0]["runs"]) == {"graphs"} and emitted[1]["passed"] and "graphs_speedup" in emitted[1]
     assert r["passed"], r
     assert r["graphs"]["captured"] > 0 and r["graphs"]["refused"] == 0
     assert r["graphs"]["max_replay_vs_eager"] == 0.0  # the stand-in replays the very forward
