@@ -173,6 +173,11 @@ class BatchModel(FamilyModel):
         order. A row's result must not depend on the others (batch invariance: durations exact, waveform
         within the family's stated bound). Raising fails the step's requests, never the engine."""
 
+    def counters(self) -> dict[str, int]:
+        """The model's graph counters for ``EngineStats`` (``graph_replays``, ``eager_steps``,
+        ``graphs_refused``: a family's CUDA graphs per bucket, ``engine.bucket_graphs``); empty without graphs."""
+        return {}
+
 
 @dataclass(frozen=True, slots=True)
 class Utterance:

@@ -120,13 +120,30 @@ class Generator(nn.Module):
     def forward(self, x: torch.Tensor, style: torch.Tensor, f0: torch.Tensor, lengths: Lengths,
                 generators: list[torch.Generator | None]) -> list[torch.Tensor]:
         """``x`` [B, C, T] and ``f0`` [B, T] at ``lengths`` -> one waveform per row."""
+        har = self.harmonics(f0, lengths, generators)
+        return self.waveforms(self.spectra(x, style, har, lengths), self.spectrum_lengths(lengths))
+
+    def harmonics(self, f0: torch.Tensor, lengths: Lengths, generators: list[torch.Generator | None]
+                  ) -> torch.Tensor:
+        """The source's spectra [B, n_fft + 2, frames] (magnitude and phase, zero past each row's end) from
+        ``f0`` [B, T] at ``lengths``: the model's random draws, and per-row STFTs; outside any CUDA graph."""
         samples = lengths.scaled(self.upsample_scale)
         f0_audio = F.interpolate(f0[:, None, :], scale_factor=self.upsample_scale, mode="nearest")[:, 0, :]
         source = self.m_source(f0_audio, samples, generators)
-        har = torch.zeros(x.shape[0], self.n_fft + 2, samples.total // self.hop + 1, device=x.device)
+        har = torch.zeros(f0.shape[0], self.n_fft + 2, samples.total // self.hop + 1, device=f0.device)
         for row, n in enumerate(samples.lengths.tolist()):
             har[row, :, : n // self.hop + 1] = self._analyse(source[row, :n])
+        return har
 
+    def spectrum_lengths(self, lengths: Lengths) -> Lengths:
+        """The rows' lengths at the predicted spectrogram's rate (what ``spectra`` returns)."""
+        for i, rate in enumerate(self.rates):
+            lengths = lengths.scaled(rate, extra=1 if i == len(self.rates) - 1 else 0)
+        return lengths
+
+    def spectra(self, x: torch.Tensor, style: torch.Tensor, har: torch.Tensor, lengths: Lengths) -> torch.Tensor:
+        """The predicted log-magnitudes and phases [B, n_fft + 2, frames] (the convolutions: no host value when
+        ``lengths`` is a ``DeviceLengths``, so a CUDA graph can capture it)."""
         at = lengths
         for i, rate in enumerate(self.rates):
             x = F.leaky_relu(x, negative_slope=0.1)
@@ -145,7 +162,10 @@ class Generator(nn.Module):
                 y = self.resblocks[i * self.num_kernels + j](x, style, at)
                 xs = y if xs is None else xs + y
             x = xs / self.num_kernels
-        x = self.conv_post(masked(F.leaky_relu(x), at))
+        return self.conv_post(masked(F.leaky_relu(x), at))
+
+    def waveforms(self, x: torch.Tensor, at: Lengths) -> list[torch.Tensor]:
+        """One waveform per row from ``spectra``'s output at ``at`` (host lengths): per-row inverse STFTs."""
         return [self._synthesise(x[row : row + 1, :, :n]) for row, n in enumerate(at.lengths.tolist())]
 
     def _analyse(self, signal: torch.Tensor) -> torch.Tensor:
@@ -181,6 +201,15 @@ class Decoder(nn.Module):
     def forward(self, asr: torch.Tensor, f0: torch.Tensor, energy: torch.Tensor, style: torch.Tensor,
                 frames: Lengths, generators: list[torch.Generator | None]) -> list[torch.Tensor]:
         """``asr`` [B, C, F] at ``frames``; ``f0``/``energy`` [B, 2F] (zero past each row's end)."""
+        at = frames.scaled(2)  # the decode blocks double the rate once
+        har = self.generator.harmonics(f0, at, generators)
+        spectra = self.spectra(asr, f0, energy, style, frames, har)
+        return self.generator.waveforms(spectra, self.generator.spectrum_lengths(at))
+
+    def spectra(self, asr: torch.Tensor, f0: torch.Tensor, energy: torch.Tensor, style: torch.Tensor,
+                frames: Lengths, har: torch.Tensor) -> torch.Tensor:
+        """Everything between the source's spectra ``har`` (``Generator.harmonics``) and the inverse STFTs: the
+        part of the decoder a CUDA graph captures per bucket (``models.kokoro.graphs``)."""
         f0_down = masked(self.F0_conv(f0[:, None, :]), frames)
         energy_down = masked(self.N_conv(energy[:, None, :]), frames)
         x = self.encode(torch.cat([asr, f0_down, energy_down], dim=1), style, frames)
@@ -191,4 +220,4 @@ class Decoder(nn.Module):
                 x = torch.cat([x, asr_res, f0_down, energy_down], dim=1)
             x = block(x, style, at)
             at = at.scaled(2) if block.upsample else at
-        return self.generator(x, style, f0, at, generators)
+        return self.generator.spectra(x, style, har, at)

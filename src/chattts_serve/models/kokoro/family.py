@@ -261,6 +261,9 @@ class LoadedKokoro(BatchModel):
     def voices(self) -> KokoroVoices:
         return self._voices
 
+    def counters(self) -> dict[str, int]:
+        return self.model.graphs.counters() if self.model.graphs is not None else {}
+
     @property
     def vocab(self) -> Mapping[str, int]:
         return self.model.config.vocab
@@ -447,6 +450,7 @@ class KokoroFamily(ModelFamily):
         (``KokoroModel.cast_decoder``; "auto" on CUDA) or tf32 (fp32 weights, TF32 convolutions on CUDA)."""
         import torch
 
+        from ...engine.bucket_graphs import wanted
         from ...engine.plan import resolve_audio_dtype
         from .checkpoint import load
         from .voices import load_voice, voice_names
@@ -471,4 +475,11 @@ class KokoroFamily(ModelFamily):
         config = replace(config, audio_dtype=audio_dtype)  # "auto" resolved once, here
         if config.auto_slots:  # no KV slots to size: --max-num-seqs caps a batch's rows
             config = replace(config, auto_slots=False)
-        return LoadedKokoro(self, Path(root), model, packs, config)
+        loaded = LoadedKokoro(self, Path(root), model, packs, config)
+        if wanted(model.device, config):  # the decoder per (rows, frames) bucket, captured as it will serve
+            from .graphs import KokoroGraphs
+
+            with loaded._scope():
+                model.graphs = KokoroGraphs(model, config.scheduler.max_num_seqs,
+                                            config.runner.strict_cuda_graphs).capture_all()
+        return loaded

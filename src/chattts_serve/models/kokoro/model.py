@@ -58,6 +58,8 @@ class KokoroModel(nn.Module):
                                         config.n_token)
         self.decoder = Decoder(config.hidden_dim, config.style_dim, config.istftnet, config.decoder_dim,
                                config.asr_res_dim)
+        self.graphs = None
+        """The decoder's CUDA graphs per bucket (``graphs.KokoroGraphs``, on CUDA with ``--cuda-graphs``)."""
 
     @property
     def device(self) -> torch.device:
@@ -111,7 +113,8 @@ class KokoroModel(nn.Module):
         values bit for bit. That matters because the sine source integrates F0 into a phase of ~1e4-1e5
         radians over an utterance: a 1-ulp change of F0 moves the waveform by ~1e-2. ``"batch"`` runs the
         text side as one padded forward too (key-masked attention, packed LSTMs): durations still match,
-        F0 within ~1e-6 relative, and the waveform only within that phase drift.
+        F0 within ~1e-6 relative, and the waveform only within that phase drift. With ``graphs`` (CUDA graphs
+        per bucket, ``graphs.KokoroGraphs``) the text side runs through them, as ``"batch"`` does.
         """
         if prosody not in ("rows", "batch"):
             raise ValueError(f"prosody must be 'rows' or 'batch', got {prosody!r}")
@@ -119,12 +122,16 @@ class KokoroModel(nn.Module):
             return []
         for i, u in enumerate(utterances):
             self._check(i, u)
-        if prosody == "batch" or len(utterances) == 1:
+        # With CUDA graphs the text side runs as one padded forward (``graphs.KokoroGraphs.text_side``).
+        side = self.graphs.text_side(utterances) if self.graphs is not None else None
+        if side is None and (prosody == "batch" or len(utterances) == 1):
             side = self._text_side(utterances)
-        else:
+        elif side is None:
             side = _stack_sides([self._text_side([u]) for u in utterances])
-        audio = self.decoder(side.asr, side.f0, side.energy, side.decoder_style, side.frames,
-                             [u.generator for u in utterances])
+        generators = [u.generator for u in utterances]
+        audio = self.graphs.decode(side, generators) if self.graphs is not None else None
+        if audio is None:  # no graphs, or none for this batch's bucket (nothing drawn yet)
+            audio = self.decoder(side.asr, side.f0, side.energy, side.decoder_style, side.frames, generators)
         spf = self.config.samples_per_frame
         return [
             Synthesis(audio=audio[row], durations=side.durations[row, : len(u.input_ids)].cpu(),
