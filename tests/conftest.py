@@ -11,6 +11,30 @@ import torch
 torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 
+
+def _share_httpx_tls_context() -> None:
+    """httpx parses certifi's CA bundle into a new SSLContext for every client it makes (~20 ms of CPU), and
+    ``httpx.get`` / ``post`` and each OpenAI SDK client make one per call: over the tier, seconds of CPU for plain
+    HTTP to 127.0.0.1 (the polls of a starting server most of all, which then compete with it). The default
+    context is made once and shared (a context is safe to share between clients); any other ``verify`` or
+    ``cert`` gets what httpx makes of it."""
+    import functools
+
+    import httpx._transports.default as transports
+
+    make = transports.create_ssl_context
+    default = functools.cache(make)
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None:
+            return default(True, None, trust_env)
+        return make(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_httpx_tls_context()
+
 TINY_SEED = 0
 
 TIERED_MARKERS = ("integration", "e2e", "ray", "fuzz", "soak", "slow")
