@@ -45,12 +45,41 @@ def pytest_addoption(parser):
     parser.addoption("--all", action="store_true", help="run every tier: also " + ", ".join(TIERED_MARKERS))
 
 
+FAST_TIER = pytest.StashKey[bool]()
+
+
 def pytest_configure(config):
     """The fast tier by default: unless ``--all``, a ``-m`` expression, or only named test files or ids
     (a test asked for by name runs whatever its tier)."""
     named = config.args and all(".py" in arg for arg in config.args)
     if not (config.getoption("all") or config.option.markexpr or named):
         config.option.markexpr = "not (" + " or ".join(TIERED_MARKERS) + ")"
+        config.stash[FAST_TIER] = True
+
+
+def pytest_ignore_collect(collection_path, config):
+    """In the fast tier, a module whose ``pytestmark`` puts every test of it in a left-out tier is not even
+    imported: its tests would all be deselected, and importing it costs seconds of CPU (schemathesis, ray,
+    the agent frameworks) for nothing. None: pytest decides as usual."""
+    if not config.stash.get(FAST_TIER, False) or not collection_path.name.startswith("test_"):
+        return None
+    return True if collection_path.suffix == ".py" and module_tiers(collection_path) else None
+
+
+def module_tiers(path) -> set[str]:
+    """The tiered markers (``TIERED_MARKERS``) a test module's own ``pytestmark`` applies to all its tests:
+    ``pytest.mark.NAME``, alone or in a list or tuple, read from the source without importing it."""
+    import ast
+
+    source = path.read_text(encoding="utf-8")
+    if "pytestmark" not in source:
+        return set()
+    tiers: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            marks = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+            tiers |= {ast.unparse(m).removeprefix("pytest.mark.") for m in marks} & set(TIERED_MARKERS)
+    return tiers
 
 
 @pytest.fixture(scope="session")
