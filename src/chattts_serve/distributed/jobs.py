@@ -90,7 +90,7 @@ def _check_item(where: str, item_id, text, seed, voice=None, options=None) -> It
         options = {}
     if not isinstance(options, Mapping):
         raise ValueError(f"{where}: options must be an object of the model family's options, got {options!r}")
-    if unknown := sorted(set(map(str, options)) - family_option_names()):
+    if options and (unknown := sorted(set(map(str, options)) - family_option_names())):
         raise ValueError(
             f"{where}: unknown option(s) {', '.join(unknown)}; the families' options are "
             f"{', '.join(sorted(family_option_names()))}"
