@@ -416,10 +416,14 @@ class KokoroFamily(ModelFamily):
         return (
             OptionSpec("speed", "number", "Speed", 1.0, *SPEED_RANGE, 0.05),
             OptionSpec(
-                "lang_code", "choice", "Language", choices=tuple(LANGS),
-                help=", ".join(f"{k}: {v}" for k, v in LANGS.items()) + " (default: the voice's first letter)",
+                "lang_code", "choice", "Language", choices=tuple(LANGS), max_length=8,
+                help=", ".join(f"{k}: {v}" for k, v in LANGS.items()) + " (default: the voice's first letter; "
+                "aliases such as en-us, zh), as Kokoro-FastAPI's lang_code",
             ),
-            OptionSpec("phonemes", "text", "Phonemes", help="speak these phonemes exactly instead of the text's"),
+            OptionSpec(
+                "phonemes", "text", "Phonemes", max_length=2048,
+                help="speak these phonemes (the vocabulary's symbols, at most 510) exactly instead of the text's",
+            ),
         )
 
     def is_checkpoint(self, root: Path) -> bool:

@@ -234,10 +234,13 @@ class VitsFamily(ModelFamily):
     def request_options(self) -> tuple[OptionSpec, ...]:
         return (  # the noise scales' default is the checkpoint's (MMS-TTS: 0.667 and 0.8)
             OptionSpec("speed", "number", "Speaking rate", 1.0, *SPEED_RANGE, 0.05),
-            OptionSpec("noise_scale", "number", "noise_scale", None, 0.0, NOISE_MAX, 0.05, help="voice variation"),
+            OptionSpec(
+                "noise_scale", "number", "noise_scale", None, 0.0, NOISE_MAX, 0.05,
+                help="the prior's noise (variation of the voice within a sentence); 0: none",
+            ),
             OptionSpec(
                 "noise_scale_duration", "number", "noise_scale_duration", None, 0.0, NOISE_MAX, 0.05,
-                help="rhythm variation",
+                help="the stochastic duration predictor's noise (variation of the rhythm); 0: none",
             ),
         )
 
