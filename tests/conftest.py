@@ -22,7 +22,9 @@ def _share_httpx_tls_context() -> None:
 
     import httpx._transports.default as transports
 
-    make = transports.create_ssl_context
+    make = getattr(transports, "create_ssl_context", None)
+    if make is None:  # another httpx: its own way, only slower
+        return
     default = functools.cache(make)
 
     def create_ssl_context(verify=True, cert=None, trust_env=True):
