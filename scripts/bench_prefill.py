@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from chattts_serve.engine.config import RunnerConfig
+from chattts_serve.engine.config import EngineConfig
+from chattts_serve.engine.plan import resolve_plan
 from chattts_serve.engine.request import Sequence
 from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
 from chattts_serve.kernels.quant import parse_precision
@@ -38,7 +39,8 @@ def main() -> None:
     model = checkpoint.load(args.model, device=device)
     layout = prepare_model(model, parse_precision(args.precision), args.prompts)
     cfg = model.config.gpt
-    runner = ModelRunner(model, layout, args.prompts, args.tokens + 16, 3, RunnerConfig())
+    plan = resolve_plan(EngineConfig(precision=args.precision), device.type)
+    runner = ModelRunner(model, layout, args.prompts, args.tokens + 16, 3, plan)
     gen = torch.Generator().manual_seed(0)
     seqs = []
     for i in range(args.prompts):

@@ -26,9 +26,13 @@
 8. Where a step's time goes: ``profile --device cuda`` at 1 / 64 / 512 streams.
 9. Host work: ``bench host-overhead`` (the step graph's host side, this machine's CPU) at 512
    sequences: the goal is <= 15 us per sequence-step.
-10. Every other family: for each registered batch family (``chattts_serve.models``: Kokoro, VITS), a
-   random full-size checkpoint, 256 texts of ~10 s of speech at 64 concurrent requests through the
-   engine: audio seconds per second.
+10. Every other family (the last check that is not optional: after the goals' checks, before the
+   optional ones, so it neither starves them nor is skipped by ``--budget-s``): for each registered batch
+   family (``chattts_serve.models``: Kokoro, VITS), a random full-size checkpoint in bf16, its CUDA graphs
+   per bucket captured at load (each bucket's replay checked against its eager forward; none may be
+   refused), the same seeded requests through the graphs and eagerly (equal lengths, spectra within
+   ``FAMILY_SAME_BOUND``), then 256 texts of ~10 s of speech at 64 concurrent requests through the engine
+   with the graphs (audio seconds per second), and one wave of 64 eagerly (the graphs' speedup).
 
 Each check runs in a process of its own under its own time limit (``CHECKS``): a sticky CUDA error,
 a crash or a hang loses that check only. Every result is one JSON line, printed and appended to
@@ -286,6 +290,8 @@ GOALS = (
     Goal("first_chunk_1_stream_s", "<=", 0.050),
     Goal("first_chunk_p99_512_staggered_s", "<=", 0.300),
     Goal("max_rtf_512_staggered", "<=", 0.999),
+    Goal("family_graphs_refused", "==", 0, speed=False),
+    Goal("family_graph_audio_equals_eager", "==", True, speed=False),
 )
 """The H200's first rung (issue 31, item 12): offline 256 x 10 s in <= 3 s, first chunk <= 50 ms, 512
 staggered streams each at least real time with p99 first chunk <= 300 ms, one wait per decode step
@@ -480,24 +486,71 @@ FAMILY_TEXT = (
     "to find the old farmer standing by the gate."
 )
 """About ten seconds of speech at a natural rate (26 words)."""
+FAMILY_PHONEMES = (
+    "ðə kwˈɪk bɹˈWn fˈɑːks ʤˈʌmps ˌOvɚ ðə lˈAzi dˈɑːɡ, ænd ðˈɛn ɪt ɹˈʌnz bˈæk əkɹˌɑːs ðə kwˈIət fˈiːld tə fˈInd ðɪ "
+    "ˈOld fˈɑːɹmɚ stˈændɪŋ bI ðə ɡˈAt."
+)
+"""``FAMILY_TEXT`` in Kokoro's phonemes (misaki 0.9.4's English G2P): the check gives Kokoro these (its ``phonemes``
+option), so the GPU machine needs no G2P (misaki, spaCy, espeak-ng are not among the carried wheels)."""
 
 
-def check_family(name: str, device: str, quick: bool) -> dict:
-    """One batch family (Kokoro, VITS): a random checkpoint (full size on a GPU), ``n`` texts of ~10 s at
-    ``concurrency`` requests at once through the engine (a new one as each finishes): audio s per s."""
-    from chattts_serve import models
+def _family_params(family: str, seed: int | None = None, words: int | None = None) -> SamplingParams:
+    """A request's parameters: Kokoro speaks ``FAMILY_PHONEMES`` (its first ``words`` words) as given."""
+    if family != "kokoro":
+        return SamplingParams(seed=seed)
+    return SamplingParams(seed=seed, options={"phonemes": " ".join(FAMILY_PHONEMES.split()[:words])})
+
+
+
+FAMILY_HALF = {"kokoro": {"audio_dtype": "bf16"}, "vits": {"precision": "bf16"}}
+"""Each batch family's bf16 mode on a GPU (Kokoro's decoder convolutions; VITS's flow and decoder)."""
+FAMILY_SAME_BOUND = 0.1
+"""Graph vs eager audio of the same seeded requests, as the relative distance of their STFT magnitudes
+(``_spectral_distance``). Not sample by sample: with the text side graphed (Kokoro) F0 moves by float rounding,
+which the sine source integrates into a phase of ~1e4 radians, so waveforms drift apart (by up to 0.1 on peaks of
+0.4, full size, fp32) while their spectra stay put (0.012 tiny, 0.023 full size); a replay of garbage, silence or
+stale audio is at 0.5-1 or more."""
+
+
+def _spectral_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """||abs(STFT(a)) - abs(STFT(b))|| / ||abs(STFT(b))|| (512-point frames, hop 128)."""
+    window = torch.hann_window(512)
+    spec = [torch.stft(torch.from_numpy(x).float(), 512, 128, window=window, return_complex=True).abs() for x in (a, b)]
+    return float((spec[0] - spec[1]).norm() / spec[1].norm().clamp(min=1e-12))
+
+
+def _family_load(engine) -> tuple[Any, dict]:
+    """(the family's torch model, which holds ``graphs`` or None), its graphs' start-up report (or None)."""
+    model = engine.core.stage.model.model
+    graphs = getattr(model, "graphs", None)
+    return model, (graphs.describe() if graphs is not None else None)
+
+
+def _family_same(engine, model, graphs, family: str, texts: list[str]) -> dict:
+    """The same seeded requests with the model's graphs, then eagerly (graphs set aside): lengths equal (durations
+    are exact either way), the largest spectral distance (``FAMILY_SAME_BOUND``) and waveform difference."""
+    # Mixed lengths: the texts, or for Kokoro the phonemes of as many words as each text has.
+    params = [_family_params(family, 10 + i, len(t.split())) for i, t in enumerate(texts)]
+    runs = []
+    for g in (graphs, None):
+        model.graphs = g
+        runs.append([r.audio for r in engine.synthesize(texts, params)])
+    model.graphs = graphs
+    same_len = all(len(a) == len(b) for a, b in zip(*runs, strict=True))
+    pairs = list(zip(*runs, strict=True)) if same_len else []
+    return {
+        "lengths_equal": same_len,
+        "max_spectral_distance": max((_spectral_distance(a, b) for a, b in pairs), default=None),
+        "max_abs_diff": max((float(np.abs(a - b).max()) for a, b in pairs), default=None),
+    }
+
+
+def _family_throughput(core, n: int, concurrency: int, text: str, params: SamplingParams) -> dict:
+    """``n`` copies of ``text`` with at most ``concurrency`` requests at once (a new one as each finishes)."""
     from chattts_serve.audio.policy import StreamPolicy
 
-    n, concurrency = (2, 2) if quick else (256, 64)
-    text = "Hello there." if quick else FAMILY_TEXT
-    family = models.get(name)
-    root = family.write_random(Path(tempfile.mkdtemp()) / name, "tiny" if quick else "full", seed=0)
-    t0 = time.perf_counter()
-    eng = Engine.from_pretrained(root, device, EngineConfig.with_slots(concurrency), family=name)
-    load_s = time.perf_counter() - t0
-    core = eng.core
-    params = SamplingParams()
     core.prepare(text, params)  # refused input fails here, before the clock
+    before = core.stats()
     waiting, live, done, audio, errors = list(range(n)), 0, 0, 0.0, []
     t0 = time.perf_counter()
     while done < n:
@@ -511,18 +564,80 @@ def check_family(name: str, device: str, quick: bool) -> dict:
                 if out.error:
                     errors.append(out.error)
     wall = time.perf_counter() - t0
+    after = core.stats()
     return {
-        "check": "family_throughput",
-        "family": name,
-        "texts": n,
-        "concurrency": concurrency,
-        "load_s": round(load_s, 2),
         "wall_s": round(wall, 3),
         "audio_s": round(audio, 2),
         "audio_s_per_s": round(audio / wall, 2) if wall > 0 else None,
+        "graph_replays": after.graph_replays - before.graph_replays,
+        "eager_batches": after.eager_steps - before.eager_steps,
         "errors": errors[:5],
-        "passed": not errors and audio > 0,
     }
+
+
+def check_family(name: str, device: str, quick: bool, emit: Emit | None = None) -> dict:
+    """One batch family (Kokoro, VITS): a random checkpoint (full size on a GPU, bf16 there: ``FAMILY_HALF``),
+    ``n`` texts of ~10 s at ``concurrency`` requests at once through the engine with the family's CUDA graphs per
+    bucket (``--cuda-graphs``, the default): audio s per s. The graphs' start-up report: captured and refused per
+    bucket, each bucket's replay vs its eager forward (``engine.bucket_graphs``), time and memory; and the same
+    seeded requests through the graphs and eagerly. That record is emitted first ("family_throughput"); then, the
+    same engine with its graphs set aside, a quarter of the texts (one wave of ``concurrency``) eagerly
+    ("family_eager", with the graphs' speedup), so a check cut short by the deadline keeps the main row. Returns
+    the main record with the eager run added."""
+    from chattts_serve import models
+    from chattts_serve.engine.config import from_flat
+
+    n, concurrency = (2, 2) if quick else (256, 64)
+    text = "Hello there." if quick else FAMILY_TEXT
+    on_gpu = device.startswith("cuda")
+    half = on_gpu and not quick
+    family = models.get(name)
+    root = family.write_random(Path(tempfile.mkdtemp()) / name, "tiny" if quick else "full", seed=0)
+    config = from_flat(EngineConfig.with_slots(concurrency), **(FAMILY_HALF[name] if half else {}))
+    t0 = time.perf_counter()
+    eng = Engine.from_pretrained(root, device, config, family=name)
+    load_s = time.perf_counter() - t0
+    model, graphs_report = _family_load(eng)
+    graphs = model.graphs
+    texts = [FAMILY_TEXT, "Hello there.", "A short one, then a longer sentence follows it here.", "Yes."]
+    same = _family_same(eng, model, graphs, name, texts[: 2 if quick else 4]) if graphs is not None else None
+    main = _family_throughput(eng.core, n, concurrency, text, _family_params(name))
+    runs = {"graphs" if graphs is not None else "eager": main}
+    bound = FAMILY_SAME_BOUND
+    same_ok = same is None or (same["lengths_equal"] and same["max_spectral_distance"] <= bound)
+    errors = [e for r in runs.values() for e in r["errors"]]
+    out = {
+        "check": "family_throughput",
+        "family": name,
+        "dtype": "bf16" if half else "fp32",
+        "texts": n,
+        "concurrency": concurrency,
+        "load_s": round(load_s, 2),
+        "wall_s": main["wall_s"],
+        "audio_s": main["audio_s"],
+        "audio_s_per_s": main["audio_s_per_s"],
+        "runs": dict(runs),
+        "graphs": graphs_report,
+        "graphs_vs_eager_audio": same,
+        "graphs_vs_eager_bound": bound,
+        "graphs_vs_eager_ok": same_ok if same is not None else None,
+        "errors": errors[:5],
+        "passed": not errors and main["audio_s"] > 0 and same_ok
+        and (graphs_report is None or graphs_report["refused"] == 0),
+    }
+    if emit is not None:
+        emit(out)
+    if graphs is None:
+        return out
+    model.graphs = None
+    n_eager = max(concurrency, n // 4)
+    eager = _family_throughput(eng.core, n_eager, concurrency, text, _family_params(name))
+    model.graphs = graphs
+    speedup = round(main["audio_s_per_s"] / eager["audio_s_per_s"], 3) if eager["audio_s_per_s"] else None
+    if emit is not None:
+        emit({"check": "family_eager", "family": name, "texts": n_eager, "concurrency": concurrency, **eager,
+              "graphs_speedup": speedup, "passed": not eager["errors"] and eager["audio_s"] > 0})
+    return {**out, "runs": {**runs, "eager": eager}, "graphs_speedup": speedup}
 
 
 def run_families(a: argparse.Namespace, emit: Emit) -> None:
@@ -533,7 +648,7 @@ def run_families(a: argparse.Namespace, emit: Emit) -> None:
         if family.execution != "batch" or family.name == "chattts":
             continue
         try:
-            emit(check_family(family.name, a.device, a.quick))
+            check_family(family.name, a.device, a.quick, emit)
         except Exception as exc:  # noqa: BLE001 - recorded: one family's failure loses that family only
             traceback.print_exc()
             emit({"check": "family_throughput", "family": family.name, "error": f"{type(exc).__name__}: {exc}"})
@@ -656,6 +771,8 @@ CHECKS = (
     Check("offline", run_offline, 120),
     Check("streams", run_streams, 150),
     Check("precision_vs_fp32", run_precision, 120),
+    Check("host_overhead", lambda a, emit: emit(check_host_overhead(a.quick)), 90),
+    Check("families", run_families, 150),
     Check("offline_fp32", lambda a, emit: emit(_offline(a.model, a.device, "fp32", 256, 469)), 90, True, False, True),
     Check("int8_vs_bf16", run_int8_vs_bf16, 90, optional=True, gpu_only=True),
     Check(
@@ -667,8 +784,6 @@ CHECKS = (
         optional=True,
     ),
     Check("profile", run_profile, 120, optional=True),
-    Check("host_overhead", lambda a, emit: emit(check_host_overhead(a.quick)), 90),
-    Check("families", run_families, 150, optional=True),
 )
 
 
@@ -712,6 +827,9 @@ def goal_values(results: list[dict], quick: bool) -> dict[str, Any]:
     values["first_chunk_1_stream_s"] = one["levels"][0]["ttfb_s"]["p50"] if one else None
     values["first_chunk_p99_512_staggered_s"] = many["levels"][0]["ttfb_s"]["p99"] if many else None
     values["max_rtf_512_staggered"] = many["levels"][0]["rtf"]["max"] if many else None
+    graphed = [r for r in results if r["check"] == "family_throughput" and _ok(r) and r.get("graphs")]
+    values["family_graphs_refused"] = sum(r["graphs"]["refused"] for r in graphed) if graphed else None
+    values["family_graph_audio_equals_eager"] = all(r["graphs_vs_eager_ok"] for r in graphed) if graphed else None
     return values
 
 

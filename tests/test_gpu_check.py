@@ -115,9 +115,11 @@ def test_gpu_check_sh_runs_the_check_into_out(tiny_ckpt, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "out" / "gpu_results.jsonl").read_text().splitlines()]
     summary = lines[-1]
     assert summary["check"] == "summary" and summary["passed"]
-    # Past the (zero) budget the optional checks are recorded as skipped; the goals' checks still ran.
+    # Past the (zero) budget the optional checks are recorded as skipped; the goals' checks still ran, and so
+    # did the families' (Kokoro's and VITS's rows: not optional).
     skipped = {r["check"] for r in lines if "skipped" in r}
-    assert skipped == {"audio_overlap", "profile", "families"}
+    assert skipped == {"audio_overlap", "profile"}
+    assert {r["family"] for r in lines if r["check"] == "family_throughput" and r["passed"]} == {"kokoro", "vits"}
     assert {g["goal"]: g for g in summary["goals"]}["graph_replay_equals_eager"]["verdict"] == "pass"
     assert (tmp_path / "out" / "gpu_check.log").read_text().strip()
     preflight = json.loads((tmp_path / "out" / "preflight.json").read_text())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,16 +32,14 @@ def test_crossover_is_where_int8_stays_ahead():
     assert crossover(rows((1, 2), (2, 3), (3, 4), (4, 5))) == 9  # never: past the widest
 
 
-def test_script_runs_on_the_tiny_checkpoint(tiny_ckpt, onnx_cache_dir):
+def test_script_runs_on_the_tiny_checkpoint(tiny_ckpt, onnx_cache_dir, monkeypatch, capsys):
+    """The script's main with its command line, in this process (a fresh interpreter would cost seconds of
+    torch and ONNX Runtime imports for the same run)."""
     pytest.importorskip("onnxruntime", reason="the ort-* precisions need the [onnx] extra")
     args = ["--model", str(tiny_ckpt), "--widths", "1,3", "--pairs", "2", "--threads", "1"]
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--onnx-cache-dir", onnx_cache_dir],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *args, "--onnx-cache-dir", onnx_cache_dir])
+    _load().main()
+    out = capsys.readouterr().out
     r = json.loads(out.strip().splitlines()[-1])
     assert set(r["ms"]) == {"1", "3"} and all(v["int4"] > 0 and v["int8"] > 0 for v in r["ms"].values())
     assert r["crossover"] in (1, 3, 4) and r["cpu_kind"] in ("amx", "avx512_vnni", "avx2", "other")

@@ -53,7 +53,8 @@ def _build_parser() -> argparse.ArgumentParser:
     syn.add_argument("text", nargs="?", help="text to speak (or use --input)")
     syn.add_argument("-o", "--output", default="out.wav", help="output WAV for a single text")
     syn.add_argument(
-        "--input", help="texts: a UTF-8 file with one per line (or .jsonl / .parquet with text, id, seed); one WAV each"
+        "--input",
+        help="texts: a UTF-8 file, one per line (or .jsonl / .parquet: text, id, seed, voice, options); one WAV each",
     )
     syn.add_argument("--output-dir", default="out", help="where --input writes its WAVs (0001.wav, ... or <id>.wav)")
     syn.add_argument(
@@ -215,7 +216,7 @@ def _synthesize(args: argparse.Namespace) -> int:
     if args.devices:
         from .distributed.offline import run_on_devices
 
-        entries = run_on_devices(args.devices, args.model, config, params, items, out_dir)
+        entries = run_on_devices(args.devices, args.model, config, params, items, out_dir, family=args.family)
         wall = time.perf_counter() - start
         failed = [e for e in entries if e.error]
         if failed:

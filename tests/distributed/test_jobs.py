@@ -43,13 +43,42 @@ def test_jsonl_ids_and_seeds(tmp_path):
     assert item_params(base, seeded[0]).seed == 5 and item_params(base, seeded[1]) is base
 
 
+def test_jsonl_voices_and_options_are_each_items_over_the_jobs(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {"id": "a", "text": "x", "voice": "af_bella(2)+af_sky(1)", "options": {"speed": 1.5}},
+        {"id": "b", "text": "y", "options": {"lang_code": "z", "noise_scale": None}},
+        {"id": "c", "text": "z"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    a, b, c = read_items(path)
+    assert a == Item("a", "x", None, "af_bella(2)+af_sky(1)", {"speed": 1.5})
+    assert b == Item("b", "y", None, None, {"lang_code": "z"})  # None: the default, as a flag left out
+    base = SamplingParams(speaker="af_heart", options={"speed": 0.8, "lang_code": "a"})
+    pa = item_params(base, a)
+    assert pa.speaker == "af_bella(2)+af_sky(1)" and pa.options == {"speed": 1.5, "lang_code": "a"}
+    pb = item_params(base, b)
+    assert pb.speaker == "af_heart" and pb.options == {"speed": 0.8, "lang_code": "z"}
+    assert item_params(base, c) is base
+
+
 def test_parquet_input(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
     path = tmp_path / "t.parquet"
-    pq.write_table(pa.table({"id": ["p1", "p2"], "text": ["x", "y"], "seed": [1, None]}), path)
-    assert read_items(path) == [Item("p1", "x", 1), Item("p2", "y", None)]
+    table = {
+        "id": ["p1", "p2"],
+        "text": ["x", "y"],
+        "seed": [1, None],
+        "voice": ["af_sky", None],
+        "options": [{"speed": 2.0}, {"lang_code": "b"}],  # one struct column: each row gets the other's key as null
+    }
+    pq.write_table(pa.table(table), path)
+    assert read_items(path) == [
+        Item("p1", "x", 1, "af_sky", {"speed": 2.0}),
+        Item("p2", "y", None, None, {"lang_code": "b"}),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -58,7 +87,10 @@ def test_parquet_input(tmp_path):
         ('{"text": ""}\n', "non-empty"),
         ('{"id": "../x", "text": "a"}\n', "id must be"),
         ('{"text": "a", "seed": -1}\n', "seed must be"),
-        ('{"text": "a", "voice": "x"}\n', "unknown field"),
+        ('{"text": "a", "speaker": "x"}\n', "unknown field"),
+        ('{"text": "a", "voice": ""}\n', "voice must be"),
+        ('{"text": "a", "options": [1]}\n', "options must be"),
+        ('{"text": "a", "options": {"sped": 2}}\n', "unknown option.*sped.*speed"),
         ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}\n', "more than once"),
         ("[1, 2]\n", "expected an object"),
         ("{oops\n", "not JSON"),
@@ -170,3 +202,14 @@ def test_ray_batch_takes_a_familys_own_options(tmp_path, monkeypatch):
     argv = ["ray", "batch", "--input", str(tmp_path / "in.txt"), "--output-dir", str(tmp_path / "out")]
     assert main([*argv, "--model", str(root), "--noise-scale", "0.2", "--noise-scale-duration", "0"]) == 0
     assert seen["base"].options == {"noise_scale": 0.2, "noise_scale_duration": 0.0}
+    assert seen["family"] is None  # detected from the checkpoint, by each worker as by `synthesize`
+    assert main([*argv, "--model", str(root), "--family", "vits"]) == 0 and seen["family"] == "vits"
+
+
+def test_ray_batch_rows_carry_each_items_seed_voice_and_options():
+    """An item survives the Dataset's columns (one type each: no seed, voice or options has a stand-in)."""
+    from chattts_serve.distributed.ray_batch import from_row, to_row
+
+    for item in (Item("a", "x"), Item("b", "y", 7, "af_bella(2)+af_sky(1)", {"speed": 1.5, "lang_code": "z"})):
+        row = to_row(item)
+        assert from_row(*(row[k] for k in ("id", "text", "seed", "voice", "options"))) == item

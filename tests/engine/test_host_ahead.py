@@ -6,6 +6,8 @@ discarded step, and one at its ``max_new_tokens`` none."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
@@ -75,11 +77,24 @@ class LoggedEvent(FakeEvent):
         LoggedEvent.log.append(("wait", self.step))
 
 
-def logged_run(engine, monkeypatch, host_ahead: str) -> list[tuple[str, int]]:
-    """Run the requests with stand-in token events; the log of every schedule handed to the stage
-    ("schedule", 1 if it had sequences), every step queued ("launch", n) and every token wait ("wait", n)."""
+@dataclass
+class Trace:
+    """One run with stand-in token events (``traced_run``)."""
+
+    log: list[tuple[str, int]]
+    """Every schedule handed to the stage ("schedule", 1 if it had sequences), every step queued ("launch", n)
+    and every token wait ("wait", n), in order."""
+    launched: dict[int, int]
+    """Steps each sequence was launched in."""
+    seqs: dict[int, object]
+    """The sequences by id, as they ended."""
+
+
+def traced_run(engine, monkeypatch, host_ahead: str) -> Trace:
+    """Run the requests on the cuda-like runner with stand-in token events, logging and counting launches."""
     calls = FakeCuda.install(monkeypatch)
     LoggedEvent.log, LoggedEvent.launches = [], 0
+    trace = Trace(LoggedEvent.log, {}, {})
 
     def hook(core):
         stage, runner = core.stage, core.stage.runner
@@ -89,6 +104,9 @@ def logged_run(engine, monkeypatch, host_ahead: str) -> list[tuple[str, int]]:
         def launch(sched):
             LoggedEvent.launches += 1
             LoggedEvent.log.append(("launch", LoggedEvent.launches))
+            for s in (*sched.prefill, *sched.decode):
+                trace.launched[s.seq_id] = trace.launched.get(s.seq_id, 0) + 1
+                trace.seqs[s.seq_id] = s
             return real_launch(sched)
 
         def stage_launch(sched):
@@ -99,7 +117,17 @@ def logged_run(engine, monkeypatch, host_ahead: str) -> list[tuple[str, int]]:
         monkeypatch.setattr(stage, "launch", stage_launch)
 
     run(engine, host_ahead, RUNNERS["cuda-like"], core_hook=hook)
-    return LoggedEvent.log
+    return trace
+
+
+@pytest.fixture(scope="module")
+def traces(engine) -> dict[str, Trace]:
+    """One traced run each way, shared by the tests of the order and of the discarded step (a run is seconds)."""
+    out = {}
+    for host_ahead in ("off", "on"):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            out[host_ahead] = traced_run(engine, monkeypatch, host_ahead)
+    return out
 
 
 def overlapped_waits(log: list[tuple[str, int]]) -> tuple[int, int]:
@@ -119,37 +147,23 @@ def overlapped_waits(log: list[tuple[str, int]]) -> tuple[int, int]:
     return overlapped, len(waits)
 
 
-def test_the_host_queues_step_n_plus_1_before_it_waits_for_step_n(engine, monkeypatch):
-    overlapped, waits = overlapped_waits(logged_run(engine, monkeypatch, "on"))
+def test_the_host_queues_step_n_plus_1_before_it_waits_for_step_n(traces):
+    overlapped, waits = overlapped_waits(traces["on"].log)
     # Every wait but those where the model had run out of work (a request's last steps) overlapped.
     assert waits > 50 and overlapped >= waits - 4, (overlapped, waits)
 
 
-def test_the_order_check_fails_one_step_at_a_time(engine, monkeypatch):
+def test_the_order_check_fails_one_step_at_a_time(traces):
     with pytest.raises(AssertionError, match="read before the next schedule"):
-        overlapped_waits(logged_run(engine, monkeypatch, "off"))
+        overlapped_waits(traces["off"].log)
 
 
-def test_a_sequence_that_ended_runs_one_discarded_step(engine, monkeypatch):
+def test_a_sequence_that_ended_runs_one_discarded_step(traces):
     """EOS at step n: step n+1 (queued before n was read) runs it too, and its token is dropped; at its
     max_new_tokens the host knows without the tokens, and queues no step after the last. One step at a
     time, an EOS costs its own step only."""
     for host_ahead, after_eos in (("off", 1), ("on", 2)):
-        launched: dict[int, int] = {}
-        seqs = {}
-
-        def hook(core, launched=launched, seqs=seqs):
-            real = core.stage.runner.launch
-
-            def launch(sched):
-                for s in (*sched.prefill, *sched.decode):
-                    launched[s.seq_id] = launched.get(s.seq_id, 0) + 1
-                    seqs[s.seq_id] = s
-                return real(sched)
-
-            monkeypatch.setattr(core.stage.runner, "launch", launch)
-
-        run(engine, host_ahead, RUNNERS["cuda-like"], core_hook=hook)
+        launched, seqs = traces[host_ahead].launched, traces[host_ahead].seqs
         reasons = set()
         for seq_id, seq in seqs.items():
             reason = seq.status.finish_reason

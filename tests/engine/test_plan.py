@@ -128,3 +128,25 @@ def test_nothing_downstream_compares_with_auto(path):
             assert not any(isinstance(v, ast.Constant) and v.value == "auto" for v in values), (
                 f'{path.name}:{node.lineno} resolves an "auto" itself; read the plan (engine.plan)'
             )
+
+
+def test_chunked_prefill_is_resolved_once_per_path_and_off_with_one_slot(tiny_ckpt, monkeypatch):
+    """Every decode path takes prompt chunks (``PREFILL_CHUNKS``); the load turns the plan's alignment into the
+    scheduler's, 0 with one slot (the reference-exact layout: one attention call per prompt, nothing chunked);
+    a path that says it cannot take chunks gets engines that prefill whole prompts."""
+    from chattts_serve.engine import plan as plan_module
+
+    assert set(plan_module.PREFILL_CHUNKS) == set(DECODE_PATHS)
+    configs = (EngineConfig(), EngineConfig(runner=RunnerConfig(decode="static")), EngineConfig(precision="ort-int4"))
+    for config in configs:
+        plan = resolve_plan(config, "cpu")
+        assert plan.prefill_chunk == plan_module.PREFILL_BLOCK and "prefill chunks 64" in plan.describe()
+        assert (plan.chunked_prefill(1), plan.chunked_prefill(2)) == (0, plan_module.PREFILL_BLOCK)
+    one = Engine.from_pretrained(tiny_ckpt, "cpu", EngineConfig.with_slots(1))
+    assert one.core.scheduler.config.prefill_chunk == 0 and one.runner.prefiller.block == 0
+    two = Engine.from_pretrained(tiny_ckpt, "cpu", EngineConfig.with_slots(2))
+    assert two.core.scheduler.config.prefill_chunk == 64 and two.runner.prefiller.block == 64
+    monkeypatch.setitem(plan_module.PREFILL_CHUNKS, "rows", False)
+    off = Engine.from_pretrained(tiny_ckpt, "cpu", EngineConfig.with_slots(2))
+    assert off.plan.prefill_chunk == 0 and "prefill chunks off" in off.plan.describe()
+    assert off.core.scheduler.config.prefill_chunk == 0 and off.runner.prefiller.block == 0

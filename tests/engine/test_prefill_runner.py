@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chattts_serve.engine.prefill_runner import whole
+
 from .test_runner_prefill import SLOTS, _model, _runner, _sequences
 
 
@@ -28,7 +30,7 @@ def test_last_row_heads_are_bit_identical_to_all_positions(tiny_ckpt, precision)
     seqs = _sequences(model, SLOTS)
     with torch.inference_mode():
         trunk = _runner(model, layout, 6).prefiller.trunk_outputs(seqs)
-        got = runner.prefiller.run(seqs)
+        got = runner.prefiller.run(whole(seqs))
     want = _per_prompt_heads(model, trunk, seqs)
     assert set(got) == set(want) == {"code", "text"}
     for kind, p in got.items():
@@ -46,5 +48,5 @@ def test_one_slot_keeps_the_reference_matmul(tiny_ckpt):
     seq.slot = 0
     with torch.inference_mode():
         trunk = runner.prefiller.trunk_outputs([seq])
-        got = runner.prefiller.run([seq])
+        got = runner.prefiller.run(whole([seq]))
     assert torch.equal(got["code"].logits, _per_prompt_heads(model, trunk, [seq])["code"])

@@ -155,9 +155,9 @@ def test_prefill_calls_hold_at_most_max_prefill_tokens(tiny_ckpt, monkeypatch):
         whole = _runner(model, layout, 6).prefiller.trunk_outputs(seqs)
     calls: list[list[int]] = []
 
-    def counting(gpt, emb, cache, slots, lens, pad_rows_to=1):
+    def counting(gpt, emb, cache, slots, lens, pad_rows_to=1, starts=None, block=0):
         calls.append(list(lens))
-        return prefill_prompts(gpt, emb, cache, slots, lens, pad_rows_to)
+        return prefill_prompts(gpt, emb, cache, slots, lens, pad_rows_to, starts, block)
 
     monkeypatch.setattr(prefill_runner_module, "prefill_prompts", counting)
     runner = _runner(model, layout, 6, max_prefill_tokens=45)
@@ -190,9 +190,9 @@ def test_engine_requests_admitted_together_equal_each_alone(tiny_engine, monkeyp
     ]
     calls: list[int] = []
 
-    def counting(gpt, emb, cache, slots, lens, pad_rows_to=1):
+    def counting(gpt, emb, cache, slots, lens, pad_rows_to=1, starts=None, block=0):
         calls.append(len(lens))
-        return prefill_prompts(gpt, emb, cache, slots, lens, pad_rows_to)
+        return prefill_prompts(gpt, emb, cache, slots, lens, pad_rows_to, starts, block)
 
     monkeypatch.setattr(prefill_runner_module, "prefill_prompts", counting)
     together = tiny_engine.synthesize(texts, params)

@@ -10,13 +10,11 @@ import itertools
 import json
 import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 import tracemalloc
 import wave
-from contextlib import closing
+from contextlib import closing, redirect_stdout
 
 import httpx
 import numpy as np
@@ -65,14 +63,14 @@ def http(vserver):
 
 @pytest.fixture(scope="module")
 def cli_speaker(tiny_ckpt) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "chattts_serve.cli", "speaker", "new", "--model", str(tiny_ckpt), "--seed", "3"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    speaker = out.stdout.strip()
+    """``chattts-serve speaker new``'s output, run in this process (tests/test_cli.py runs the command itself:
+    a fresh interpreter here would cost seconds of torch import for the same string)."""
+    from chattts_serve.cli import main
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["speaker", "new", "--model", str(tiny_ckpt), "--seed", "3"]) == 0
+    speaker = out.getvalue().strip()
     assert len(speaker) >= 16 and "\n" not in speaker
     return speaker
 

@@ -66,7 +66,9 @@ def add_arguments(
     srv.set_defaults(func=_serve)
 
     bat = sub.add_parser("batch", help="offline synthesis on Ray Data: one WAV per text + manifest.jsonl")
-    bat.add_argument("--input", required=True, help="texts: .txt (one per line), .jsonl or .parquet (text, id, seed)")
+    bat.add_argument(
+        "--input", required=True, help="texts: .txt (one per line), .jsonl or .parquet (text, id, seed, voice, options)"
+    )
     bat.add_argument("--output-dir", required=True, help="WAVs and manifest.jsonl (shared storage on a cluster)")
     bat.add_argument("--num-workers", type=int, default=1, help="actors, each with one engine (one GPU if any)")
     add_max_num_seqs_argument(bat, default=16, note=" per engine")
@@ -80,6 +82,9 @@ def add_arguments(
     bat.add_argument("--no-progress", dest="progress", action="store_false")
     _cluster_args(bat)
     model_args(bat)
+    from ..models import names
+
+    bat.add_argument("--family", choices=names(), help="the model family (default: detected from --model)")
     bat.set_defaults(device="auto")
     sampling_args(bat)
     bat.set_defaults(func=functools.partial(_batch, sampling_flags=sampling_flags))
@@ -180,6 +185,7 @@ def _batch(args: argparse.Namespace, sampling_flags: tuple[str, ...]) -> int:
             num_workers=args.num_workers,
             rows_per_batch=rows_per_batch,
             device=args.device,
+            family=args.family,
             num_cpus_per_worker=args.num_cpus_per_worker,
             progress=args.progress,
         )

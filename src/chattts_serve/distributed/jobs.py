@@ -6,10 +6,17 @@ give the same files whichever runs it.
 Inputs:
 
 * ``.txt``: one text per non-empty line; ids 0001, 0002, ... in line order (blank lines skipped).
-* ``.jsonl``: one object per line: ``text``, optional ``id`` (a file-name-safe string) and ``seed``.
-* ``.parquet``: columns ``text``, optional ``id`` and ``seed`` (needs pyarrow: the ``.[ray]`` extra).
+* ``.jsonl``: one object per line: ``text``, optional ``id`` (a file-name-safe string), ``seed``, ``voice`` and
+  ``options``.
+* ``.parquet``: columns ``text``, optional ``id``, ``seed``, ``voice`` and ``options`` (needs pyarrow: the
+  ``.[ray]`` extra).
 
-Seeds: an item's own ``seed``, else the job's ``--seed`` (the same for every text), else none (random).
+Seeds: an item's own ``seed``, else the job's ``--seed`` (the same for every text), else none (random). A voice:
+the item's own ``voice`` (the model family's voice string: a Kokoro pack or blend, a VITS speaker, a ChatTTS speaker
+string), else the job's ``--speaker``. Options: the family's own request options (Kokoro's ``speed``, ``lang_code``,
+``phonemes``; VITS's ``noise_scale``, ...), the item's over the job's flags (``--lang-code``, ...). Their names are
+checked as the file is read; their values, and the voice, by the model as the item is spoken: a bad one fails that
+item alone, with its error in the manifest.
 """
 
 from __future__ import annotations
@@ -18,15 +25,18 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ..sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 MANIFEST = "manifest.jsonl"
 ITEM_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+FIELDS = ("id", "text", "seed", "voice", "options")
+"""What an input record may hold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +44,10 @@ class Item:
     id: str
     text: str
     seed: int | None = None
+    voice: str | None = None
+    """The model family's voice string (``SamplingParams.speaker``); None: the job's."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """The family's own options (``SamplingParams.options``), over the job's."""
 
     @property
     def file_name(self) -> str:
@@ -54,14 +68,35 @@ class ManifestEntry:
         return json.dumps(asdict(self), ensure_ascii=False)
 
 
-def _check_item(where: str, item_id, text, seed) -> Item:
+def family_option_names() -> frozenset[str]:
+    """The options an item may set: every family's own request options that are not ``SamplingParams`` fields
+    (those travel in ``SamplingParams.options``; which family takes which is the model's to say)."""
+    from ..models import families
+    from ..sampling_params import option_defaults
+
+    return frozenset(s.name for f in families() for s in f.request_options()) - set(option_defaults())
+
+
+def _check_item(where: str, item_id, text, seed, voice=None, options=None) -> Item:
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{where}: text must be a non-empty string")
     if not isinstance(item_id, str) or not ITEM_ID.fullmatch(item_id):
         raise ValueError(f"{where}: id must be 1-128 of [A-Za-z0-9_.-] not starting with '.' or '-', got {item_id!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise ValueError(f"{where}: seed must be an int in [0, 2**63), got {seed!r}")
-    return Item(item_id, text, seed)
+    if voice is not None and (not isinstance(voice, str) or not voice.strip()):
+        raise ValueError(f"{where}: voice must be a non-empty string, got {voice!r}")
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"{where}: options must be an object of the model family's options, got {options!r}")
+    if options and (unknown := sorted(set(map(str, options)) - family_option_names())):
+        raise ValueError(
+            f"{where}: unknown option(s) {', '.join(unknown)}; the families' options are "
+            f"{', '.join(sorted(family_option_names()))}"
+        )
+    # None is "the default": a parquet struct column holds every row's keys, None where a row has none.
+    return Item(item_id, text, seed, voice, {k: v for k, v in options.items() if v is not None})
 
 
 def _records(path: Path) -> Iterable[tuple[str, dict]]:
@@ -98,12 +133,13 @@ def read_items(path: str | Path) -> list[Item]:
     try:
         items = []
         for i, (where, record) in enumerate(_records(path)):
-            unknown = set(record) - {"id", "text", "seed"}
+            unknown = set(record) - set(FIELDS)
             if unknown:
                 raise ValueError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
             item_id = record.get("id")
             item_id = f"{i + 1:04d}" if item_id is None else item_id
-            items.append(_check_item(where, item_id, record.get("text"), record.get("seed")))
+            fields_ = (record.get(name) for name in ("text", "seed", "voice", "options"))
+            items.append(_check_item(where, item_id, *fields_))
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {path}: {exc}") from None
     if not items:
@@ -122,8 +158,15 @@ def with_seed(items: list[Item], seed: int | None) -> list[Item]:
 
 
 def item_params(base: SamplingParams, item: Item) -> SamplingParams:
-    """The params one item is spoken with: the job's, with the item's seed."""
-    return base if item.seed is None or item.seed == base.seed else replace(base, seed=item.seed)
+    """The params one item is spoken with: the job's, with the item's seed, voice and options."""
+    changes: dict[str, Any] = {}
+    if item.seed is not None and item.seed != base.seed:
+        changes["seed"] = item.seed
+    if item.voice is not None:
+        changes["speaker"] = item.voice
+    if item.options:
+        changes["options"] = {**(base.options or {}), **item.options}
+    return replace(base, **changes) if changes else base
 
 
 def shard(items: list[Item], num_shards: int) -> list[list[Item]]:

@@ -44,7 +44,14 @@ def synthesize_items(engine, items: list[Item], base: SamplingParams, out_dir: P
 
 
 def _device_worker(
-    device: str, model: str, config: EngineConfig, base: SamplingParams, items: list[Item], out_dir: str, threads: int
+    device: str,
+    model: str,
+    config: EngineConfig,
+    base: SamplingParams,
+    items: list[Item],
+    out_dir: str,
+    threads: int,
+    family: str | None,
 ) -> list[ManifestEntry]:
     import torch
 
@@ -55,12 +62,18 @@ def _device_worker(
         torch.set_num_threads(threads)
     # This thread's current device (0 unless set) is what calls that take no device use: the engine's.
     bind_thread(torch.device(device))
-    engine = Engine.from_pretrained(model, device=device, config=config)
+    engine = Engine.from_pretrained(model, device=device, config=config, family=family)
     return synthesize_items(engine, items, base, Path(out_dir))
 
 
 def run_on_devices(
-    devices: list[str], model: str, config: EngineConfig, base: SamplingParams, items: list[Item], out_dir: Path
+    devices: list[str],
+    model: str,
+    config: EngineConfig,
+    base: SamplingParams,
+    items: list[Item],
+    out_dir: Path,
+    family: str | None = None,
 ) -> list[ManifestEntry]:
     """One process per device (spawned: CUDA cannot be forked), each with its own engine over its share
     (``jobs.shard``); the entries in input order. CPU devices split the cores between them."""
@@ -72,7 +85,9 @@ def run_on_devices(
     ctx = get_context("spawn")
     with ProcessPoolExecutor(max_workers=len(devices), mp_context=ctx) as pool:
         futures = [
-            pool.submit(_device_worker, d, model, config, base, share, str(out_dir), threads if d == "cpu" else 0)
+            pool.submit(
+                _device_worker, d, model, config, base, share, str(out_dir), threads if d == "cpu" else 0, family
+            )
             for d, share in zip(devices, shares, strict=True)
             if share
         ]

@@ -10,6 +10,7 @@ On a cluster the output directory must be shared storage that every node mounts 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -30,25 +31,42 @@ NO_SEED = -1
 """A seed column needs one type; -1 stands for "no seed" (seeds are >= 0)."""
 
 
+def to_row(item: Item) -> dict:
+    """An item as a Dataset row: one type per column (no seed -1, no voice ""), the options as JSON text (each
+    item may name other options: one struct column would give every row every key)."""
+    seed, options = NO_SEED if item.seed is None else item.seed, json.dumps(item.options)
+    return {"id": item.id, "text": item.text, "seed": seed, "voice": item.voice or "", "options": options}
+
+
+def from_row(i, t, s, v, o) -> Item:
+    """``to_row`` undone, from a numpy batch's values."""
+    return Item(str(i), str(t), None if int(s) == NO_SEED else int(s), str(v) or None, json.loads(str(o)))
+
+
 class SynthesizeBatch:
     """A Ray Data actor: one engine, loaded once, then batch after batch."""
 
     def __init__(
-        self, model: str, device: str, config: EngineConfig, base: SamplingParams, out_dir: str, threads: int
+        self,
+        model: str,
+        device: str,
+        config: EngineConfig,
+        base: SamplingParams,
+        out_dir: str,
+        threads: int,
+        family: str | None = None,
     ) -> None:
         import torch
 
         from ..engine.engine import Engine
 
         torch.set_num_threads(threads)
-        self.engine = Engine.from_pretrained(model, device=resolve_device(device), config=config)
+        self.engine = Engine.from_pretrained(model, device=resolve_device(device), config=config, family=family)
         self.base, self.out_dir = base, Path(out_dir)
 
     def __call__(self, batch: dict) -> dict:
-        items = [
-            Item(str(i), str(t), None if int(s) == NO_SEED else int(s))
-            for i, t, s in zip(batch["id"], batch["text"], batch["seed"], strict=True)
-        ]
+        columns = (batch["id"], batch["text"], batch["seed"], batch["voice"], batch["options"])
+        items = [from_row(*values) for values in zip(*columns, strict=True)]
         entries = synthesize_items(self.engine, items, self.base, self.out_dir)
         return {
             "id": [e.id for e in entries],
@@ -70,6 +88,7 @@ def run_batch(
     num_workers: int,
     rows_per_batch: int,
     device: str = "auto",
+    family: str | None = None,
     num_cpus_per_worker: float = 1.0,
     progress: bool = True,
 ) -> dict:
@@ -82,7 +101,7 @@ def run_batch(
     if not todo:
         return summary
     gpus = ray.cluster_resources().get("GPU", 0) > 0
-    rows = [{"id": it.id, "text": it.text, "seed": NO_SEED if it.seed is None else it.seed} for it in todo]
+    rows = [to_row(it) for it in todo]
     # One block per batch, so the pool's actors share the work from the start.
     ds = ray.data.from_items(rows, override_num_blocks=max(1, math.ceil(len(rows) / rows_per_batch)))
     threads = max(1, math.floor(num_cpus_per_worker))
@@ -95,6 +114,7 @@ def run_batch(
             "base": base,
             "out_dir": str(out_dir),
             "threads": threads,
+            "family": family,
         },
         compute=ActorPoolStrategy(size=num_workers),
         batch_size=rows_per_batch,

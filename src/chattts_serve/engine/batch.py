@@ -229,7 +229,7 @@ class BatchStage:
         self._by_seq.clear()
 
     def counters(self) -> dict[str, int]:
-        return {}
+        return self.model.counters()
 
     def code_room(self) -> int | None:
         return None

@@ -39,7 +39,8 @@ class RunnerConfig:
     """"rows": per-row attention over each sequence's exact keys (batch-invariant; CPU default);
     "static": ``GPT.decode_static`` (graph-capturable; CUDA default); "auto" picks by device."""
     cuda_graphs: bool = True
-    """Capture the static step in CUDA graphs (CUDA only; ignored elsewhere)."""
+    """Capture the static step in CUDA graphs (CUDA only; ignored elsewhere); for a batch family (Kokoro, VITS),
+    its decoder per (rows, length) bucket (``engine.bucket_graphs``)."""
     strict_cuda_graphs: bool = False
     """A captured graph that differs from the eager step at its start-up self-check raises (default:
     that graph is dropped with one warning and its shape runs eagerly; see ``engine.cuda_graph``)."""
@@ -168,11 +169,13 @@ _HELP = {
     "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence; at most the checkpoint's "
     "max_position_embeddings; fixed slots are shortened at load where memory does not hold them)",
     "max_waiting": "sequences that may wait for a slot; beyond it submissions are refused",
-    "max_prefill_tokens": "prompt tokens prefilled per step, in one batched call (caps how long running streams wait)",
+    "max_prefill_tokens": "prompt tokens prefilled per step while streams decode (a longer prompt goes in chunks "
+    "over several steps): bounds how long one step stalls the running streams",
     "max_batch_work": "batch families (whole utterances, no KV slots): input tokens one step's batch may hold "
     "(--max-num-seqs caps its rows)",
     "decode": "decode step: rows (batch-invariant; CPU default) or static (fixed shapes, CUDA graphs; CUDA default)",
-    "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only)",
+    "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only); Kokoro's and VITS's decoders per "
+    "length bucket",
     "compile": "torch.compile the static decode step (ChatTTS), the decoder's AdaIN + snake (Kokoro)",
     "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
     "ort_auto_crossover": "ort-auto: trunk calls of this many rows or more run int8, narrower ones 4-bit "

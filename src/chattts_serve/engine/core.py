@@ -181,7 +181,7 @@ class EngineCore:
             return sched, prev[0], None
 
     def _fail_step(self, sched: SchedulerOutput, message: str) -> None:
-        for seq in (*sched.prefill, *sched.decode):
+        for seq in (*sched.prefilling(), *sched.decode):
             self._fail(seq.request_id, message)
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
@@ -190,7 +190,7 @@ class EngineCore:
             return self.stage.execute(sched)
         except Exception as exc:  # a device error fails this step's requests, never the engine
             logger.exception("model step failed")
-            for seq in (*sched.prefill, *sched.decode):
+            for seq in (*sched.prefilling(), *sched.decode):
                 self._fail(seq.request_id, f"model step failed: {exc}")
             return None
 

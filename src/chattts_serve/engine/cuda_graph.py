@@ -164,14 +164,18 @@ returns another input's output."""
 
 
 def graph_matches_eager(
-    replay: Callable[[], None], out: torch.Tensor, eager: Callable[[], torch.Tensor]
+    replay: Callable[[], None],
+    out: torch.Tensor,
+    eager: Callable[[], torch.Tensor],
+    tolerance: tuple[float, float] | None = None,
 ) -> tuple[bool, float]:
     """Run ``eager`` (the step outside the graph, same inputs), poison the graph's static output
-    ``out`` with NaN, ``replay`` and compare. Returns (equal within tolerance, max abs difference)."""
+    ``out`` with NaN, ``replay`` and compare. Returns (equal within tolerance, max abs difference).
+    ``tolerance``: (rtol, atol), where the output's dtype is not the one computed in (None: by ``out.dtype``)."""
     want = eager().clone()
     out.fill_(math.nan)
     replay()
-    rtol, atol = _TOLERANCE.get(out.dtype, (1e-5, 1e-5))
+    rtol, atol = tolerance if tolerance is not None else _TOLERANCE.get(out.dtype, (1e-5, 1e-5))
     ok = bool(torch.allclose(out, want, rtol=rtol, atol=atol))
     diff = (out.float() - want.float()).abs().nan_to_num(math.inf).max().item() if out.numel() else 0.0
     return ok, diff

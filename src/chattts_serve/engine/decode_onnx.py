@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from .decode_path import DecodeStep, RunnerParts, TrunkDecode
+from .outputs import PrefillChunk
 from .prefill_runner import Pieces, Prefiller, onnx_prefill
-from .request import Sequence
 
 
 class OnnxDecode(TrunkDecode):
@@ -22,8 +22,8 @@ class OnnxDecode(TrunkDecode):
         assert parts.layout.trunk is not None, "the onnx path needs an ort-* layout"
         self.session = parts.layout.trunk
 
-    def prefill(self, prefiller: Prefiller, seqs: list[Sequence]) -> Pieces:
-        return onnx_prefill(prefiller, seqs)
+    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
+        return onnx_prefill(prefiller, chunks)
 
     def trunk(self, emb: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         slots = [s.slot for s in step.seqs]

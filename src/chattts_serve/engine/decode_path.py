@@ -15,7 +15,9 @@ rows' hidden states; the runner starts the tokens' one copy back (``ModelRunner.
 the step is collected (``ModelRunner.collect``), possibly after the next step was queued. The three eager paths share
 ``TrunkDecode`` and differ only in ``trunk``. A path also says how the step's prompts go through its trunk
 (``prefill``, called by ``engine.prefill_runner.Prefiller``, which embeds the prompts and runs the heads):
-``torch_prefill`` (packed prompts, ``models.chattts.prefill``) unless the trunk is not torch's.
+``torch_prefill`` (packed prompts, ``models.chattts.prefill``) unless the trunk is not torch's. A path's
+``prefill`` takes prompt chunks (chunked prefill: a chunk goes after the positions its prompt's earlier chunks
+cached); one that cannot says so in ``engine.plan.PREFILL_CHUNKS`` and its engines prefill whole prompts.
 
 A new trunk backend is one module with a class that takes ``RunnerParts`` and implements ``DecodePath``
 (usually a ``TrunkDecode`` with its own ``trunk``, and its own ``prefill`` unless the trunk is torch's), its
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from .outputs import PrefillChunk
 from .plan import ExecutionPlan
 from .prefill_runner import Pieces, Prefiller, torch_prefill
 from .request import Sequence
@@ -117,8 +120,9 @@ class DecodePath(Protocol):
 
     def decode(self, step: DecodeStep) -> Decoded: ...
 
-    def prefill(self, prefiller: Prefiller, seqs: list[Sequence]) -> Pieces:
-        """The prompts of ``seqs`` (slots assigned) through the trunk into their slots."""
+    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
+        """The prompt chunks (slots assigned) through the trunk into their slots, each after the positions
+        its prompt's earlier chunks wrote (``PrefillChunk.start``)."""
         ...
 
     def counters(self) -> dict[str, int]: ...
@@ -156,8 +160,8 @@ class TrunkDecode:
     def counters(self) -> dict[str, int]:
         return {}
 
-    def prefill(self, prefiller: Prefiller, seqs: list[Sequence]) -> Pieces:
-        return torch_prefill(prefiller, seqs)
+    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
+        return torch_prefill(prefiller, chunks)
 
     def decode(self, step: DecodeStep) -> Decoded:
         heads, sampler = self.parts.heads, self.parts.sampler

@@ -37,18 +37,52 @@ class Word:
     end: int
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Prompt positions ``start .. end-1`` of ``seq`` going into its KV slot in one step (chunked prefill:
+    a prompt longer than a step's prefill budget goes in over several steps, each chunk attending to the
+    keys the earlier ones wrote)."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def last(self) -> bool:
+        """The prompt's last chunk: its sequence samples its first token in the same step."""
+        return self.end == self.seq.prompt_len
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     prefill: list[Sequence] = field(default_factory=list)
-    """Newly admitted: prompt into their slot, then their first token."""
+    """Their prompt (or its last chunk) into their slot, then their first token."""
     decode: list[Sequence] = field(default_factory=list)
     """Running: one token each."""
     finished: list[Sequence] = field(default_factory=list)
     """Left the running set since the last step (aborted, or finished in the last update)."""
+    partial: list[PrefillChunk] = field(default_factory=list)
+    """Prompt chunks that are not their prompt's last: into the cache, no token (chunked prefill)."""
+    prefill_from: dict[int, int] = field(default_factory=dict)
+    """seq id -> the first prompt position a ``prefill`` sequence writes this step, where earlier steps
+    wrote the positions before it (its last chunk); absent: 0, the whole prompt."""
 
     @property
     def is_empty(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.prefill and not self.decode and not self.partial
+
+    def chunks(self) -> list[PrefillChunk]:
+        """Every prompt piece of the step: the partial chunks, then each ``prefill`` sequence's (its last)."""
+        whole = (PrefillChunk(s, self.prefill_from.get(s.seq_id, 0), s.prompt_len) for s in self.prefill)
+        return [*self.partial, *whole]
+
+    def prefilling(self) -> list[Sequence]:
+        """Every sequence whose prompt goes (in part) into the cache this step."""
+        return [c.seq for c in self.partial] + self.prefill
 
 
 @dataclass(slots=True)

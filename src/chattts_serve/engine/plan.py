@@ -22,6 +22,16 @@ from .config import AUDIO_GRAPH_DTYPES, EngineConfig
 DECODE_PATHS = ("rows", "static", "step-graph", "onnx")
 """The decode paths (``engine.decode_path``): one module each."""
 
+PREFILL_BLOCK = 64
+"""Chunked prefill's alignment: chunks of a prompt are multiples of this many positions, the torch prefill
+attention's query block (``engine.prefill_runner``: what makes a chunked prompt's result its one-shot one). Small
+enough to cut a step's budget finely, large enough that the extra attention calls cost little."""
+
+PREFILL_CHUNKS = {"rows": True, "static": True, "step-graph": True, "onnx": True}
+"""Whether each decode path's ``prefill`` takes prompt chunks (the torch prefill and ONNX Runtime's
+GroupQueryAttention both append a chunk after the cached positions). A path that cannot says False here, and its
+engines prefill whole prompts (``ExecutionPlan.prefill_chunk`` 0)."""
+
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -54,6 +64,9 @@ class ExecutionPlan:
     audio_buckets: bool
     audio_graphs: bool
     """Decoder + Vocos as CUDA graphs per window bucket (``audio.graphs``): CUDA with overlap and buckets."""
+    prefill_chunk: int = PREFILL_BLOCK
+    """The decode path takes prompt chunks of multiples of this many positions (``PREFILL_BLOCK``), or 0: it
+    does not. The engine's scheduler chunks with it where more than one slot is (``chunked_prefill``)."""
 
     @property
     def decode_mode(self) -> str:
@@ -74,8 +87,15 @@ class ExecutionPlan:
             f"kv cache {_DTYPE_NAMES.get(self.kv_cache_dtype, str(self.kv_cache_dtype))}, "
             f"noise {self.sampling_noise}, cuda graphs {on[self.cuda_graphs]}, compile {on[self.compile]}, "
             f"attention {self.attention}, host ahead {on[self.host_ahead]}, audio {self.audio_dtype} "
-            f"(overlap {on[self.audio_overlap]}, buckets {on[self.audio_buckets]}, graphs {on[self.audio_graphs]})"
+            f"(overlap {on[self.audio_overlap]}, buckets {on[self.audio_buckets]}, graphs {on[self.audio_graphs]}), "
+            f"prefill chunks {self.prefill_chunk or 'off'}"
         )
+
+    def chunked_prefill(self, num_slots: int) -> int:
+        """``SchedulerConfig.prefill_chunk`` for an engine of ``num_slots`` slots: this plan's, but 0 with one slot,
+        where nothing decodes beside a prompt (nothing to interleave) and the prompt's attention stays the one call
+        the reference makes (fp32 with one slot is bit-exact with it)."""
+        return self.prefill_chunk if num_slots > 1 else 0
 
 
 def resolve_audio_dtype(requested: str, device_type: str) -> str:
@@ -130,4 +150,5 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
         audio_buckets=buckets,
         # Captured on the audio stream (overlap) over repeating shapes (buckets); "on" elsewhere: off.
         audio_graphs=cuda and overlap and buckets and config.audio_graphs != "off",
+        prefill_chunk=PREFILL_BLOCK if PREFILL_CHUNKS[decode] else 0,
     )

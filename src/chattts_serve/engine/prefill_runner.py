@@ -1,5 +1,7 @@
 """Prefill for the model runner: the prompts admitted in a step into their KV slots, then each prompt's
-last hidden state and first logits, batched per kind.
+last hidden state and first logits, batched per kind. A step's prompt pieces are ``PrefillChunk``s: whole
+prompts, or (chunked prefill, ``engine.scheduler``) chunks of a long one over several steps, each written
+after the keys the earlier ones left in the slot; the heads run on a prompt's last chunk only.
 
 Trunk. How the prompts go through the trunk is the decode path's (``DecodePath.prefill``: one of the two
 functions here, or a new backend's own). Torch modes (``torch_prefill``): the prompts go through the trunk
@@ -9,6 +11,16 @@ it gets alone wherever the layout keeps matmul rows independent (every mode but 
 ``models.chattts.prepare``). ``ort-*`` modes (``onnx_prefill``): the prompts of sequences in consecutive slots
 go in one ONNX Runtime call, right-padded to the longest (``query_seqlens`` tells the op each row's length).
 Either way a burst of 32 admissions is one call, not 32, each of which would stream all the weights once.
+
+Chunks. A chunked prompt's hidden states and keys are bit-identical to its one-shot prefill's: the torch
+modes run its attention in query blocks of ``block`` positions counted from 0, one SDPA call each, and the
+scheduler cuts chunks at multiples of ``block``, so a chunked prompt makes exactly the attention calls its
+one-shot prefill makes (SDPA's CPU kernel blocks its sums by the call's shape, so one call over a chunk
+would differ from the one-shot call in the last bits); its matmul rows are independent wherever a prompt's
+result is (above). With ``block`` 0 (one slot, the reference-exact layout: nothing decodes beside a prompt,
+so nothing is chunked) a prompt's attention is the one call the reference makes. ONNX Runtime's
+GroupQueryAttention appends a chunk after the cached positions (``query_seqlens``) and computes each query
+row alone: the same bits as one call (``tests/engine/test_chunked_prefill.py``).
 
 Heads. The reference runs every prompt position through the heads and keeps the last. Where a row's
 logits do not depend on the other rows of the matmul (oneDNN-packed heads: the CPU layouts of more
@@ -30,6 +42,7 @@ import torch
 from ..device import pinned_copy
 from ..models.chattts.checkpoint import LoadedModel
 from ..models.chattts.prefill import prefill_prompts
+from .outputs import PrefillChunk
 from .request import Sequence
 
 
@@ -69,7 +82,13 @@ class KindPrefill:
 
 
 Pieces = list[tuple[dict[int, int], torch.Tensor]]
-"""A prefill's trunk output: pieces of (seq id -> its first row, final-norm hidden states ``[rows, hidden]`` fp32)."""
+"""A prefill's trunk output: pieces of (seq id -> its chunk's first row, final-norm hidden states ``[rows, hidden]``
+fp32)."""
+
+
+def whole(seqs: list[Sequence]) -> list[PrefillChunk]:
+    """Each sequence's whole prompt as one chunk."""
+    return [PrefillChunk(s, 0, s.prompt_len) for s in seqs]
 
 
 class Prefiller:
@@ -80,14 +99,17 @@ class Prefiller:
         trunk,
         pad_rows_to: int,
         max_prefill_tokens: int,
-        trunk_rows: Callable[[Prefiller, list[Sequence]], Pieces],
+        trunk_rows: Callable[[Prefiller, list[PrefillChunk]], Pieces],
+        block: int = 0,
     ) -> None:
         """``trunk``: the ``ort-*`` session (None in the torch modes); ``cache``: the runner's slot cache;
-        ``trunk_rows``: how the prompts go through the trunk (the decode path's ``prefill``)."""
+        ``trunk_rows``: how the prompt chunks go through the trunk (the decode path's ``prefill``); ``block``:
+        the torch prefill attention's query block (module docstring; ``SchedulerConfig.prefill_chunk``; 0: one call
+        per prompt)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens!r}")
         self.model, self.cache, self.trunk, self.trunk_rows = model, cache, trunk, trunk_rows
-        self.pad_rows_to, self.max_prefill_tokens = pad_rows_to, max_prefill_tokens
+        self.pad_rows_to, self.max_prefill_tokens, self.block = pad_rows_to, max_prefill_tokens, block
         self.device = model.embed.emb_text.weight.device
         self.dtype = model.gpt.norm.weight.dtype
         self.num_vq = model.config.gpt.num_vq
@@ -98,14 +120,15 @@ class Prefiller:
         """Host -> device; on CUDA through pinned memory without blocking the host."""
         return pinned_copy(t, self.device)
 
-    def run(self, seqs: list[Sequence]) -> dict[str, KindPrefill]:
-        """Prefill ``seqs`` (their slots assigned): per kind present, their last hidden states and logits."""
-        flat, starts = self._trunk_rows(seqs)
-        ends = {s.seq_id: starts[s.seq_id] + s.prompt_len for s in seqs}
+    def run(self, chunks: list[PrefillChunk]) -> dict[str, KindPrefill]:
+        """Prefill ``chunks`` (their sequences' slots assigned): per kind with a last chunk, the last hidden
+        states and logits of the sequences whose prompt they complete."""
+        flat, starts = self._trunk_rows(chunks)
+        ends = {c.seq.seq_id: starts[c.seq.seq_id] + c.length for c in chunks}
         embed = self.model.embed
         out: dict[str, KindPrefill] = {}
         for kind in ("code", "text"):
-            group = [s for s in seqs if s.kind == kind]
+            group = [c.seq for c in chunks if c.last and c.seq.kind == kind]
             if not group:
                 continue
             last_at = np.fromiter((ends[s.seq_id] - 1 for s in group), dtype=np.int64, count=len(group))
@@ -124,12 +147,12 @@ class Prefiller:
     def trunk_outputs(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
         """Trunk outputs ``[prompt_len, hidden]`` (all positions through the final norm, as the reference
         computes them before taking the last) of every sequence in ``seqs``, by seq id."""
-        flat, starts = self._trunk_rows(seqs)
+        flat, starts = self._trunk_rows(whole(seqs))
         return {s.seq_id: flat[starts[s.seq_id] : starts[s.seq_id] + s.prompt_len] for s in seqs}
 
-    def _trunk_rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, int]]:
-        """Every prompt's trunk output in one fp32 tensor ``[rows, hidden]``, and where each starts."""
-        pieces = self.trunk_rows(self, seqs)
+    def _trunk_rows(self, chunks: list[PrefillChunk]) -> tuple[torch.Tensor, dict[int, int]]:
+        """Every chunk's trunk output in one fp32 tensor ``[rows, hidden]``, and where each starts."""
+        pieces = self.trunk_rows(self, chunks)
         starts: dict[int, int] = {}
         base = 0
         for piece_starts, h in pieces:
@@ -138,78 +161,87 @@ class Prefiller:
         flat = torch.cat([h for _, h in pieces]) if len(pieces) > 1 else pieces[0][1]
         return flat, starts
 
-    def chunks(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        """``seqs`` in admission order, cut into runs of at most ``max_prefill_tokens`` prompt tokens."""
-        chunks: list[list[Sequence]] = []
+    def calls(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+        """``chunks`` in order, cut into runs of at most ``max_prefill_tokens`` positions (a longer one alone)."""
+        calls: list[list[PrefillChunk]] = []
         tokens = 0
-        for seq in seqs:
-            if not chunks or tokens + seq.prompt_len > self.max_prefill_tokens:
-                chunks.append([])
+        for chunk in chunks:
+            if not calls or tokens + chunk.length > self.max_prefill_tokens:
+                calls.append([])
                 tokens = 0
-            chunks[-1].append(seq)
-            tokens += seq.prompt_len
-        return chunks
+            calls[-1].append(chunk)
+            tokens += chunk.length
+        return calls
 
     def embed_prompts(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The input embeddings ``[sum of prompt_len, hidden]`` of the prompts of ``seqs``, one after
-        another (text, speaker, voice-sample codes): built on the host, one lookup for all, and no
-        device value read back."""
-        total = sum(s.prompt_len for s in seqs)
+        """``embed_chunks`` of the whole prompts of ``seqs``."""
+        return self.embed_chunks(whole(seqs))
+
+    def embed_chunks(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """The input embeddings ``[sum of lengths, hidden]`` of ``chunks``, one after another (a prompt is its
+        text, speaker and voice-sample codes; a chunk its positions of it): built on the host, one lookup
+        for all, and no device value read back."""
+        total = sum(c.length for c in chunks)
         ids = torch.zeros(total, self.num_vq, dtype=torch.long)
         text_mask = torch.zeros(total, dtype=torch.bool)
         speaker_at: list[int] = []
         speakers: list[torch.Tensor] = []
-        start = 0
-        for seq in seqs:
-            inp: SeqInputs = seq.payload
+        at = 0
+        for c in chunks:
+            inp: SeqInputs = c.seq.payload
             n_text = len(inp.ids)
-            ids[start : start + n_text] = torch.tensor(inp.ids, dtype=torch.long)[:, None]
-            if inp.prompt_codes is not None:
-                ids[start + n_text : start + seq.prompt_len] = inp.prompt_codes.to(torch.long)
-            text_mask[start : start + n_text] = True
+            t_lo, t_hi = min(c.start, n_text), min(c.end, n_text)  # the chunk's text positions
+            ids[at : at + t_hi - t_lo] = torch.tensor(inp.ids[t_lo:t_hi], dtype=torch.long)[:, None]
+            text_mask[at : at + t_hi - t_lo] = True
+            if inp.prompt_codes is not None and c.end > n_text:  # then its voice-sample codes
+                lo = max(c.start, n_text)
+                ids[at + lo - c.start : at + c.length] = inp.prompt_codes[lo - n_text : c.end - n_text].to(torch.long)
             if inp.speaker is not None:
                 # The [spk_emb] text positions take the speaker embedding instead of the token's.
-                at = [start + i for i, t in enumerate(inp.ids) if t == inp.speaker_token_id]
-                speaker_at += at
-                speakers += [inp.speaker] * len(at)
-            start += seq.prompt_len
+                hits = [at + i - c.start for i in range(t_lo, t_hi) if inp.ids[i] == inp.speaker_token_id]
+                speaker_at += hits
+                speakers += [inp.speaker] * len(hits)
+            at += c.length
         emb = self.model.embed.embed_prompt(self._to_device(ids)[None], self._to_device(text_mask)[None])[0]
         if speaker_at:
             emb[self._to_device(torch.tensor(speaker_at))] = torch.stack(speakers).to(emb.device, emb.dtype)
         return emb
 
 
-def torch_prefill(pf: Prefiller, seqs: list[Sequence]) -> Pieces:
-    """Prompts packed into calls of at most ``max_prefill_tokens`` tokens."""
+def torch_prefill(pf: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
+    """Chunks packed into calls of at most ``max_prefill_tokens`` positions."""
     pieces = []
-    for chunk in pf.chunks(seqs):
-        lengths = [s.prompt_len for s in chunk]
-        emb = pf.embed_prompts(chunk).to(pf.dtype)
-        slots = [s.slot for s in chunk]
-        h = prefill_prompts(pf.model.gpt, emb, pf.cache, slots, lengths, pf.pad_rows_to).float()
-        starts = np.cumsum([0, *lengths[:-1]]).tolist()
-        pieces.append((dict(zip((s.seq_id for s in chunk), starts, strict=True)), h))
+    for call in pf.calls(chunks):
+        lengths = [c.length for c in call]
+        emb = pf.embed_chunks(call).to(pf.dtype)
+        slots = [c.seq.slot for c in call]
+        starts = [c.start for c in call]
+        h = prefill_prompts(pf.model.gpt, emb, pf.cache, slots, lengths, pf.pad_rows_to, starts, pf.block).float()
+        firsts = np.cumsum([0, *lengths[:-1]]).tolist()
+        pieces.append((dict(zip((c.seq.seq_id for c in call), firsts, strict=True)), h))
     return pieces
 
 
-def onnx_prefill(pf: Prefiller, seqs: list[Sequence]) -> Pieces:
-    """One ORT call per run of consecutive slots, rows right-padded to the run's longest prompt
+def onnx_prefill(pf: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
+    """One ORT call per run of consecutive slots, rows right-padded to the run's longest chunk
     (padding is zeros: it never enters a row's keys, and int8's per-call activation scale does not
-    see it); each call's output flattened to ``[run * longest, hidden]``."""
-    by_slot = sorted(seqs, key=lambda s: s.slot)
-    runs: list[list[Sequence]] = []
-    for seq in by_slot:
-        if runs and seq.slot == runs[-1][-1].slot + 1:
-            runs[-1].append(seq)
+    see it); each call's output flattened to ``[run * longest, hidden]``. A chunk after the first goes
+    to the positions after its slot's cached ones (``seqlens_k``: its end - 1)."""
+    by_slot = sorted(chunks, key=lambda c: c.seq.slot)
+    runs: list[list[PrefillChunk]] = []
+    for chunk in by_slot:
+        if runs and chunk.seq.slot == runs[-1][-1].seq.slot + 1:
+            runs[-1].append(chunk)
         else:
-            runs.append([seq])
+            runs.append([chunk])
     pieces = []
     for run in runs:
-        lens = np.array([s.prompt_len for s in run], dtype=np.int32)
+        lens = np.array([c.length for c in run], dtype=np.int32)
+        ends = np.array([c.end for c in run], dtype=np.int32)
         width = int(lens.max())
         x = torch.zeros(len(run), width, pf.model.embed.emb_text.weight.shape[1], device=pf.device)
-        for b, seq in enumerate(run):
-            x[b, : seq.prompt_len] = pf.embed_prompts([seq])
-        h = pf.trunk.run(x, pf.cache, run[0].slot, lens - 1, lens)
-        pieces.append(({s.seq_id: b * width for b, s in enumerate(run)}, h.reshape(-1, h.shape[-1])))
+        for b, chunk in enumerate(run):
+            x[b, : chunk.length] = pf.embed_chunks([chunk])
+        h = pf.trunk.run(x, pf.cache, run[0].seq.slot, ends - 1, lens)
+        pieces.append(({c.seq.seq_id: b * width for b, c in enumerate(run)}, h.reshape(-1, h.shape[-1])))
     return pieces

@@ -67,12 +67,20 @@ class Sequence:
     tokens: list[tuple[int, ...]] = field(default_factory=list)
     """Generated tokens (EOS step excluded): 4 codes or 1 text id each."""
     num_retries: int = 0
+    num_prefilled: int = 0
+    """Prompt positions scheduled into its slot so far (chunked prefill; set at admission): below
+    ``prompt_len`` the sequence is still prefilling and does not decode."""
     ahead: int = 0
     """Steps queued on the device for it whose tokens are not applied yet (``EngineCore`` runs the host
     one step ahead: 1 between a step's launch and its ``Scheduler.update``)."""
     discard: int = 0
     """Of those, the ones to drop: it left the running set (finished, restarted, aborted) after they were
     queued (a sequence that ended runs one discarded step)."""
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of its prompt is still to go into its slot (chunked prefill)."""
+        return self.num_prefilled < self.prompt_len
 
     @property
     def num_generated(self) -> int:

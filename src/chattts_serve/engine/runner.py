@@ -2,7 +2,8 @@
 
 Prefill: each newly admitted sequence's prompt goes into its own slot, all of a step's prompts in as
 few trunk calls as the mode allows, and their first logits from one heads call per kind where rows
-are independent (``engine.prefill_runner``).
+are independent (``engine.prefill_runner``). A long prompt may go in chunks over several steps (chunked
+prefill, ``engine.scheduler``): its sampling state is admitted, and its first token sampled, with its last.
 
 Decode: all running sequences, text and code mixed, in one trunk call; heads and sampling per kind,
 batched. How the trunk runs is the decode path (``engine.decode_path``: rows, static, step graph or ONNX
@@ -67,8 +68,8 @@ class LaunchedStep:
     """A step queued on the device whose tokens the host has not read yet (``ModelRunner.launch``)."""
 
     plan: StepPlan
-    copy: tuple[int, int]
-    """The tokens' copy to the host (``TokenReadback.start``)."""
+    copy: tuple[int, int] | None
+    """The tokens' copy to the host (``TokenReadback.start``); None: the step sampled nothing."""
     hidden: torch.Tensor | None
     """The code rows' hidden states (a tensor of its own: no later step writes it)."""
 
@@ -162,10 +163,13 @@ class ModelRunner:
         text_eos_id: int,
         plan: ExecutionPlan,
         max_prefill_tokens: int = 2048,
+        prefill_chunk: int = 0,
     ) -> None:
         """``model`` as ``models.chattts.prepare.prepare_model`` left it (``layout``); the runner never changes it.
         ``plan``: what runs (``engine.plan.resolve_plan``). ``max_prefill_tokens``: prompt tokens per torch
-        prefill call (``SchedulerConfig``'s budget per step; a longer prompt still goes alone, whole)."""
+        prefill call (``SchedulerConfig``'s budget per step; a longer prompt still goes alone, whole).
+        ``prefill_chunk``: ``SchedulerConfig``'s (chunked prefill on: the torch prefill attention runs in query
+        blocks of that many positions, which makes a chunked prompt's result its one-shot one; 0: one call)."""
         self.model = model
         self.plan = plan
         self.device = model.embed.emb_text.weight.device
@@ -202,7 +206,7 @@ class ModelRunner:
         # One slot, unprepared fp32: every matmul runs on exactly the rows a batch-1 reference run uses
         # (bit-exact with chattts). More slots: packed weights or padded rows (see models.chattts.prepare).
         self.prefiller = Prefiller(
-            model, cache, trunk, layout.pad_rows_to, max_prefill_tokens, self.decode_path.prefill
+            model, cache, trunk, layout.pad_rows_to, max_prefill_tokens, self.decode_path.prefill, prefill_chunk
         )
 
     def use_decode_path(self, make: Callable[[RunnerParts], DecodePath]) -> DecodePath:
@@ -261,14 +265,17 @@ class ModelRunner:
         first: dict[str, torch.Tensor] = {}
         code_hidden: list[torch.Tensor] = []  # in the code kind's sampling order: prefills, then decodes
         admissions: list[Admission] = []
-        if sched.prefill:
+        chunks = sched.chunks()
+        if chunks:
             with self._stage("prefill"):
-                pre: dict[str, KindPrefill] = self.prefiller.run(sched.prefill)
+                pre: dict[str, KindPrefill] = self.prefiller.run(chunks)
                 first = {kind: p.logits for kind, p in pre.items()}
                 if "code" in pre:
                     code_hidden.append(pre["code"].last)
                 admissions = [self._admission(seq) for seq in sched.prefill]
         plan = self._step_plan(sched, admissions)
+        if not plan.kinds:  # prompt chunks only: nothing samples
+            return LaunchedStep(plan, None, None)
         out = self.decode_path.decode(DecodeStep(plan, sched.decode, first, self._stage))
         if out.hidden is not None:
             code_hidden.append(out.hidden)
@@ -279,6 +286,8 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
         """Wait for a launched step's tokens (the step's one wait) and hand them out per sequence."""
+        if step.copy is None:
+            return RunnerOutput({})
         return self._output(step.plan, self._readback.finish(step.copy), step.hidden)
 
     def _output(self, plan: StepPlan, flat: np.ndarray, hidden: torch.Tensor | None) -> RunnerOutput:

@@ -1,12 +1,21 @@
 """Iteration-level (continuous) batching: over a fixed pool of KV-cache slots, or by a work budget. No torch here.
 
-Every step: sequences that finished or were aborted leave and free their slots; waiting sequences are
-admitted while a slot is free and the step's prefill-token budget allows (highest priority first, then
-earlier sentences of their request first, then arrival order: a long request's later sentences cannot
-starve other requests); everything admitted before this step decodes one token. A slot is reserved for a
-sequence's whole life (prompt + max_new_tokens must fit in it), so a running sequence can never run
-out of cache: capacity problems surface as a clear refusal at submission, never as an out-of-memory
-error mid-generation.
+Every step: sequences that finished or were aborted leave and free their slots; every running sequence
+whose prompt is in its slot decodes one token; then prompts go into the cache within the step's
+prefill-token budget (``max_prefill_tokens``): first the rest of prompts already begun, then waiting
+sequences, admitted while a slot is free (highest priority first, then earlier sentences of their request
+first, then arrival order: a long request's later sentences cannot starve other requests). A slot is
+reserved for a sequence's whole life (prompt + max_new_tokens must fit in it), so a running sequence can
+never run out of cache: capacity problems surface as a clear refusal at submission, never as an
+out-of-memory error mid-generation.
+
+Chunked prefill (vLLM v1's scheduler): while other sequences decode, a prompt longer than what is left of
+the budget goes in chunks over several steps (``prefill_chunk``: each chunk a multiple of that many
+positions, the last one the rest), and the decoding sequences take their token every one of those steps:
+the budget bounds one step's prefill work, so a burst of long prompts delays a running stream's next
+token by at most one budget's prefill. A sequence decodes from the step after its last chunk. With nothing
+decoding, prompts go in whole (at least one per step, whatever its length): no stream waits on them, and
+one call is cheaper than several.
 
 A model family that runs whole utterances (``execution == "batch"``: Kokoro, VITS) has no slots: with
 ``admission="work"`` each step admits waiting sequences, in the same order, while the sum of their work
@@ -21,7 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from .outputs import RunnerOutput, SchedulerOutput, StepOutput
+from .outputs import PrefillChunk, RunnerOutput, SchedulerOutput, StepOutput
 from .request import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -45,21 +54,30 @@ class SchedulerConfig:
     max_waiting: int = 256
     """Bound of the waiting queue; beyond it submissions are refused with QueueFullError."""
     max_prefill_tokens: int = 2048
-    """Prompt tokens prefilled per step (at least one sequence is always admitted when a slot is free),
-    so a burst of new requests cannot stall the running ones for long; also the most tokens one torch
-    prefill call packs together (a step's admissions go in one call)."""
+    """Prompt tokens prefilled per step while sequences decode: a longer prompt goes in chunks over several
+    steps (``prefill_chunk``), so a burst of new requests stalls the running ones by at most this much
+    prefill per step (or one ``prefill_chunk``, where the budget is smaller). With nothing decoding, at least
+    one whole prompt per step. Also the most tokens one torch prefill call packs together (a step's
+    admissions go in one call)."""
     admission: Literal["slots", "work"] = "slots"
     """"slots": a sequence holds a KV slot from admission to its end (autoregressive families). "work": a
     step's batch is admitted by ``max_batch_work`` and runs whole (batch families); set from the family."""
     max_batch_work: int = 4096
     """"work" admission: the work units (input tokens) one step's batch may hold; a sequence of more is
     refused at submission."""
+    prefill_chunk: int = 0
+    """Chunked prefill: chunks of a prompt are multiples of this many positions (the prefill attention's
+    query block, which makes chunked prefill bit-identical to one-shot); 0: prompts go in whole, at least
+    one per step (one slot: nothing decodes beside a prompt). Set from the execution plan at load
+    (``ExecutionPlan.prefill_chunk``), not a flag."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_waiting", "max_prefill_tokens", "max_batch_work"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be an int >= 0, got {self.prefill_chunk!r}")
         if self.admission not in ("slots", "work"):
             raise ValueError(f"admission must be 'slots' or 'work', got {self.admission!r}")
 
@@ -154,24 +172,61 @@ class Scheduler:
             return self._admit_batch(out)
         # A sequence whose queued steps reach its max_new_tokens ends there: no step after them (the
         # host knows it without their tokens). One that ends by EOS runs one discarded step.
-        out.decode = [s for s in self.running if s.num_generated + s.queued < s.max_new_tokens]
-
+        out.decode = [s for s in self.running if not s.prefilling and s.num_generated + s.queued < s.max_new_tokens]
+        # Prompts begun in earlier steps hold their code rows (``code_room``) before their first token takes one.
+        begun = [s for s in self.running if s.prefilling]
+        if code_room is not None:
+            code_room -= sum(s.kind == "code" for s in begun)
         budget = self.config.max_prefill_tokens
+        for seq in begun:
+            taken = self._prefill_chunk(seq, budget, out)
+            if not taken:
+                return out
+            budget -= taken
         while self.waiting and self.slots.num_free:
             seq = self.waiting[0]
-            if out.prefill and seq.prompt_len > budget:
+            if seq.kind == "code" and code_room is not None and code_room < 1:
                 break
-            if seq.kind == "code" and code_room is not None:
-                if code_room < 1:
-                    break
-                code_room -= 1
+            if not self._chunk_size(seq.prompt_len, budget, out):
+                break
             self.waiting.pop(0)
-            budget -= seq.prompt_len
+            if seq.kind == "code" and code_room is not None:
+                code_room -= 1
+            seq.num_prefilled = 0
             seq.slot = self.slots.allocate()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.prefill.append(seq)
+            budget -= self._prefill_chunk(seq, budget, out)
         return out
+
+    def _chunk_size(self, remaining: int, budget: int, out: SchedulerOutput) -> int:
+        """Prompt positions of a sequence with ``remaining`` of them to go that this step takes (0: none, and
+        nothing after it either: queue order is kept)."""
+        if remaining <= budget:
+            return remaining
+        first = not out.prefill and not out.partial
+        align = self.config.prefill_chunk
+        if not out.decode or not align:  # nobody to stall (or no chunks): a whole prompt, the step's first only
+            return remaining if first else 0
+        size = max(budget, 0) // align * align
+        if not size and first:  # a budget under one block still moves the step's first prompt on
+            size = align
+        return min(size, remaining)
+
+    def _prefill_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Schedule this step's chunk of a running sequence's prompt; returns its positions (0: none)."""
+        size = self._chunk_size(seq.prompt_len - seq.num_prefilled, budget, out)
+        if not size:
+            return 0
+        start = seq.num_prefilled
+        seq.num_prefilled += size
+        if seq.prefilling:
+            out.partial.append(PrefillChunk(seq, start, seq.num_prefilled))
+        else:
+            out.prefill.append(seq)
+            if start:
+                out.prefill_from[seq.seq_id] = start
+        return size
 
     def _admit_batch(self, out: SchedulerOutput) -> SchedulerOutput:
         """ "work" admission: this step's batch, in queue order, while it fits the work budget and the rows. A

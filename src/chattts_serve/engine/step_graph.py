@@ -47,8 +47,8 @@ import torch
 from .cuda_graph import _TOLERANCE, _bucket
 from .decode_path import Decoded, DecodeStep, RunnerParts
 from .decode_static import static_decoder
+from .outputs import PrefillChunk
 from .prefill_runner import Pieces, Prefiller, torch_prefill
-from .request import Sequence
 from .step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -146,8 +146,8 @@ class StepGraph:
             tokens += [t[k.kind] for t in (first, decoded) if k.kind in t]
         return Decoded(tokens, hidden)
 
-    def prefill(self, prefiller: Prefiller, seqs: list[Sequence]) -> Pieces:
-        return torch_prefill(prefiller, seqs)
+    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
+        return torch_prefill(prefiller, chunks)
 
     def counters(self) -> dict[str, int]:
         return {

@@ -63,8 +63,10 @@ class Capabilities:
 
 @dataclass(frozen=True, slots=True)
 class OptionSpec:
-    """One request option as a form offers it (the playground; ``/v1/models``' ``options``): the server checks
-    the value (``server.protocol``, ``FamilyModel.check_options``); this only says how to ask for it."""
+    """One request option as a form offers it (the playground; ``/v1/models``' ``options``) and, for a family's own
+    options that are not ``SamplingParams``' (``owned_options``), the request field's shape: ``server.protocol``
+    builds those fields from it (kind, bounds, length), so a family adds its request fields from its own package.
+    The family still checks the value (``FamilyModel.check_options``)."""
 
     name: str
     """The flat request field (``POST /v1/tts``), as ``owned_options`` and ``SamplingParams.from_options`` spell it."""
@@ -78,6 +80,8 @@ class OptionSpec:
     choices: tuple[str, ...] = ()
     """"choice": the values it takes (a form offers "(default)", sending nothing, besides them)."""
     help: str = ""
+    max_length: int | None = None
+    """"text" and "choice": the longest string the request field takes (its shape; the family checks the value)."""
 
 
 class Voices(ABC):
@@ -172,6 +176,11 @@ class BatchModel(FamilyModel):
         """One forward for the batch (any mix of lengths and requests), one ``Speech`` per utterance in
         order. A row's result must not depend on the others (batch invariance: durations exact, waveform
         within the family's stated bound). Raising fails the step's requests, never the engine."""
+
+    def counters(self) -> dict[str, int]:
+        """The model's graph counters for ``EngineStats`` (``graph_replays``, ``eager_steps``,
+        ``graphs_refused``: a family's CUDA graphs per bucket, ``engine.bucket_graphs``); empty without graphs."""
+        return {}
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,16 +12,19 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from .. import models
 from ..audio.resample import MAX_RATE, MIN_RATE
 from ..audio.stretch import MAX_SPEED, MIN_SPEED, SpeedMode
-from ..models.vits.family import NOISE_MAX
+from ..models.family import OptionSpec
 from ..sampling_params import OPTION_BOUNDS as _B
+from ..sampling_params import option_defaults
 
 AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm", "mulaw", "alaw"]  # audio.encode.FORMATS
 MEDIA_TYPES: dict[str, str] = {
@@ -64,9 +67,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class ChatTTSOptions(_Strict):
-    """ChatTTS sampling parameters; every field is optional (None: the engine's default, in
-    ``SamplingParams``). Names and bounds are ``sampling_params``' (``OPTION_BOUNDS``)."""
+def _finite(v: float | None) -> float | None:
+    if v is not None and not math.isfinite(v):
+        raise ValueError("must be a finite number")
+    return v
+
+
+class _SamplingOptions(_Strict):
+    """The ``SamplingParams`` fields a request sets (ChatTTS's sampling and text options); every field is optional
+    (None: the engine's default, in ``SamplingParams``). Names and bounds are ``sampling_params``'
+    (``OPTION_BOUNDS``)."""
 
     seed: int | None = Field(None, **_B["seed"])
     temperature: float | None = Field(None, **_B["temperature"])
@@ -95,28 +105,54 @@ class ChatTTSOptions(_Strict):
     split_text: bool | None = None
     first_sentence_voice: bool | None = None
     """With split text: speak the first sentence first and take every sentence's voice from it."""
-    # Kokoro's own (models.kokoro.family.OWNED_OPTIONS): another family's model refuses them by name.
-    phonemes: str | None = Field(None, min_length=1, max_length=2048)
-    """Kokoro: speak these phonemes (its vocabulary's symbols, at most 510) exactly, instead of the text's."""
-    lang_code: str | None = Field(None, min_length=1, max_length=8)
-    """Kokoro: the text's language ("a" American English, "b" British English, "z" Mandarin; default: the
-    voice's first letter), as Kokoro-FastAPI's ``lang_code``."""
-    # VITS's own (models.vits.family.OWNED_OPTIONS); None: the checkpoint's (0.667 and 0.8 for MMS-TTS).
-    noise_scale: float | None = Field(None, ge=0, le=NOISE_MAX)
-    """VITS: the prior's noise (variation of the voice within a sentence); 0: none."""
-    noise_scale_duration: float | None = Field(None, ge=0, le=NOISE_MAX)
-    """VITS: the stochastic duration predictor's noise (variation of the rhythm); 0: none."""
 
     @field_validator(
-        "noise_scale",
-        "noise_scale_duration",
         "temperature", "top_p", "repetition_penalty", "refine_temperature", "refine_top_p", "refine_repetition_penalty"
     )
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
+        return _finite(v)
+
+
+def _field(spec: OptionSpec, family: str) -> tuple[Any, Any]:
+    """A family's own request field (``OptionSpec``: its kind, bounds and length) as a pydantic field; optional
+    (None: the family's default)."""
+    doc = f"{family}: {spec.help or spec.label}"
+    if spec.kind in ("number", "integer"):
+        kind = float if spec.kind == "number" else int
+        return kind | None, Field(None, ge=spec.minimum, le=spec.maximum, description=doc)
+    if spec.kind == "boolean":
+        return bool | None, Field(None, description=doc)
+    return str | None, Field(None, min_length=1, max_length=spec.max_length, description=doc)
+
+
+def _family_fields() -> tuple[dict[str, tuple[Any, Any]], tuple[str, ...]]:
+    """Every family's own request fields that are not ``SamplingParams``' (Kokoro's ``phonemes`` and ``lang_code``,
+    VITS's noise scales), from each family's ``request_options()``, and the names of those that are numbers. An
+    option another family owns is still a field here: the route refuses it by name (``params.build_params``)."""
+    sampling = set(option_defaults())
+    fields: dict[str, tuple[Any, Any]] = {}
+    numbers: list[str] = []
+    for family in models.families():
+        for spec in family.request_options():
+            if spec.name in family.owned_options and spec.name not in sampling and spec.name not in fields:
+                fields[spec.name] = _field(spec, family.name)
+                numbers += [spec.name] if spec.kind == "number" else []
+    return fields, tuple(numbers)
+
+
+_FAMILY_FIELDS, _FAMILY_NUMBERS = _family_fields()
+ChatTTSOptions = create_model(
+    "ChatTTSOptions",
+    __base__=_SamplingOptions,
+    __doc__="A request's model options (the ``chattts`` object; the flat fields of ``/v1/tts``): the sampling "
+    "options, then every family's own (built from the registry at import: a family adds its fields from its own "
+    "package). Every field is optional; an option another family owns is refused by name.",
+    __validators__={"_family_finite": field_validator(*_FAMILY_NUMBERS)(lambda cls, v: _finite(v))}
+    if _FAMILY_NUMBERS
+    else None,
+    **_FAMILY_FIELDS,
+)
 
 
 def parse_options(text: str) -> ChatTTSOptions | None:

@@ -142,3 +142,69 @@ def test_bad_prefill_arguments_are_refused(tiny_ckpt):
             prefill_prompts(gpt, torch.zeros(3, hidden), cache, [0, 1], [3, 2])
         with pytest.raises(ValueError, match="prompt of 9 positions exceeds cache 8"):
             prefill_prompts(gpt, torch.zeros(9, hidden), cache, [0], [9])
+
+
+# ------------------------------------------------------------------ chunked prefill
+
+CHUNKED_LENGTHS = [150, 64, 97]  # several blocks and a part; exactly one; one and a part
+BLOCK = 64
+
+
+def _chunked_and_one_shot(model, layout, kv_dtype=None, chunk: int = BLOCK):
+    """Each prompt prefilled in one call and in chunks of ``chunk`` positions (each chunk its own call, the
+    chunks of all prompts side by side), both with the attention in query blocks of ``BLOCK``."""
+    gpt, hidden = model.gpt, model.config.gpt.hidden_size
+    gen = torch.Generator().manual_seed(4)
+    dtype = gpt.norm.weight.dtype
+    prompts = [torch.randn(n, hidden, generator=gen).to(dtype) for n in CHUNKED_LENGTHS]
+    slots = list(range(len(prompts)))
+    pad = layout.pad_rows_to
+    with torch.inference_mode():
+        one_cache = gpt.new_cache(len(prompts), 200, dtype=kv_dtype)
+        one = prefill_prompts(gpt, torch.cat(prompts), one_cache, slots, CHUNKED_LENGTHS, pad, block=BLOCK)
+        one = one.split(CHUNKED_LENGTHS)
+        cache = gpt.new_cache(len(prompts), 200, dtype=kv_dtype)
+        cache.k.fill_(SENTINEL), cache.v.fill_(SENTINEL)
+        pieces: list[list[torch.Tensor]] = [[] for _ in prompts]
+        for start in range(0, max(CHUNKED_LENGTHS), chunk):
+            live = [b for b, n in enumerate(CHUNKED_LENGTHS) if n > start]
+            lens = [min(chunk, CHUNKED_LENGTHS[b] - start) for b in live]
+            emb = torch.cat([prompts[b][start : start + n] for b, n in zip(live, lens, strict=True)])
+            h = prefill_prompts(gpt, emb, cache, live, lens, pad, [start] * len(live), BLOCK).split(lens)
+            for b, part in zip(live, h, strict=True):
+                pieces[b].append(part)
+    return [torch.cat(p) for p in pieces], one, cache, one_cache
+
+
+@pytest.mark.parametrize("precision,kv_dtype,compile", INVARIANT)
+def test_chunked_prefill_equals_one_shot_bit_exactly(tiny_ckpt, precision, kv_dtype, compile):
+    """A prompt prefilled in chunks (each writing after the keys the earlier ones cached, and attending to
+    them) gives the hidden states and keys of its one-shot prefill, to the bit: the attention runs in the
+    same query blocks either way, and the matmul rows are independent in these layouts."""
+    model, layout = _prepared(tiny_ckpt, precision, len(LENGTHS) + 1, compile)
+    for chunk in (BLOCK, 2 * BLOCK):
+        chunked, one, cache, one_cache = _chunked_and_one_shot(model, layout, kv_dtype, chunk)
+        for b, n in enumerate(CHUNKED_LENGTHS):
+            assert torch.equal(chunked[b], one[b]), (precision, n, chunk)
+            for kv, kv_one in ((cache.k, one_cache.k), (cache.v, one_cache.v)):
+                assert torch.equal(kv[:, b, :, :n], kv_one[:, b, :, :n])
+                assert (kv[:, b, :, n:] == SENTINEL).all(), "nothing past a prompt's length is written"
+
+
+def test_blocked_attention_matches_forward_closely_and_refuses_unaligned_chunks(tiny_ckpt):
+    """The query-blocked attention is causal attention (as ``forward``'s, up to float rounding); a chunk that
+    does not start at a block boundary would make other calls than the one-shot prefill: refused."""
+    model, layout = _prepared(tiny_ckpt, "fp32", 2)
+    gpt, n = model.gpt, 150
+    emb = torch.randn(n, model.config.gpt.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        blocked = prefill_prompts(gpt, emb, gpt.new_cache(1, 200), [0], [n], block=BLOCK)
+        ref = gpt(emb[None], torch.arange(n)[None], gpt.new_cache(1, 200), torch.tensor([0]), 0, None, last_only=False)
+        torch.testing.assert_close(blocked, ref[0], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="multiple of the attention block 64; got 32"):
+            prefill_prompts(gpt, emb[:32], gpt.new_cache(1, 200), [0], [32], starts=[32], block=BLOCK)
+        # Without blocks a later chunk still attends to every earlier key (the same function, not its bits).
+        cache = gpt.new_cache(1, 200)
+        first = prefill_prompts(gpt, emb[:100], cache, [0], [100])
+        rest = prefill_prompts(gpt, emb[100:], cache, [0], [n - 100], starts=[100])
+        torch.testing.assert_close(torch.cat([first, rest]), ref[0], rtol=1e-5, atol=1e-5)

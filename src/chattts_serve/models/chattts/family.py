@@ -120,6 +120,9 @@ class ChatTTSFamily(ModelFamily):
                     sc.max_num_seqs,
                 )
                 config = replace(config, scheduler=replace(sc, max_model_len=n))
+        # Chunked prefill: where the plan's decode path takes chunks and more than one slot is (``engine.scheduler``).
+        chunk = plan.chunked_prefill(config.scheduler.max_num_seqs)
+        config = replace(config, scheduler=replace(config.scheduler, prefill_chunk=chunk))
         tokenizer = Tokenizer(model.root / checkpoint.TOKENIZER_DIR)
         stats = _speaker_stats(model)
         layout = prepare_model(

@@ -69,7 +69,14 @@ class ChatTTSStage:
                 "(max_position_embeddings)"
             )
         self.runner = ModelRunner(
-            model, layout, sc.max_num_seqs, sc.max_model_len, tokenizer.eos_id, plan, sc.max_prefill_tokens
+            model,
+            layout,
+            sc.max_num_seqs,
+            sc.max_model_len,
+            tokenizer.eos_id,
+            plan,
+            sc.max_prefill_tokens,
+            sc.prefill_chunk,
         )
         self.device = self.runner.device
         self.inputs = InputProcessor(tokenizer, gpt.hidden_size, gpt.num_vq, config.max_audio_seconds)

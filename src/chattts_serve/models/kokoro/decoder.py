@@ -120,13 +120,13 @@ class Generator(nn.Module):
     def forward(self, x: torch.Tensor, style: torch.Tensor, f0: torch.Tensor, lengths: Lengths,
                 generators: list[torch.Generator | None]) -> list[torch.Tensor]:
         """``x`` [B, C, T] and ``f0`` [B, T] at ``lengths`` -> one waveform per row."""
-        har = self.excitation(f0, lengths, generators)
-        spec, at = self.spectrum(x, style, har, lengths)
-        return [self.synthesise(spec[row : row + 1, :, :n]) for row, n in enumerate(at.lengths.tolist())]
+        har = self.harmonics(f0, lengths, generators)
+        return self.waveforms(self.spectra(x, style, har, lengths), self.spectrum_lengths(lengths))
 
-    def excitation(self, f0: torch.Tensor, lengths: Lengths, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """The sine source's spectrum [B, n_fft + 2, T * upsample_scale / hop + 1] (magnitudes, then phases) from
-        ``f0`` [B, T] at ``lengths``: the generator's random draws, and its only input besides ``x``."""
+    def harmonics(self, f0: torch.Tensor, lengths: Lengths, generators: list[torch.Generator | None]
+                  ) -> torch.Tensor:
+        """The source's spectra [B, n_fft + 2, frames] (magnitude and phase, zero past each row's end) from
+        ``f0`` [B, T] at ``lengths``: the model's random draws, and per-row STFTs; outside any CUDA graph."""
         samples = lengths.scaled(self.upsample_scale)
         f0_audio = F.interpolate(f0[:, None, :], scale_factor=self.upsample_scale, mode="nearest")[:, 0, :]
         source = self.m_source(f0_audio, samples, generators)
@@ -135,10 +135,15 @@ class Generator(nn.Module):
             har[row, :, : n // self.hop + 1] = self._analyse(source[row, :n])
         return har
 
-    def spectrum(self, x: torch.Tensor, style: torch.Tensor, har: torch.Tensor,
-                 lengths: Lengths) -> tuple[torch.Tensor, Lengths]:
-        """The convolutions: ``x`` [B, C, T] at ``lengths`` and the source's ``har`` -> the predicted log-magnitudes
-        and phases [B, n_fft + 2, L] and their lengths (``synthesise`` turns a row into audio)."""
+    def spectrum_lengths(self, lengths: Lengths) -> Lengths:
+        """The rows' lengths at the predicted spectrogram's rate (what ``spectra`` returns)."""
+        for i, rate in enumerate(self.rates):
+            lengths = lengths.scaled(rate, extra=1 if i == len(self.rates) - 1 else 0)
+        return lengths
+
+    def spectra(self, x: torch.Tensor, style: torch.Tensor, har: torch.Tensor, lengths: Lengths) -> torch.Tensor:
+        """The predicted log-magnitudes and phases [B, n_fft + 2, frames] (the convolutions: no host value when
+        ``lengths`` is a ``DeviceLengths``, so a CUDA graph can capture it)."""
         at = lengths
         for i, rate in enumerate(self.rates):
             x = F.leaky_relu(x, negative_slope=0.1)
@@ -157,14 +162,17 @@ class Generator(nn.Module):
                 y = self.resblocks[i * self.num_kernels + j](x, style, at)
                 xs = y if xs is None else xs + y
             x = xs / self.num_kernels
-        return self.conv_post(masked(F.leaky_relu(x), at)), at
+        return self.conv_post(masked(F.leaky_relu(x), at))
+
+    def waveforms(self, x: torch.Tensor, at: Lengths) -> list[torch.Tensor]:
+        """One waveform per row from ``spectra``'s output at ``at`` (host lengths): per-row inverse STFTs."""
+        return [self._synthesise(x[row : row + 1, :, :n]) for row, n in enumerate(at.lengths.tolist())]
 
     def _analyse(self, signal: torch.Tensor) -> torch.Tensor:
         spec = torch.stft(signal[None], self.n_fft, self.hop, self.n_fft, window=self.window, return_complex=True)
         return torch.cat([torch.abs(spec), torch.angle(spec)], dim=1)[0]
 
-    def synthesise(self, x: torch.Tensor) -> torch.Tensor:
-        """One row's ``spectrum`` [1, n_fft + 2, L] -> its waveform [samples] (the inverse STFT)."""
+    def _synthesise(self, x: torch.Tensor) -> torch.Tensor:
         bins = self.n_fft // 2 + 1
         spec = torch.exp(x[:, :bins, :])
         phase = torch.sin(x[:, bins:, :])
@@ -193,12 +201,15 @@ class Decoder(nn.Module):
     def forward(self, asr: torch.Tensor, f0: torch.Tensor, energy: torch.Tensor, style: torch.Tensor,
                 frames: Lengths, generators: list[torch.Generator | None]) -> list[torch.Tensor]:
         """``asr`` [B, C, F] at ``frames``; ``f0``/``energy`` [B, 2F] (zero past each row's end)."""
-        x, at = self.features(asr, f0, energy, style, frames)
-        return self.generator(x, style, f0, at, generators)
+        at = frames.scaled(2)  # the decode blocks double the rate once
+        har = self.generator.harmonics(f0, at, generators)
+        spectra = self.spectra(asr, f0, energy, style, frames, har)
+        return self.generator.waveforms(spectra, self.generator.spectrum_lengths(at))
 
-    def features(self, asr: torch.Tensor, f0: torch.Tensor, energy: torch.Tensor, style: torch.Tensor,
-                 frames: Lengths) -> tuple[torch.Tensor, Lengths]:
-        """The 1024-channel blocks: the generator's input [B, C, 2F] and its lengths."""
+    def spectra(self, asr: torch.Tensor, f0: torch.Tensor, energy: torch.Tensor, style: torch.Tensor,
+                frames: Lengths, har: torch.Tensor) -> torch.Tensor:
+        """Everything between the source's spectra ``har`` (``Generator.harmonics``) and the inverse STFTs: the
+        part of the decoder a CUDA graph captures per bucket (``models.kokoro.graphs``)."""
         f0_down = masked(self.F0_conv(f0[:, None, :]), frames)
         energy_down = masked(self.N_conv(energy[:, None, :]), frames)
         x = self.encode(torch.cat([asr, f0_down, energy_down], dim=1), style, frames)
@@ -209,4 +220,4 @@ class Decoder(nn.Module):
                 x = torch.cat([x, asr_res, f0_down, energy_down], dim=1)
             x = block(x, style, at)
             at = at.scaled(2) if block.upsample else at
-        return x, at
+        return self.generator.spectra(x, style, har, at)

@@ -263,6 +263,9 @@ class LoadedKokoro(BatchModel):
     def voices(self) -> KokoroVoices:
         return self._voices
 
+    def counters(self) -> dict[str, int]:
+        return self.model.graphs.counters() if self.model.graphs is not None else {}
+
     @property
     def vocab(self) -> Mapping[str, int]:
         return self.model.config.vocab
@@ -426,10 +429,14 @@ class KokoroFamily(ModelFamily):
         return (
             OptionSpec("speed", "number", "Speed", 1.0, *SPEED_RANGE, 0.05),
             OptionSpec(
-                "lang_code", "choice", "Language", choices=tuple(LANGS),
-                help=", ".join(f"{k}: {v}" for k, v in LANGS.items()) + " (default: the voice's first letter)",
+                "lang_code", "choice", "Language", choices=tuple(LANGS), max_length=8,
+                help=", ".join(f"{k}: {v}" for k, v in LANGS.items()) + " (default: the voice's first letter; "
+                "aliases such as en-us, zh), as Kokoro-FastAPI's lang_code",
             ),
-            OptionSpec("phonemes", "text", "Phonemes", help="speak these phonemes exactly instead of the text's"),
+            OptionSpec(
+                "phonemes", "text", "Phonemes", max_length=2048,
+                help="speak these phonemes (the vocabulary's symbols, at most 510) exactly instead of the text's",
+            ),
         )
 
     def is_checkpoint(self, root: Path) -> bool:
@@ -462,6 +469,7 @@ class KokoroFamily(ModelFamily):
         otherwise ChatTTS's GPT's: any other is refused)."""
         import torch
 
+        from ...engine.bucket_graphs import wanted
         from .checkpoint import load
         from .kernels import GRAPH_DTYPES
         from .voices import load_voice, voice_names
@@ -490,7 +498,14 @@ class KokoroFamily(ModelFamily):
         config = replace(config, audio_dtype=audio_dtype)  # "auto" resolved once, here
         if config.auto_slots:  # no KV slots to size: --max-num-seqs caps a batch's rows
             config = replace(config, auto_slots=False)
-        return LoadedKokoro(self, Path(root), model, packs, config)
+        loaded = LoadedKokoro(self, Path(root), model, packs, config)
+        if wanted(model.device, config):  # the decoder per (rows, frames) bucket, captured as it will serve
+            from .graphs import KokoroGraphs
+
+            with loaded._scope():
+                model.graphs = KokoroGraphs(model, config.scheduler.max_num_seqs,
+                                            config.runner.strict_cuda_graphs).capture_all()
+        return loaded
 
 
 def _audio_dtype(config, device_type: str) -> str:

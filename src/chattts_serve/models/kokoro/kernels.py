@@ -3,7 +3,7 @@
 What runs where, per utterance (``KokoroModel.synthesize``, a row at a time):
 
 - torch, fp32, as in every mode: the text side (ALBERT, the LSTMs, durations, F0 and energy), so durations, word
-  times and the F0 curve are fp32's exactly; then the sine source and its STFT (``Generator.excitation``: the
+  times and the F0 curve are fp32's exactly; then the sine source and its STFT (``Generator.harmonics``: the
   utterance's own noise generator draws there, so a seed repeats), and at the end the inverse STFT.
 - OpenVINO: the rest (``RowGraph``: the decoder's 1024-channel blocks and the generator's upsampling and
   multi-receptive-field blocks), exported once at load (ONNX, in memory), its frame axis dynamic.
@@ -94,8 +94,8 @@ class _Unpadded(Lengths):
 
 class RowGraph(nn.Module):
     """The decoder of one unpadded row after its source: ``(asr [1, C, F], f0 [1, 2F], energy [1, 2F], style
-    [1, style_dim], har [1, n_fft + 2, L]) -> spectrum [1, n_fft + 2, L]`` (``Decoder.features`` then
-    ``Generator.spectrum``): a graph to export."""
+    [1, style_dim], har [1, n_fft + 2, L]) -> spectrum [1, n_fft + 2, L]`` (``Decoder.spectra``): a graph to
+    export."""
 
     def __init__(self, decoder: nn.Module) -> None:
         super().__init__()
@@ -103,8 +103,7 @@ class RowGraph(nn.Module):
 
     def forward(self, asr: torch.Tensor, f0: torch.Tensor, energy: torch.Tensor, style: torch.Tensor,
                 har: torch.Tensor) -> torch.Tensor:
-        x, at = self.decoder.features(asr, f0, energy, style, _Unpadded())
-        return self.decoder.generator.spectrum(x, style, har, at)[0]
+        return self.decoder.spectra(asr, f0, energy, style, _Unpadded(), har)
 
 
 @contextmanager
@@ -145,8 +144,8 @@ def row_inputs(model: KokoroModel, input_ids: Sequence[int], style: torch.Tensor
     """One utterance's ``RowGraph`` inputs, computed by torch (the text side, then the source)."""
     from .model import Utterance
 
-    side = model.text_side([Utterance(input_ids, style, 1.0, generator)])
-    har = model.decoder.generator.excitation(side.f0, side.frames.scaled(2), [generator])  # F0 at 2x frames
+    side = model._text_side([Utterance(input_ids, style, 1.0, generator)])
+    har = model.decoder.generator.harmonics(side.f0, side.frames.scaled(2), [generator])  # F0 at 2x frames
     return side.asr, side.f0, side.energy, side.decoder_style, har
 
 

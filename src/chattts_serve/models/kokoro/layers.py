@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ...kernels.lengths import DeviceLengths, masked_bilstm, masked_instance_norm
+
 
 class Lengths:
     """Per-row valid lengths of a padded batch at one time rate, with the mask built once."""
@@ -86,8 +88,11 @@ def instance_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, len
 
     Rows of one length go through one kernel call. Ragged rows are normalised one by one on their own
     slices, with the same kernel a lone utterance uses, so a row's result does not depend on its batch
-    (norms are cheap next to the convolutions around them; the padding is left at zero).
+    (norms are cheap next to the convolutions around them; the padding is left at zero). Lengths on the device
+    (a CUDA graph's bucket-padded forward) take masked statistics instead: no host value.
     """
+    if isinstance(lengths, DeviceLengths):
+        return masked_instance_norm(x, weight, bias, lengths, eps)
     if not lengths.ragged:
         return F.instance_norm(x, weight=weight, bias=bias, use_input_stats=True, eps=eps)
     out = torch.zeros_like(x)
@@ -103,6 +108,8 @@ def run_lstm(lstm: nn.LSTM, x: torch.Tensor, lengths: Lengths, pack: bool = True
     ``pack=False`` runs the plain (unpacked) recurrence when no row is padded, as the package does for
     its frame-level LSTMs: packing changes the kernel and so the last bits of the result.
     """
+    if isinstance(lengths, DeviceLengths):  # a CUDA graph's padded forward: no host lengths to pack by
+        return masked_bilstm(lstm, x, lengths)
     if not pack and not lengths.ragged:
         return lstm(x)[0]
     packed = nn.utils.rnn.pack_padded_sequence(x, lengths.lengths, batch_first=True, enforce_sorted=False)

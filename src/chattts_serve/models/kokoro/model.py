@@ -63,6 +63,8 @@ class KokoroModel(nn.Module):
                                         config.n_token)
         self.decoder = Decoder(config.hidden_dim, config.style_dim, config.istftnet, config.decoder_dim,
                                config.asr_res_dim)
+        self.graphs = None
+        """The decoder's CUDA graphs per bucket (``graphs.KokoroGraphs``, on CUDA with ``--cuda-graphs``)."""
 
     text_threads: int | None = None
     """The torch threads the text side runs on (None: the caller's). ``rows.RowPool`` sets 1: a row's F0 must not
@@ -124,7 +126,8 @@ class KokoroModel(nn.Module):
         values bit for bit. That matters because the sine source integrates F0 into a phase of ~1e4-1e5
         radians over an utterance: a 1-ulp change of F0 moves the waveform by ~1e-2. ``"batch"`` runs the
         text side as one padded forward too (key-masked attention, packed LSTMs): durations still match,
-        F0 within ~1e-6 relative, and the waveform only within that phase drift.
+        F0 within ~1e-6 relative, and the waveform only within that phase drift. With ``graphs`` (CUDA graphs
+        per bucket, ``graphs.KokoroGraphs``) the text side runs through them, as ``"batch"`` does.
         """
         if prosody not in ("rows", "batch"):
             raise ValueError(f"prosody must be 'rows' or 'batch', got {prosody!r}")
@@ -134,13 +137,17 @@ class KokoroModel(nn.Module):
             self._check(i, u)
         if self.row_spectrum is not None:
             return [self._graph_row(u) for u in utterances]
+        # With CUDA graphs the text side runs as one padded forward (``graphs.KokoroGraphs.text_side``).
+        side = self.graphs.text_side(utterances) if self.graphs is not None else None
         with torch_threads(self.text_threads):
-            if prosody == "batch" or len(utterances) == 1:
-                side = self.text_side(utterances)
-            else:
-                side = _stack_sides([self.text_side([u]) for u in utterances])
-        audio = self.decoder(side.asr, side.f0, side.energy, side.decoder_style, side.frames,
-                             [u.generator for u in utterances])
+            if side is None and (prosody == "batch" or len(utterances) == 1):
+                side = self._text_side(utterances)
+            elif side is None:
+                side = _stack_sides([self._text_side([u]) for u in utterances])
+        generators = [u.generator for u in utterances]
+        audio = self.graphs.decode(side, generators) if self.graphs is not None else None
+        if audio is None:  # no graphs, or none for this batch's bucket (nothing drawn yet)
+            audio = self.decoder(side.asr, side.f0, side.energy, side.decoder_style, side.frames, generators)
         spf = self.config.samples_per_frame
         return [
             Synthesis(audio=audio[row], durations=side.durations[row, : len(u.input_ids)].cpu(),
@@ -153,14 +160,16 @@ class KokoroModel(nn.Module):
         """One utterance through ``row_spectrum`` (``kernels.attach``): the text side and the source in torch, the
         decoder's convolutions in the graph, the inverse STFT in torch."""
         with torch_threads(self.text_threads):
-            side = self.text_side([u])
+            side = self._text_side([u])
         generator = self.decoder.generator
-        har = generator.excitation(side.f0, side.frames.scaled(2), [u.generator])  # F0 runs at 2x frames
-        audio = generator.synthesise(self.row_spectrum(side.asr, side.f0, side.energy, side.decoder_style, har))
+        at = side.frames.scaled(2)  # F0's rate, where the decode blocks leave the generator
+        har = generator.harmonics(side.f0, at, [u.generator])
+        spectra = self.row_spectrum(side.asr, side.f0, side.energy, side.decoder_style, har)
+        [audio] = generator.waveforms(spectra, generator.spectrum_lengths(at))
         return Synthesis(audio=audio, durations=side.durations[0].cpu(), f0=side.f0[0].cpu(),
                          energy=side.energy[0].cpu(), samples_per_frame=self.config.samples_per_frame)
 
-    def text_side(self, utterances: Sequence[Utterance]) -> _TextSide:
+    def _text_side(self, utterances: Sequence[Utterance]) -> _TextSide:
         """Everything before the decoder, for a padded batch (one forward)."""
         device, sd = self.device, self.config.style_dim
         token_counts = torch.tensor([len(u.input_ids) for u in utterances], dtype=torch.long)

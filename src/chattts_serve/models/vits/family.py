@@ -112,6 +112,9 @@ class ServedVits(BatchModel):
     def voices(self) -> VitsVoices:
         return self._voices
 
+    def counters(self) -> dict[str, int]:
+        return self.model.graphs.counters() if self.model.graphs is not None else {}
+
     def identity(self) -> list[str]:
         from .checkpoint import ADDED_TOKENS_FILE, SPECIAL_TOKENS_FILE, VITS_FILES
 
@@ -231,10 +234,13 @@ class VitsFamily(ModelFamily):
     def request_options(self) -> tuple[OptionSpec, ...]:
         return (  # the noise scales' default is the checkpoint's (MMS-TTS: 0.667 and 0.8)
             OptionSpec("speed", "number", "Speaking rate", 1.0, *SPEED_RANGE, 0.05),
-            OptionSpec("noise_scale", "number", "noise_scale", None, 0.0, NOISE_MAX, 0.05, help="voice variation"),
+            OptionSpec(
+                "noise_scale", "number", "noise_scale", None, 0.0, NOISE_MAX, 0.05,
+                help="the prior's noise (variation of the voice within a sentence); 0: none",
+            ),
             OptionSpec(
                 "noise_scale_duration", "number", "noise_scale_duration", None, 0.0, NOISE_MAX, 0.05,
-                help="rhythm variation",
+                help="the stochastic duration predictor's noise (variation of the rhythm); 0: none",
             ),
         )
 
@@ -261,6 +267,7 @@ class VitsFamily(ModelFamily):
         decoder (``kernels``: bf16, ort-fp32); another precision is refused by name."""
         import torch
 
+        from ...engine.bucket_graphs import wanted
         from .checkpoint import CheckpointError, load
         from .kernels import attach, check_mode
         from .tokenizer import VitsTokenizer
@@ -271,6 +278,11 @@ class VitsFamily(ModelFamily):
         except CheckpointError as exc:
             raise ValueError(str(exc)) from None
         attach(model, config.precision)
+        if wanted(model.device, config):  # the flow and decoder per (rows, frames) bucket, as they serve
+            from .graphs import VitsGraphs
+
+            model.graphs = VitsGraphs(model, config.scheduler.max_num_seqs, config.runner.strict_cuda_graphs)
+            model.graphs.capture_all()
         logger.info(
             "VITS checkpoint %s: %d Hz, %d speaker(s), %s", root, model.config.sample_rate,
             model.config.num_speakers, config.precision,

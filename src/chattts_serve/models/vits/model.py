@@ -90,6 +90,8 @@ class VitsModel(nn.Module):
         self.row_decoder = None
         """A faster kernel for the flow and decoder of one unpadded row (``kernels.attach``: the CPU precision
         modes); None: eager torch."""
+        self.graphs = None
+        """The flow and decoder as CUDA graphs per bucket (``graphs.VitsGraphs``, on CUDA with ``--cuda-graphs``)."""
 
     def drop_training_modules(self) -> None:
         """Free the posterior encoder (training only; built so the load can check its weights)."""
@@ -185,6 +187,10 @@ class VitsModel(nn.Module):
         if self.row_decoder is not None and len(latents) == 1:
             lat = latents[0]
             return [self.row_decoder(lat.prior[None], None if lat.speaker is None else lat.speaker[None])]
+        if self.graphs is not None:
+            audio = self.graphs.decode(latents, self._batch_speaker(latents))
+            if audio is not None:
+                return audio
         lengths = Lengths([lat.prior.shape[-1] for lat in latents])
         dtype = self.decode_dtype
         prior = torch.zeros(len(latents), self.config.flow_size, lengths.total, device=self.device, dtype=dtype)
