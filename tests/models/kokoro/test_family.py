@@ -211,8 +211,8 @@ def test_audio_dtype_sets_the_decoder_dtype(kokoro_tiny, audio_dtype, decoder):
 
 
 def test_a_gpt_precision_is_refused_with_the_flag_that_applies(kokoro_tiny):
-    with pytest.raises(ValueError, match="--precision int8 is ChatTTS's.*--audio-dtype bf16"):
-        models.get("kokoro").load(kokoro_tiny, torch.device("cpu"), EngineConfig(precision="int8"))
+    with pytest.raises(ValueError, match="--precision int8-dynamic is ChatTTS's.*--audio-dtype, or --precision int8"):
+        models.get("kokoro").load(kokoro_tiny, torch.device("cpu"), EngineConfig(precision="int8-dynamic"))
 
 
 def test_auto_audio_dtype_is_bf16_on_cuda(kokoro_tiny, monkeypatch):

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from .model import KokoroModel
+    from .rows import RowPool
     from .text import Chunk
 
 logger = logging.getLogger(__name__)
@@ -241,6 +242,7 @@ class LoadedKokoro(BatchModel):
         self._voices = KokoroVoices(packs)
         self._g2p: dict[str, Any] = {}
         self._g2p_lock = threading.Lock()  # one G2P per language, built once, called by one thread at a time
+        self._rows: RowPool | None = None  # a CPU batch's rows, one per core (``rows``), made at the first batch
 
     @property
     def sample_rate(self) -> int:
@@ -331,6 +333,17 @@ class LoadedKokoro(BatchModel):
             out.append(Utterance(chunk.text, len(ids), inputs))
         return out
 
+    def _row_pool(self) -> RowPool:
+        import torch
+
+        from .rows import RowPool
+
+        if self._rows is None:  # sized by the engine thread's torch threads (--threads), as a lone row runs
+            self._rows = RowPool(torch.get_num_threads())
+            if self._rows.workers > 1:
+                self.model.text_threads = 1  # a row's F0 the same alone or pooled (``rows``)
+        return self._rows
+
     def _chunks(self, text: str, lang: str, split: bool) -> list[Chunk]:
         from .sentences import sentence_chunks
         from .text import G2P, G2PUnavailable, chunk_text
@@ -356,8 +369,8 @@ class LoadedKokoro(BatchModel):
         with self._scope():
             if pads_rows(self.device):
                 results = self.model.synthesize(rows)
-            else:  # each row alone (engine.batch.pads_rows: the one rule for batch families)
-                results = [r for row in rows for r in self.model.synthesize([row])]
+            else:  # each row alone (engine.batch.pads_rows: the one rule for batch families), one per core
+                results = self._row_pool().map(lambda row: self.model.synthesize([row])[0], rows)
         out = []
         rate = self.sample_rate
         for u, result in zip(batch, results, strict=True):
@@ -449,33 +462,39 @@ class KokoroFamily(ModelFamily):
         return write_random(directory, size, seed=seed)
 
     def load(self, root: Path, device: torch.device, config) -> LoadedKokoro:
-        """On ``device``, the text side in fp32 (``--precision`` is ChatTTS's GPT's: any but fp32 is refused), the
-        decoder in ``--audio-dtype`` (the name ChatTTS's audio decoder takes): fp32 (the package's bits), bf16
-        (``KokoroModel.cast_decoder``; "auto" on CUDA) or tf32 (fp32 weights, TF32 convolutions on CUDA)."""
+        """On ``device``, the text side in fp32, the decoder in ``--audio-dtype`` (the name ChatTTS's audio decoder
+        takes): fp32 (the package's bits), bf16 (``KokoroModel.cast_decoder``; "auto" on CUDA), tf32 (fp32 weights,
+        TF32 convolutions on CUDA), or on the CPU an OpenVINO graph (``kernels``: ov-fp32, ov-bf16); ``--precision
+        int8`` (the name VITS's int8 decoder takes) quantizes that graph's convolutions (``--precision`` is
+        otherwise ChatTTS's GPT's: any other is refused)."""
         import torch
 
         from ...engine.bucket_graphs import wanted
-        from ...engine.plan import resolve_audio_dtype
         from .checkpoint import load
+        from .kernels import GRAPH_DTYPES
         from .voices import load_voice, voice_names
 
-        if config.precision != "fp32":
-            raise ValueError(f"the kokoro family runs its text side in fp32; --precision {config.precision} is "
-                             "ChatTTS's (Kokoro's decoder takes --audio-dtype bf16)")
-        audio_dtype = resolve_audio_dtype(config.audio_dtype, torch.device(device).type)
-        if audio_dtype not in ("fp32", "bf16", "tf32"):
-            raise ValueError(f"the kokoro family's decoder runs in fp32, bf16 or tf32; --audio-dtype {audio_dtype} "
-                             "is ChatTTS's audio stage as one ONNX Runtime / OpenVINO graph")
+        audio_dtype = _audio_dtype(config, torch.device(device).type)
         model = load(root, device)
-        if audio_dtype == "bf16":
+        packs = {name: load_voice(root, name, model.config.voice_dim) for name in voice_names(root)}
+        if audio_dtype in ("bf16", "ov-bf16"):
             from ...cpu import probe
 
             if torch.device(device).type == "cpu" and not probe().bf16:
-                logger.warning("audio_dtype bf16 on a CPU without AVX-512 BF16 or AMX: emulated, slower than fp32")
+                logger.warning("audio_dtype %s on a CPU without AVX-512 BF16 or AMX: emulated, slower than fp32",
+                               audio_dtype)
+        if audio_dtype == "bf16":
             model.cast_decoder(torch.bfloat16)
-        if config.runner.compile:
+        if audio_dtype in GRAPH_DTYPES:
+            from .kernels import attach
+            from .voices import style_for
+
+            pack = packs[DEFAULT_VOICE if DEFAULT_VOICE in packs else min(packs)]  # int8 calibrates in it
+            attach(model, audio_dtype, config.precision == "int8", torch.get_num_threads(), style_for(pack, 40))
+            if config.runner.compile:
+                logger.info("--compile: the torch decoder's; the %s graph runs in its place", audio_dtype)
+        elif config.runner.compile:
             model.compile_decoder()
-        packs = {name: load_voice(root, name, model.config.voice_dim) for name in voice_names(root)}
         config = replace(config, audio_dtype=audio_dtype)  # "auto" resolved once, here
         if config.auto_slots:  # no KV slots to size: --max-num-seqs caps a batch's rows
             config = replace(config, auto_slots=False)
@@ -487,3 +506,30 @@ class KokoroFamily(ModelFamily):
                 model.graphs = KokoroGraphs(model, config.scheduler.max_num_seqs,
                                             config.runner.strict_cuda_graphs).capture_all()
         return loaded
+
+
+def _audio_dtype(config, device_type: str) -> str:
+    """The decoder's mode from ``--audio-dtype`` and ``--precision`` (resolved once; ValueError naming the flag where
+    Kokoro cannot run the pair). int8 is the OpenVINO graph's: "auto" is then ov-bf16 where the CPU has bf16."""
+    from ...engine.plan import resolve_audio_dtype
+    from .kernels import GRAPH_DTYPES
+
+    if config.precision not in ("fp32", "int8"):
+        raise ValueError(f"the kokoro family runs its text side in fp32; --precision {config.precision} is "
+                         "ChatTTS's (Kokoro's decoder takes --audio-dtype, or --precision int8)")
+    if config.precision == "int8":
+        if device_type != "cpu":
+            raise ValueError("--precision int8 runs Kokoro's decoder on the CPU (OpenVINO); on an accelerator use "
+                             "--audio-dtype bf16")
+        if config.audio_dtype == "auto":
+            from ...cpu import probe
+
+            return "ov-bf16" if probe().bf16 else "ov-fp32"
+    audio_dtype = resolve_audio_dtype(config.audio_dtype, device_type)
+    if config.precision == "int8" and audio_dtype not in GRAPH_DTYPES:
+        raise ValueError(f"--precision int8 quantizes Kokoro's OpenVINO graph; --audio-dtype {audio_dtype} is not "
+                         f"one (take {', '.join(GRAPH_DTYPES)} or auto)")
+    if audio_dtype not in ("fp32", "bf16", "tf32", *GRAPH_DTYPES):
+        raise ValueError(f"the kokoro family's decoder runs in fp32, bf16, tf32, {', '.join(GRAPH_DTYPES)}; "
+                         f"--audio-dtype {audio_dtype} is ChatTTS's audio stage through ONNX Runtime")
+    return audio_dtype

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,6 +26,10 @@ from .config import KokoroConfig
 from .decoder import Decoder
 from .layers import Lengths, masked
 from .prosody import ProsodyPredictor, TextEncoder
+from .rows import torch_threads
+
+if TYPE_CHECKING:
+    from .kernels import RowSpectrum
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,14 @@ class KokoroModel(nn.Module):
                                config.asr_res_dim)
         self.graphs = None
         """The decoder's CUDA graphs per bucket (``graphs.KokoroGraphs``, on CUDA with ``--cuda-graphs``)."""
+
+    text_threads: int | None = None
+    """The torch threads the text side runs on (None: the caller's). ``rows.RowPool`` sets 1: a row's F0 must not
+    depend on the thread count it happened to run with (a 1-ulp change of F0 moves the waveform by ~1e-1 through
+    the sine phase, and the LSTMs' last bits do change with it), and one thread is what a pooled row has."""
+    row_spectrum: RowSpectrum | None = None
+    """The decoder after its source as a compiled graph for one unpadded row (``kernels.attach``: the OpenVINO modes);
+    None: torch runs it."""
 
     @property
     def device(self) -> torch.device:
@@ -122,12 +135,15 @@ class KokoroModel(nn.Module):
             return []
         for i, u in enumerate(utterances):
             self._check(i, u)
+        if self.row_spectrum is not None:
+            return [self._graph_row(u) for u in utterances]
         # With CUDA graphs the text side runs as one padded forward (``graphs.KokoroGraphs.text_side``).
         side = self.graphs.text_side(utterances) if self.graphs is not None else None
-        if side is None and (prosody == "batch" or len(utterances) == 1):
-            side = self._text_side(utterances)
-        elif side is None:
-            side = _stack_sides([self._text_side([u]) for u in utterances])
+        with torch_threads(self.text_threads):
+            if side is None and (prosody == "batch" or len(utterances) == 1):
+                side = self._text_side(utterances)
+            elif side is None:
+                side = _stack_sides([self._text_side([u]) for u in utterances])
         generators = [u.generator for u in utterances]
         audio = self.graphs.decode(side, generators) if self.graphs is not None else None
         if audio is None:  # no graphs, or none for this batch's bucket (nothing drawn yet)
@@ -139,6 +155,19 @@ class KokoroModel(nn.Module):
                       samples_per_frame=spf)
             for row, (u, f) in enumerate(zip(utterances, side.frames.lengths.tolist(), strict=True))
         ]
+
+    def _graph_row(self, u: Utterance) -> Synthesis:
+        """One utterance through ``row_spectrum`` (``kernels.attach``): the text side and the source in torch, the
+        decoder's convolutions in the graph, the inverse STFT in torch."""
+        with torch_threads(self.text_threads):
+            side = self._text_side([u])
+        generator = self.decoder.generator
+        at = side.frames.scaled(2)  # F0's rate, where the decode blocks leave the generator
+        har = generator.harmonics(side.f0, at, [u.generator])
+        spectra = self.row_spectrum(side.asr, side.f0, side.energy, side.decoder_style, har)
+        [audio] = generator.waveforms(spectra, generator.spectrum_lengths(at))
+        return Synthesis(audio=audio, durations=side.durations[0].cpu(), f0=side.f0[0].cpu(),
+                         energy=side.energy[0].cpu(), samples_per_frame=self.config.samples_per_frame)
 
     def _text_side(self, utterances: Sequence[Utterance]) -> _TextSide:
         """Everything before the decoder, for a padded batch (one forward)."""
