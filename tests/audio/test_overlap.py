@@ -341,18 +341,24 @@ def test_an_error_on_the_worker_fails_its_submission_only(model, monkeypatch):
     dec.close()
 
 
-def _engine(tiny_ckpt, overlap: str):
+def _engine(tiny_ckpt, overlap: str, audio_dtype: str = "auto"):
     from chattts_serve import Engine
     from chattts_serve.engine.config import EngineConfig
 
-    return Engine.from_pretrained(tiny_ckpt, device="cpu", config=EngineConfig.with_slots(4, audio_overlap=overlap))
+    config = EngineConfig.with_slots(4, audio_overlap=overlap, audio_dtype=audio_dtype)
+    return Engine.from_pretrained(tiny_ckpt, device="cpu", config=config)
 
 
-def test_a_cpu_worker_gives_every_stream_and_text_the_inline_audio_bit_for_bit(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("audio_dtype", ["fp32", "bf16", "ov-bf16"])
+def test_a_cpu_worker_gives_every_stream_and_text_the_inline_audio_bit_for_bit(tiny_ckpt, monkeypatch, audio_dtype):
     """Overlap on a CPU (the worker thread; exact-length windows, the CPU's default) against the inline decode:
     the same codes and the same audio to the bit, streaming (several streams at once, windows left in flight
-    across steps) and offline (texts of different lengths: their one-shot windows come at different steps)."""
+    across steps) and offline (texts of different lengths: their one-shot windows come at different steps).
+    torch's decode and an OpenVINO graph (its own thread pool, called from the worker)."""
     from chattts_serve import SamplingParams
+
+    if audio_dtype.startswith("ov-"):
+        pytest.importorskip("openvino")
 
     texts = ["今天天气真不错。", "你好。", "我们一起去公园散步吧。"]
     where: set[str] = set()
@@ -362,7 +368,7 @@ def test_a_cpu_worker_gives_every_stream_and_text_the_inline_audio_bit_for_bit(t
     )
     stream, offline = {}, {}
     for mode in ("off", "on"):
-        engine = _engine(tiny_ckpt, mode)
+        engine = _engine(tiny_ckpt, mode, audio_dtype)
         assert isinstance(engine.core.stage.decoder.streams, ThreadStreams if mode == "on" else InlineStreams)
         stream[mode] = _stream_run(engine, texts)
         params = [SamplingParams(seed=3, refine_text=False, min_new_tokens=n, max_new_tokens=n) for n in (30, 45, 60)]
