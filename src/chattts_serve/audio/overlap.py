@@ -16,7 +16,7 @@ Ordering and lifetimes, by construction:
   by an event; ``collect`` reads a batch only after that event (``query`` to poll, ``synchronize``
   to wait): never a blocking pageable ``.cpu()``.
 
-On a CPU the audio stream is a worker thread (``ThreadStreams``, ``audio.cpu_stream``): ``submit`` hands the
+With overlap on a CPU the audio stream is a worker thread (``ThreadStreams``): ``submit`` hands the
 decode to it and returns, the engine thread runs the next step (ONNX Runtime, OpenVINO and torch kernels
 release the GIL) on the other core, and the event is the worker's future. Without overlap every stream
 operation is a no-op (``InlineStreams``): the work is done when submitted and collected at once, in the step
@@ -352,7 +352,8 @@ class AudioDecoder:
         self._busy.clear()
 
     def close(self) -> None:
-        """``drop``, then let go of the audio stream (a CPU's worker thread: joined). The decoder is not used after."""
+        """``drop``, then let go of the audio stream (a CPU's worker thread: joined; a later ``submit`` starts
+        another)."""
         self.drop()
         self.streams.close()
 
