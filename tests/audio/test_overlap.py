@@ -6,6 +6,7 @@ of the stream and event operations (the part that makes it right on CUDA) is che
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from chattts_serve.audio import decode as decode_module
-from chattts_serve.audio.overlap import AudioDecoder, InlineStreams
+from chattts_serve.audio.overlap import AudioDecoder, InlineStreams, ThreadStreams
 
 from .test_decode import _windows
 
@@ -269,3 +270,227 @@ def test_a_voice_steps_codes_come_back_at_a_later_step(tiny_ckpt, monkeypatch):
         finished += sum(o.finished for o in core.step())
     assert finished == 2 and len(encoded) == 1 and len(sampled) == 1
     assert sampled[0] > encoded[0]  # taken at a later step, not waited for
+
+
+# ---------------------------------------------------------------- a CPU's worker thread (``ThreadStreams``)
+
+
+def _audio_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("chattts-audio")]
+
+
+def test_a_cpu_stream_decodes_on_its_worker_while_the_host_goes_on(model, monkeypatch):
+    """``submit`` returns while the worker is still decoding; ``collect`` waits only when told to; the audio is
+    the inline decode's, bit for bit; ``close`` joins the worker."""
+    streams = ThreadStreams(threads=1)
+    gate = threading.Event()
+    seen: list[tuple[str, bool, int]] = []
+    real = decode_module._decode_batch
+
+    def held(*args):
+        me = threading.current_thread()
+        seen.append((me.name, torch.is_inference_mode_enabled(), torch.get_num_threads()))
+        if me is not threading.main_thread():
+            assert gate.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(decode_module, "_decode_batch", held)
+    dec = AudioDecoder(model, torch.device("cpu"), "fp32", overlap=True, buckets=False, streams=streams)
+    entries = _entries(model, [6, 9, 6])
+    assert dec.submit(entries) == []
+    assert dec.collect(wait=False) == [] and dec.in_flight == 1  # the worker is held: nothing done, no wait
+    assert all(dec.busy(w.stream) for _, _, w in entries) and len(_audio_threads()) == 1
+    gate.set()
+    [(got, audio)] = dec.collect(wait=True)
+    assert got == entries and dec.in_flight == 0
+    # Two calls (lengths 6 and 9), both on the worker, without autograd, at the worker's thread count.
+    assert [(n.startswith("chattts-audio"), inference, threads) for n, inference, threads in seen] == [
+        (True, True, 1)
+    ] * 2
+    want = decode_module.decode_windows(model, [w for _, _, w in entries])
+    for a, b in zip(want, audio, strict=True):
+        np.testing.assert_array_equal(b, a)
+    dec.close()
+    assert not _audio_threads()
+    dec.submit(_entries(model, [5]))  # a closed worker starts again at the next work
+    [(_, [again])] = dec.collect(wait=True)
+    assert again.shape == (512 * 5 - 256,)
+    dec.close()
+    assert not _audio_threads()
+
+
+def test_an_error_on_the_worker_fails_its_submission_only(model, monkeypatch):
+    from chattts_serve.audio import overlap as overlap_module
+
+    real = overlap_module.decode_on_device
+
+    def broken(model, windows, *args, **kw):
+        if len(windows) == 2:
+            raise RuntimeError("worker broke")
+        return real(model, windows, *args, **kw)
+
+    monkeypatch.setattr(overlap_module, "decode_on_device", broken)
+    dec = AudioDecoder(model, torch.device("cpu"), "fp32", overlap=True, buckets=False, streams=ThreadStreams(1))
+    first, second = _entries(model, [5, 6]), _entries(model, [7])
+    dec.submit(first)
+    dec.submit(second)
+    (got1, audio1), (got2, audio2) = dec.collect(wait=True)
+    assert got1 == first and [str(a) for a in audio1] == ["worker broke"] * 2
+    assert got2 == second and audio2[0].shape == (512 * 7 - 256,)
+    assert not any(dec.busy(w.stream) for _, _, w in first + second)
+    dec.close()
+
+
+def _engine(tiny_ckpt, overlap: str, audio_dtype: str = "auto"):
+    from chattts_serve import Engine
+    from chattts_serve.engine.config import EngineConfig
+
+    config = EngineConfig.with_slots(4, audio_overlap=overlap, audio_dtype=audio_dtype)
+    return Engine.from_pretrained(tiny_ckpt, device="cpu", config=config)
+
+
+@pytest.mark.parametrize("audio_dtype", ["fp32", "bf16", "ov-bf16"])
+def test_a_cpu_worker_gives_every_stream_and_text_the_inline_audio_bit_for_bit(tiny_ckpt, monkeypatch, audio_dtype):
+    """Overlap on a CPU (the worker thread; exact-length windows, the CPU's default) against the inline decode:
+    the same codes and the same audio to the bit, streaming (several streams at once, windows left in flight
+    across steps) and offline (texts of different lengths: their one-shot windows come at different steps).
+    torch's decode and an OpenVINO graph (its own thread pool, called from the worker)."""
+    from chattts_serve import SamplingParams
+
+    if audio_dtype.startswith("ov-"):
+        pytest.importorskip("openvino")
+
+    texts = ["今天天气真不错。", "你好。", "我们一起去公园散步吧。"]
+    where: set[str] = set()
+    real = decode_module._decode_batch
+    monkeypatch.setattr(
+        decode_module, "_decode_batch", lambda *a: (where.add(threading.current_thread().name[:13]), real(*a))[1]
+    )
+    stream, offline = {}, {}
+    for mode in ("off", "on"):
+        engine = _engine(tiny_ckpt, mode, audio_dtype)
+        assert isinstance(engine.core.stage.decoder.streams, ThreadStreams if mode == "on" else InlineStreams)
+        stream[mode] = _stream_run(engine, texts)
+        params = [SamplingParams(seed=3, refine_text=False, min_new_tokens=n, max_new_tokens=n) for n in (30, 45, 60)]
+        offline[mode] = engine.synthesize(texts, params)
+        engine.close()
+    assert where == {"MainThread", "chattts-audio"} and not _audio_threads()
+    (want, want_final, inline), (got, got_final, deferred) = stream["off"], stream["on"]
+    assert inline == 0 and deferred >= 1
+    for rid in want:
+        for a, b in zip(got_final[rid].segments, want_final[rid].segments, strict=True):
+            np.testing.assert_array_equal(a.codes, b.codes)
+        assert got[rid].size > 0
+        np.testing.assert_array_equal(got[rid], want[rid], err_msg=rid)
+    for a, b in zip(offline["on"], offline["off"], strict=True):
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_array_equal(a.audio, b.audio)
+
+
+def _one_shot_core(engine, lengths: dict[str, int]):
+    from chattts_serve import SamplingParams
+    from chattts_serve.audio.policy import StreamPolicy
+
+    core = engine.core
+    for rid, n in lengths.items():
+        p = SamplingParams(seed=7, refine_text=False, min_new_tokens=n, max_new_tokens=n)
+        core.add_request(rid, core.prepare("今天天气真不错。", p), StreamPolicy.one_shot())
+    return core
+
+
+def _drain(core, on_step=None) -> dict:
+    audio, finals = {}, {}
+    for step in range(2000):
+        if not core.has_unfinished():
+            break
+        if on_step is not None:
+            on_step(step)
+        for out in core.step():
+            audio.setdefault(out.request_id, []).append(out.audio)
+            if out.finished:
+                finals[out.request_id] = (out, np.concatenate(audio[out.request_id]))
+    assert not core.has_unfinished()
+    return finals
+
+
+def test_a_window_that_fails_on_the_worker_fails_its_request_and_the_engine_serves_on(tiny_ckpt, monkeypatch):
+    real = decode_module._decode_batch
+
+    def fail_45(model, h, *rest):
+        if h.shape[1] == 45:  # the one-shot window of r1 (its own length: a batch of its own)
+            raise ValueError("bad window")
+        return real(model, h, *rest)
+
+    engine = _engine(tiny_ckpt, "on")
+    want = _drain(_one_shot_core(engine, {"r0": 30, "r2": 60}))
+    monkeypatch.setattr(decode_module, "_decode_batch", fail_45)
+    got = _drain(_one_shot_core(engine, {"r0": 30, "r1": 45, "r2": 60}))
+    assert got["r1"][0].finish_reason == "error" and "bad window" in got["r1"][0].error
+    for rid in ("r0", "r2"):
+        assert got[rid][0].finish_reason == "length"
+        np.testing.assert_array_equal(got[rid][1], want[rid][1])
+    after = _drain(_one_shot_core(engine, {"r3": 20}))  # the worker and the engine go on
+    assert after["r3"][0].finish_reason == "length" and after["r3"][1].shape == (512 * 20 - 256,)
+    engine.close()
+    assert not _audio_threads()
+
+
+def test_aborting_a_request_whose_window_is_on_the_worker_leaves_the_others_whole(tiny_ckpt, monkeypatch):
+    gate = threading.Event()
+    real = decode_module._decode_batch
+
+    def held(*args):
+        if threading.current_thread() is not threading.main_thread():
+            assert gate.wait(60)
+        return real(*args)
+
+    engine = _engine(tiny_ckpt, "on")
+    want = _drain(_one_shot_core(engine, {"r0": 30, "r1": 45}))
+    monkeypatch.setattr(decode_module, "_decode_batch", held)
+    core = _one_shot_core(engine, {"r0": 30, "r1": 45})
+    aborted = []
+
+    def abort_in_flight(step):
+        dec = core.stage.decoder
+        if not aborted and dec.in_flight:  # r0's window is held on the worker
+            [entries] = [p.entries for p in dec._pending]
+            assert [rid for rid, _, _ in entries] == ["r0"]
+            aborted.append(core.abort("r0"))
+            gate.set()
+
+    got = _drain(core, abort_in_flight)
+    assert aborted == [True] and got["r0"][0].finish_reason == "aborted"
+    assert got["r1"][0].finish_reason == "length"
+    np.testing.assert_array_equal(got["r1"][1], want["r1"][1])
+    dec = core.stage.decoder
+    assert dec.in_flight == 0 and not dec._busy
+    engine.close()
+    assert not _audio_threads()
+
+
+def test_the_async_engine_joins_the_worker_when_it_shuts_down(tiny_ckpt):
+    import asyncio
+
+    from chattts_serve import SamplingParams
+    from chattts_serve.engine.async_engine import AsyncEngine
+    from chattts_serve.engine.config import EngineConfig
+
+    engine = AsyncEngine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(2, audio_overlap="on"))
+    engine.start()
+    alive: list[int] = []
+
+    async def stream():
+        p = SamplingParams(seed=1, refine_text=False, min_new_tokens=40, max_new_tokens=40)
+        chunks = []
+        async for chunk in engine.stream("今天天气真不错。", p):
+            alive.append(len(_audio_threads()))
+            chunks.append(chunk)
+        return chunks
+
+    try:
+        chunks = asyncio.run(asyncio.wait_for(stream(), 120))
+    finally:
+        engine.shutdown()
+    assert chunks[-1].finished and sum(len(c.audio) for c in chunks) == 512 * 40 - 256
+    assert max(alive) == 1  # the decode ran on the worker
+    assert not _audio_threads()

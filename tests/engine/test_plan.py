@@ -62,6 +62,19 @@ def test_host_ahead_audio_graphs_and_the_attention_kernel(monkeypatch):
         flex_decode.choose.cache_clear()
 
 
+def test_a_cpu_overlaps_the_audio_by_default_when_the_engine_has_another_core(monkeypatch):
+    """auto on a CPU: the audio worker beside the trunk with 2 or more torch threads (the engine's share of the
+    machine), not with 1 (a replica of several on one box); on and off are taken as they are."""
+    for threads, want in ((1, False), (2, True), (16, True)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
+        plan = resolve_plan(EngineConfig(), "cpu")
+        assert plan.audio_overlap is want
+        assert f"overlap {'on' if want else 'off'}" in plan.describe()
+        assert resolve_plan(from_flat(audio_overlap="off"), "cpu").audio_overlap is False
+        assert resolve_plan(from_flat(audio_overlap="on"), "cpu").audio_overlap is True
+    assert not resolve_plan(EngineConfig(), "cpu").audio_buckets  # exact-length windows: bit-exact audio
+
+
 def test_explicit_values_pass_through():
     config = from_flat(
         decode="static",

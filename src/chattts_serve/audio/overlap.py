@@ -16,16 +16,22 @@ Ordering and lifetimes, by construction:
   by an event; ``collect`` reads a batch only after that event (``query`` to poll, ``synchronize``
   to wait): never a blocking pageable ``.cpu()``.
 
-On a CPU every stream operation is a no-op (``InlineStreams``): the work is done when submitted, and the
-same code runs (the tests drive it). ``overlap`` off (the CPU default) collects at once, in the step
-that submitted: today's behaviour.
+With overlap on a CPU the audio stream is a worker thread (``ThreadStreams``): ``submit`` hands the
+decode to it and returns, the engine thread runs the next step (ONNX Runtime, OpenVINO and torch kernels
+release the GIL) on the other core, and the event is the worker's future. Without overlap every stream
+operation is a no-op (``InlineStreams``): the work is done when submitted and collected at once, in the step
+that submitted. One code path for the three: ``Streams.run`` queues the work on the audio stream (CUDA: its
+kernels, launched now; threads: the call itself) and gives back its value with the event after which the
+value may be read.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,8 +53,18 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
 
+class Queued(Protocol):
+    """Work queued on a stream: an ``Event`` whose ``value`` may be read once it has happened."""
+
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def value(self) -> Any:
+        """The work's return value (raises what the work raised)."""
+        ...
+
+
 class Streams(Protocol):
-    """The stream operations the decoder uses (``torch.cuda`` on CUDA, no-ops on a CPU)."""
+    """The stream operations the decoder uses (``torch.cuda`` on CUDA, a worker thread or no-ops on a CPU)."""
 
     def current(self) -> Any: ...
     def new(self) -> Any: ...
@@ -57,6 +73,13 @@ class Streams(Protocol):
     def wait(self, stream: Any, event: Event) -> None: ...
     def keep(self, tensor: torch.Tensor, stream: Any) -> None: ...
     def pinned(self) -> bool: ...
+    def run(self, stream: Any, work: Callable[[], Any]) -> Queued:
+        """``work`` on ``stream``: its stream operations and kernels ordered on it, its value readable once
+        the result has happened."""
+        ...
+    def close(self) -> None:
+        """Let go of what ``new`` made (a worker thread: joined, after the work queued on it)."""
+        ...
 
 
 class _Done:
@@ -69,8 +92,37 @@ class _Done:
         pass
 
 
-class InlineStreams:
-    """A CPU: one implicit stream, work done in program order; every operation a no-op."""
+@dataclass(slots=True)
+class _Launched:
+    """Work whose launch returned ``result`` (CUDA: its kernels queued), to be read once ``done`` has happened."""
+
+    result: Any
+    done: Event
+
+    def query(self) -> bool:
+        return self.done.query()
+
+    def synchronize(self) -> None:
+        self.done.synchronize()
+
+    def value(self) -> Any:
+        return self.result
+
+
+class _Launching:
+    """``run`` where the calling thread launches the work itself: in ``stream``'s scope, an event after it."""
+
+    def run(self, stream: Any, work: Callable[[], Any]) -> Queued:
+        with self.use(stream):  # type: ignore[attr-defined]
+            result = work()
+            return _Launched(result, self.record(stream))  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        pass
+
+
+class InlineStreams(_Launching):
+    """A CPU without overlap: one implicit stream, work done in program order; every operation a no-op."""
 
     def current(self) -> None:
         return None
@@ -94,7 +146,7 @@ class InlineStreams:
         return False
 
 
-class CudaStreams:
+class CudaStreams(_Launching):
     """The streams of one CUDA device."""
 
     def __init__(self, device: torch.device) -> None:
@@ -122,6 +174,82 @@ class CudaStreams:
         return True
 
 
+class _Finished:
+    """A worker's future as an event: it has happened when the call has returned (or raised)."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def query(self) -> bool:
+        return self.future.done()
+
+    def synchronize(self) -> None:
+        wait_for([self.future])  # its error, if any, is the value's
+
+    def value(self) -> Any:
+        return self.future.result()
+
+
+class _Worker:
+    """One thread of its own for the audio stream, started at its first work (again after ``close``)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, work: Callable[[], Any]) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="chattts-audio",
+                initializer=torch.set_num_threads,
+                initargs=(self.threads,),
+            )
+        return self._pool.submit(_without_grad, work)
+
+    def close(self) -> None:
+        """Join the thread once the work queued on it is done."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _without_grad(work: Callable[[], Any]) -> Any:
+    with torch.inference_mode():
+        return work()
+
+
+class ThreadStreams(InlineStreams):
+    """A CPU with the audio stream on a worker thread of its own ("a CPU stream"): ``new`` makes the worker
+    (one thread, started at its first work, joined by ``close``), and ``run`` on it returns at once with the
+    call's future as the event. The engine thread is ``current``: work run there is done when ``run`` returns.
+
+    Threads: torch's intra-op thread count is per calling thread under OpenMP (torch's CPU backend here:
+    ``omp_set_num_threads`` sets the caller's own count; a new thread starts from the last count set anywhere),
+    so the worker sets its own, ``threads`` (default: the engine thread's at construction), and the engine
+    thread's stays as it was. ONNX Runtime and OpenVINO graphs run on their sessions' own pools
+    (``audio.cpu_graph``: their thread count was fixed when they were built). Each call on the worker runs under
+    ``torch.inference_mode``: grad mode and autocast are per thread, the engine thread's do not carry over."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or torch.get_num_threads()
+        self._workers: list[_Worker] = []
+
+    def new(self) -> _Worker:
+        worker = _Worker(self.threads)
+        self._workers.append(worker)
+        return worker
+
+    def run(self, stream: Any, work: Callable[[], Any]) -> Queued:
+        if not isinstance(stream, _Worker):  # the engine thread's own stream
+            return super().run(stream, work)
+        return _Finished(stream.submit(work))
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.close()
+
+
 Entry = tuple[Any, Any, Window]
 """(request id, segment, window), as ``RequestPipeline.windows`` gives them."""
 
@@ -129,9 +257,8 @@ Entry = tuple[Any, Any, Window]
 @dataclass(slots=True)
 class _Pending:
     entries: list[Entry]
-    batches: list[DecodedBatch]
-    host: list[torch.Tensor | None]  # per batch: its audio on the host, complete once ``done`` has happened
-    done: Event
+    done: Queued
+    """Its value: (the ``DecodedBatch``es, per batch its audio on the host or None), once it has happened."""
 
 
 class AudioDecoder:
@@ -148,11 +275,14 @@ class AudioDecoder:
         max_in_flight: int = 2,
     ) -> None:
         """``dtype``: resolved (``engine.plan.ExecutionPlan.audio_dtype``). ``overlap``: collect at a later step
-        (on CUDA: the decode runs on its own stream). ``buckets``: pad windows to fixed lengths.
-        ``max_in_flight``: submissions not yet collected before the decoder is ``full``."""
+        (the decode runs on its own stream: CUDA's, or a CPU's worker thread). ``buckets``: pad windows to fixed
+        lengths. ``max_in_flight``: submissions not yet collected before the decoder is ``full``."""
         self.model, self.dtype, self.overlap, self.buckets = model, dtype, overlap, buckets
         self.device = device
-        self.streams = streams or (CudaStreams(device) if device.type == "cuda" else InlineStreams())
+        if streams is None:
+            cuda = device.type == "cuda"
+            streams = CudaStreams(device) if cuda else ThreadStreams() if overlap else InlineStreams()
+        self.streams = streams
         self.stream = self.streams.new() if overlap else self.streams.current()
         self.max_in_flight = max(1, max_in_flight)
         self.graphs: AudioGraphs | None = None
@@ -184,19 +314,23 @@ class AudioDecoder:
         out: list[tuple[list[Entry], list[np.ndarray | Exception]]] = []
         if not entries:
             return out
-        s = self.streams
+        s, stream = self.streams, self.stream
         ready = s.record(s.current())  # after this step's hidden states were written
         windows = [w for _, _, w in entries]
-        with s.use(self.stream):
-            s.wait(self.stream, ready)
+
+        def work() -> tuple[list[DecodedBatch], list[torch.Tensor | None]]:
+            # On a worker thread this reads the streams' hidden-state rows while the engine thread writes the
+            # next step's: other rows, or later steps of these (a stream has one window in flight at most).
+            s.wait(stream, ready)
             for w in windows:
-                s.keep(w.stream.hidden, self.stream)
+                s.keep(w.stream.hidden, stream)
             batches = decode_on_device(self.model, windows, self.dtype, buckets=self.buckets, graphs=self.graphs)
             host = [self._to_host(b.wav) if b.wav is not None else None for b in batches]
-            done = s.record(self.stream)
-        for b in batches:
-            b.wav = None  # on the audio stream's pool: reused only by its later work, after the copy
-        self._pending.append(_Pending(entries, batches, host, done))
+            for b in batches:
+                b.wav = None  # on the audio stream's pool: reused only by its later work, after the copy
+            return batches, host
+
+        self._pending.append(_Pending(entries, s.run(stream, work)))
         self._busy.update(id(w.stream) for w in windows)
         return out
 
@@ -217,6 +351,12 @@ class AudioDecoder:
             self._pending.popleft().done.synchronize()
         self._busy.clear()
 
+    def close(self) -> None:
+        """``drop``, then let go of the audio stream (a CPU's worker thread: joined; a later ``submit`` starts
+        another)."""
+        self.drop()
+        self.streams.close()
+
     def _to_host(self, wav: torch.Tensor) -> torch.Tensor:
         if not self.streams.pinned():
             return wav.cpu()
@@ -231,11 +371,12 @@ class AudioDecoder:
         try:
             if not waited:
                 p.done.synchronize()
-        except Exception as exc:  # an asynchronous device error surfaces here: fail the whole submission
-            logger.exception("audio decode failed on the device")
+            batches, hosts = p.done.value()
+        except Exception as exc:  # an asynchronous device error, or the worker's: fail the whole submission
+            logger.exception("audio decode failed")
             return p.entries, [exc] * len(p.entries)
         pinned = self.streams.pinned()
-        for batch, host in zip(p.batches, p.host, strict=True):
+        for batch, host in zip(batches, hosts, strict=True):
             wav = host.numpy() if host is not None else None
             for row, (i, n) in enumerate(zip(batch.index, batch.samples, strict=True)):
                 if wav is None:

@@ -345,6 +345,11 @@ class AsyncEngine:
             self._fail_device_calls(EngineDeadError(f"engine loop crashed: {exc}"))
             for c in list(self._collectors.values()):
                 c.fail(EngineDeadError(f"engine loop crashed: {exc}"))
+        finally:
+            try:
+                self.core.close()  # the engine's own threads (a CPU's audio worker) end with its loop
+            except Exception:
+                logger.exception("closing the engine failed")
 
     def _step(self) -> list[RequestOutput]:
         """One engine step. An unexpected error (the core guards the model and the audio itself) fails

@@ -228,6 +228,9 @@ class BatchStage:
     def reset(self) -> None:
         self._by_seq.clear()
 
+    def close(self) -> None:
+        pass  # no threads of its own
+
     def counters(self) -> dict[str, int]:
         return self.model.counters()
 

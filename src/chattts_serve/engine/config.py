@@ -99,9 +99,9 @@ class EngineConfig:
     or "bf16" (autocast; 1.6-2.4x faster where the CPU has AVX-512 BF16 or AMX, ~36 dB SNR against
     fp32; slower elsewhere, see ``cpu.CpuInfo.bf16``). "auto": bf16 on CUDA, fp32 elsewhere."""
     audio_overlap: str = "auto"
-    """"on": the audio decode runs on a CUDA stream of its own, overlapping the next GPT step, and its
-    audio is taken at a later step (``audio.overlap``); "off": inside the step, as on a CPU. "auto": on
-    for CUDA."""
+    """"on": the audio decode runs beside the next GPT step, its audio taken at a later step (``audio.overlap``):
+    on CUDA on a stream of its own, on a CPU on a worker thread (the other core); "off": inside the step.
+    "auto": on for CUDA, and on a CPU with 2 or more torch threads (``engine.plan``)."""
     audio_graphs: str = "auto"
     """"on": Decoder + Vocos as CUDA graphs per window bucket, captured at start-up on the audio stream
     (``audio.graphs``; needs the overlapped, bucketed decode on CUDA). "auto": on where those are."""
@@ -189,12 +189,13 @@ _HELP = {
     "audio_dtype": "Decoder + Vocos dtype: fp32 (reference-exact, no TF32), tf32 (CUDA) or bf16 (faster on CPUs with "
     "AVX-512 BF16 / AMX); CPU only, as one graph: ort-fp32 (ONNX Runtime), ov-fp32 / ov-bf16 (OpenVINO), "
     "faster than torch's at the same dtype, not bit-exact; auto: bf16 on CUDA, fp32 elsewhere",
-    "audio_overlap": "audio decode on its own CUDA stream, overlapping the next GPT step (auto: on for CUDA)",
+    "audio_overlap": "audio decode beside the next GPT step: its own CUDA stream, or a CPU worker thread "
+    "(auto: on for CUDA, and on a CPU with 2 or more --threads)",
     "audio_buckets": "pad audio windows to a few fixed lengths so shapes repeat (auto: on for CUDA)",
     "audio_graphs": "Decoder + Vocos as CUDA graphs per window bucket, captured at start-up on the audio stream "
     "(auto: on for CUDA with the overlapped, bucketed decode)",
     "host_ahead": "queue step n+1 before reading step n's tokens, the host's work overlapping the device's "
-    "(auto: on for CUDA)",
+    "(auto: on for CUDA, and on a CPU with 2 or more --threads)",
 }
 
 

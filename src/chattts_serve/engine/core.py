@@ -216,6 +216,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.config.scheduler)
         return outputs
 
+    def close(self) -> None:
+        """Let go of the stage's threads (``Stage.close``); the core is not stepped after."""
+        self.stage.close()
+
     def _fail(self, request_id: str, message: str) -> None:
         if self.stage.end(request_id, "error", message):
             self.scheduler.abort(request_id)

@@ -148,6 +148,11 @@ class Engine:
         self._chattts("the model runner")
         return self.core.stage.runner
 
+    def close(self) -> None:
+        """Let go of the engine's own threads (on a CPU with ``audio_overlap``: the audio worker, joined); the
+        engine is not used after. Without it they go with the engine (or at exit)."""
+        self.core.close()
+
     def sample_speaker(self, seed: int | None = None) -> str:
         """A random speaker string (compatible with the reference's ``sample_random_speaker``: the same
         global torch seed on CPU gives the same string)."""

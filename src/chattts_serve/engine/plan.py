@@ -132,7 +132,13 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
     # either; the probe runs once a process). Off CUDA the masked SDPA unless forced.
     attention = flex_decode.choose(device_type, kv_dtype) if decode in ("static", "step-graph") else "sdpa"
     audio_dtype = resolve_audio_dtype(config.audio_dtype, device_type)
-    overlap = config.audio_overlap == "on" or (config.audio_overlap == "auto" and cuda)
+    # On a CPU the overlapped decode runs on a worker thread beside the trunk: it needs a core of the engine's
+    # own beside the engine thread's. torch's thread count is the engine's share of the machine (a replica of
+    # several on one box gets 1): with 2 or more, auto overlaps (BENCHMARKS.md: 8 % off the ragged offline
+    # wall, 4-12 % off one stream's RTF on 2 cores; no loss where the audio has nothing to overlap with).
+    overlap = config.audio_overlap == "on" or (
+        config.audio_overlap == "auto" and (cuda or (device_type == "cpu" and torch.get_num_threads() >= 2))
+    )
     buckets = config.audio_buckets == "on" or (config.audio_buckets == "auto" and cuda)
     return ExecutionPlan(
         device=device_type,

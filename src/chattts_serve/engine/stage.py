@@ -79,5 +79,8 @@ class Stage(Protocol):
         """After a failed step, with every request ended and its final output given: drop the stage's
         per-step state (in-flight audio, sampler state); keep the model and its caches."""
 
+    def close(self) -> None:
+        """Let go of the stage's own threads (ChatTTS's audio worker on a CPU: joined). Not used after."""
+
     def counters(self) -> dict[str, int]:
         """The stage's own counters for ``EngineStats`` (a slot family's graph replays); may be empty."""

@@ -2,9 +2,9 @@
 
 Input processing (``engine.input_processor``), the request pipeline (refine, voice step, code passes:
 ``engine.pipeline``), the token step over KV slots (``engine.runner``) and the audio stage: hidden states to
-mel (Decoder) to waveform (Vocos), batched across requests (``audio.overlap``: on its own CUDA stream where
-it can overlap the next GPT step), and the voice step's DVAE encode. What ``EngineCore`` did itself before
-the model-family seam, unchanged.
+mel (Decoder) to waveform (Vocos), batched across requests (``audio.overlap``: on its own CUDA stream, or a CPU's
+worker thread, where it can overlap the next GPT step), and the voice step's DVAE encode. What ``EngineCore`` did
+itself before the model-family seam, unchanged.
 """
 
 from __future__ import annotations
@@ -99,11 +99,13 @@ class ChatTTSStage:
             graphs = AudioGraphs(model, self.decoder.stream, self.audio_dtype, stream_buckets(StreamPolicy()))
             graphs.capture_all(self.device)
             self.decoder.graphs = graphs
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" or self.decoder.overlap:
             logger.info(
-                "audio decode: %s, %s stream, %s windows",
+                "audio decode: %s, %s, %s windows",
                 self.audio_dtype,
-                "its own" if self.decoder.overlap else "the engine's",
+                ("its own stream" if self.device.type == "cuda" else "a worker thread")
+                if self.decoder.overlap
+                else "the engine's stream",
                 "bucketed" if self.decoder.buckets else "exact-length",
             )
 
@@ -171,6 +173,9 @@ class ChatTTSStage:
                 pending[1].synchronize()  # its buffers must outlive the kernels
         self._encoding.clear()
         self.runner.states.clear()
+
+    def close(self) -> None:
+        self.decoder.close()  # a CPU's audio worker thread, joined
 
     def counters(self) -> dict[str, int]:
         return self.runner.counters()
