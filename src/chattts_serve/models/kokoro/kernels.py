@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -38,18 +38,16 @@ from torch import nn
 from ...kernels import openvino
 from .blocks import AdaINResBlock1
 from .layers import Lengths
+from .model import KokoroModel, RowSpectrum, Utterance
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from .model import KokoroModel
 
 GRAPH_DTYPES = ("ov-fp32", "ov-bf16")
 """The ``--audio-dtype`` names that run the decoder as an OpenVINO graph (the names ChatTTS's audio graph takes)."""
 INPUTS = ("asr", "f0", "energy", "style", "har")
 
-RowSpectrum = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""One unpadded row's ``RowGraph`` inputs -> its spectrum [1, n_fft + 2, L] (float32, torch)."""
 
 # sin(x)^2 by Cody-Waite reduction to [-pi/2, pi/2] (pi split so that k * _PI_HI is exact in float32) and an odd
 # Taylor polynomial of degree 11 there: within 4e-7 of float64's sin(x)^2 for |x| <= 300 (the square drops the
@@ -142,8 +140,6 @@ def export_onnx(model: KokoroModel, example: Sequence[torch.Tensor]) -> bytes:
 def row_inputs(model: KokoroModel, input_ids: Sequence[int], style: torch.Tensor,
                generator: torch.Generator | None) -> tuple[torch.Tensor, ...]:
     """One utterance's ``RowGraph`` inputs, computed by torch (the text side, then the source)."""
-    from .model import Utterance
-
     side = model._text_side([Utterance(input_ids, style, 1.0, generator)])
     har = model.decoder.generator.harmonics(side.f0, side.frames.scaled(2), [generator])  # F0 at 2x frames
     return side.asr, side.f0, side.energy, side.decoder_style, har

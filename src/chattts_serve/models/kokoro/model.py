@@ -14,9 +14,8 @@ CPU, whoever composes batches should keep them small and of like lengths.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,8 +27,10 @@ from .layers import Lengths, masked
 from .prosody import ProsodyPredictor, TextEncoder
 from .rows import torch_threads
 
-if TYPE_CHECKING:
-    from .kernels import RowSpectrum
+RowSpectrum = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""One unpadded row's ``kernels.RowGraph`` inputs -> its spectrum [1, n_fft + 2, L] (float32, torch): what a graph
+mode attaches (``kernels.attach``). Defined here, the side that calls it, so ``kernels`` imports ``model`` and not
+the other way round."""
 
 
 @dataclass(frozen=True)
