@@ -16,26 +16,13 @@ from chattts_serve.engine.plan import PREFILL_BLOCK, resolve_plan
 from chattts_serve.engine.request import Sequence
 from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
 from chattts_serve.engine.scheduler import SchedulerConfig
-from chattts_serve.kernels.quant import parse_precision, record_absmax
-from chattts_serve.models.chattts import checkpoint
-from chattts_serve.models.chattts.prepare import prepare_model
+from tests.support.tiny_model import prepared
 
 SPK_ID, TEXT_EOS, MAX_LEN, SLOTS = 7, 3, 256, 4
 
 
 def _runner(tiny_ckpt, precision: str, onnx_cache_dir: str) -> ModelRunner:
-    model = checkpoint.load(tiny_ckpt)
-    hidden = model.config.gpt.hidden_size
-
-    def calibrate(m):  # int8-static: activation ranges from one fp32 pass
-        x = torch.randn(1, 16, hidden, generator=torch.Generator().manual_seed(9))
-        cache = m.gpt.new_cache(1, 16)
-        return record_absmax(m.gpt, lambda: m.gpt(x, torch.arange(16)[None], cache, torch.tensor([0]), 0))
-
-    with torch.inference_mode():
-        layout = prepare_model(
-            model, parse_precision(precision), SLOTS, calibrate=calibrate, onnx_cache_dir=onnx_cache_dir
-        )
+    model, layout = prepared(tiny_ckpt, precision, SLOTS, onnx_cache_dir=onnx_cache_dir)
     plan = resolve_plan(EngineConfig(precision=precision), "cpu")
     assert plan.chunked_prefill(SLOTS) == PREFILL_BLOCK
     return ModelRunner(model, layout, SLOTS, MAX_LEN, TEXT_EOS, plan, 2048, plan.chunked_prefill(SLOTS))

@@ -14,12 +14,10 @@ from chattts_serve.engine.outputs import SchedulerOutput
 from chattts_serve.engine.plan import resolve_plan
 from chattts_serve.engine.request import Sequence
 from chattts_serve.engine.runner import ModelRunner, SeqInputs, StepSampling
-from chattts_serve.kernels.quant import parse_precision, record_absmax
-from chattts_serve.models.chattts import checkpoint
 from chattts_serve.models.chattts.prefill import prefill_prompts
-from chattts_serve.models.chattts.prepare import prepare_model
 from chattts_serve.sampling_params import SamplingParams
 from tests.support.host_syncs import host_syncs
+from tests.support.tiny_model import prepared
 
 SPK_ID = 7  # the [spk_emb] token of these prompts
 TEXT_EOS = 3
@@ -27,17 +25,7 @@ MAX_LEN = 96
 
 
 def _model(tiny_ckpt, precision: str, slots: int, compile: bool = False):
-    model = checkpoint.load(tiny_ckpt)
-    hidden = model.config.gpt.hidden_size
-
-    def calibrate(m):  # int8-static: activation ranges from one fp32 pass
-        x = torch.randn(1, 16, hidden, generator=torch.Generator().manual_seed(9))
-        cache = m.gpt.new_cache(1, 16)
-        return record_absmax(m.gpt, lambda: m.gpt(x, torch.arange(16)[None], cache, torch.tensor([0]), 0))
-
-    with torch.inference_mode():
-        layout = prepare_model(model, parse_precision(precision), slots, compile=compile, calibrate=calibrate)
-    return model, layout
+    return prepared(tiny_ckpt, precision, slots, compile=compile)
 
 
 def _sequences(model, slots: list[int]) -> list[Sequence]:
