@@ -186,9 +186,10 @@ _HELP = {
     "step_graphs": "a step's decode rows as one CUDA graph: embed, trunk, heads and sampling (auto: with CUDA "
     "graphs and counter noise; on: also eagerly on a CPU)",
     "max_audio_seconds": "audio one request may generate in all (its sentences x max_new_tokens are capped to fit)",
-    "audio_dtype": "Decoder + Vocos dtype: fp32 (reference-exact, no TF32), tf32 (CUDA) or bf16 (faster on CPUs with "
-    "AVX-512 BF16 / AMX); CPU only, as one graph: ort-fp32 (ONNX Runtime), ov-fp32 / ov-bf16 (OpenVINO), "
-    "faster than torch's at the same dtype, not bit-exact; auto: bf16 on CUDA, fp32 elsewhere",
+    "audio_dtype": "the audio stage's dtype (ChatTTS: Decoder + Vocos; Kokoro: its iSTFTNet decoder): fp32 "
+    "(reference-exact, no TF32), tf32 (CUDA) or bf16 (faster on CPUs with AVX-512 BF16 / AMX); CPU only, as one "
+    "graph: ort-fp32 (ONNX Runtime, ChatTTS), ov-fp32 / ov-bf16 (OpenVINO), faster than torch's at the same "
+    "dtype, not bit-exact; auto: bf16 on CUDA, fp32 elsewhere",
     "audio_overlap": "audio decode beside the next GPT step: its own CUDA stream, or a CPU worker thread "
     "(auto: on for CUDA, and on a CPU with 2 or more --threads)",
     "audio_buckets": "pad audio windows to a few fixed lengths so shapes repeat (auto: on for CUDA)",
