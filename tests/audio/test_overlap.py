@@ -275,8 +275,22 @@ def test_a_voice_steps_codes_come_back_at_a_later_step(tiny_ckpt, monkeypatch):
 # ---------------------------------------------------------------- a CPU's worker thread (``ThreadStreams``)
 
 
+_EARLIER: set[threading.Thread] = set()
+"""Threads alive before the running test began: another test's engine left running in this process (pytest-xdist
+runs the tests in another order) is not this test's."""
+
+
+@pytest.fixture(autouse=True)
+def _earlier_threads():
+    _EARLIER.clear()
+    _EARLIER.update(t for t in threading.enumerate() if t is not threading.current_thread())
+    yield
+    _EARLIER.clear()
+
+
 def _audio_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("chattts-audio")]
+    """This test's audio workers still alive."""
+    return [t for t in threading.enumerate() if t.name.startswith("chattts-audio") and t not in _EARLIER]
 
 
 def test_a_cpu_stream_decodes_on_its_worker_while_the_host_goes_on(model, monkeypatch):
@@ -363,9 +377,13 @@ def test_a_cpu_worker_gives_every_stream_and_text_the_inline_audio_bit_for_bit(t
     texts = ["今天天气真不错。", "你好。", "我们一起去公园散步吧。"]
     where: set[str] = set()
     real = decode_module._decode_batch
-    monkeypatch.setattr(
-        decode_module, "_decode_batch", lambda *a: (where.add(threading.current_thread().name[:13]), real(*a))[1]
-    )
+
+    def recorded(*a):
+        if threading.current_thread() not in _EARLIER:  # not another test's engine still running here
+            where.add(threading.current_thread().name[:13])
+        return real(*a)
+
+    monkeypatch.setattr(decode_module, "_decode_batch", recorded)
     stream, offline = {}, {}
     for mode in ("off", "on"):
         engine = _engine(tiny_ckpt, mode, audio_dtype)
