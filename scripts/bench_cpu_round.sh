@@ -28,6 +28,8 @@ for round in 1 2 3; do
     run "one_$p" bench streams $common --precision $p --audio-dtype bf16 --concurrency 1 --steps 94
   done
   run one_ort-auto-ovbf16 bench streams $common --precision ort-auto --audio-dtype ov-bf16 --concurrency 1 --steps 94
+  run one_ort-int4-b128-ovbf16 bench streams $common --precision ort-int4-b128 --audio-dtype ov-bf16 --concurrency 1 \
+    --steps 94
   run one_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
     --concurrency 1 --steps 94
   if [ "$round" = 1 ]; then
@@ -38,11 +40,15 @@ for round in 1 2 3; do
   done
   run off_int8-static-kvbf16 bench offline $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
     --num-texts 32 --steps 150
+  for p in ort-int8 ort-auto; do
+    run "off_$p-ovbf16" bench offline $common --precision $p --audio-dtype ov-bf16 --num-texts 32 --steps 150
+  done
   run off_fp32 bench offline $common --precision fp32 --num-texts 32 --steps 150
 done
-for p in ort-int8 int8-static; do
-  run "s32_$p" bench streams $common --precision $p --audio-dtype bf16 --concurrency 32 --steps 150
-done
+run s32_ort-int8 bench streams $common --precision ort-int8 --audio-dtype bf16 --concurrency 32 --steps 150 \
+  --reference-python "$REF"
+run s32_int8-static bench streams $common --precision int8-static --audio-dtype bf16 --concurrency 32 --steps 150
+run s32_ort-int8-ovbf16 bench streams $common --precision ort-int8 --audio-dtype ov-bf16 --concurrency 32 --steps 150
 run s32_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
   --concurrency 32 --steps 150
 echo "done: $O" >&2

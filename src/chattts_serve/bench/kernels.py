@@ -107,6 +107,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     shape = trunk_shape(args.model, args.layers)
     rows_list = [int(r) for r in args.rows.split(",")]
     names = set(args.backends.split(",")) if args.backends else None
+    if args.work_dir:  # a directory named on the command line need not exist yet
+        Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         g = torch.Generator().manual_seed(args.seed)
         xs = {r: torch.randn(r, shape.hidden, generator=g) for r in rows_list}
