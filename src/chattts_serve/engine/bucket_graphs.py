@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..device import on_device
-from .cuda_graph import GraphStore, graph_matches_eager
+from .cuda_graph import GraphStore, doublings, graph_matches_eager
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +42,7 @@ def length_buckets(largest: int, smallest: int) -> list[int]:
     at most 2x, and there are few enough buckets (5 for 64..1024) to capture each at start-up."""
     if smallest < 1 or largest < smallest:
         raise ValueError(f"length buckets need 1 <= smallest <= largest, got {smallest}, {largest}")
-    sizes, n = [], smallest
-    while n < largest:
-        sizes.append(n)
-        n *= 2
-    return [*sizes, n]
+    return doublings(largest, smallest, round_up=True)
 
 
 def grid(rows: list[int], lengths: list[int], max_work: int | None) -> list[tuple[int, int]]:

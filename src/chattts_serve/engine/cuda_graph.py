@@ -44,19 +44,23 @@ logger = logging.getLogger(__name__)
 def batch_buckets(max_batch: int) -> list[int]:
     """Powers of two below ``max_batch``, then ``max_batch``: few enough (10 at 512 slots) to capture
     every bucket at start-up, at the cost of padding a batch up to twice its rows."""
-    sizes, b = [], 1
-    while b < max_batch:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_batch]
+    return doublings(max_batch)
 
 
 def ctx_buckets(max_len: int, smallest: int = 256) -> list[int]:
-    sizes, c = [], smallest
-    while c < max_len:
-        sizes.append(c)
-        c *= 2
-    return sizes + [max_len]
+    """Context lengths from ``smallest`` doubling, then ``max_len`` (the cache's end) itself."""
+    return doublings(max_len, smallest)
+
+
+def doublings(largest: int, smallest: int = 1, *, round_up: bool = False) -> list[int]:
+    """``smallest`` doubled while below ``largest``, then ``largest`` itself or, with ``round_up``, the first
+    doubling at or past it (every bucket then a power-of-two multiple of ``smallest``). Every bucket rule of
+    the graphs (batch, context, a batch family's lengths) is this one."""
+    sizes, n = [], smallest
+    while n < largest:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, n if round_up else largest]
 
 
 def _bucket(sizes: list[int], need: int) -> int:
