@@ -48,7 +48,7 @@ def model_hidden(ckpt: str, steps: int, texts: list[str], cache: Path) -> list[t
 
     eng = Engine.from_pretrained(ckpt, "cpu", EngineConfig.with_slots(1))
     codes = _free_run(eng, texts, steps, 7)
-    out = [teacher_forced(eng, _prompt_ids(eng, t), c)[0].float().contiguous() for t, c in zip(texts, codes)]
+    out = [teacher_forced(eng, _prompt_ids(eng, t), c)[0].float() for t, c in zip(texts, codes, strict=True)]
     torch.save(out, cache)
     return out
 
@@ -75,8 +75,10 @@ def main() -> int:
     hid = model_hidden(args.model, args.steps, [TEXTS[i] for i in (1, 2)], Path(args.cache))
     t_hidden = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
-    inputs = {"randn": torch.randn(1, args.steps, model.config.gpt.hidden_size, generator=g),
-              **{f"model{i}": h[None, : args.steps] for i, h in enumerate(hid)}}
+    inputs = {
+        "randn": torch.randn(1, args.steps, model.config.gpt.hidden_size, generator=g),
+        **{f"model{i}": h[None, : args.steps] for i, h in enumerate(hid)},
+    }
     with torch.inference_mode():
         refs = {k: _decode_batch(model, h, "fp32", None) for k, h in inputs.items()}
     scale = {k: round(float(h.std()), 3) for k, h in inputs.items()}
@@ -121,11 +123,20 @@ def main() -> int:
             times[v].append(time.perf_counter() - t0)
     audio_s = (512 * args.steps - 256) / 24000
     result = {
-        "window": f"1x{args.steps}", "rounds": args.rounds, "hidden_std": scale,
-        "hidden_s": round(t_hidden, 1), "calibration_s": round(t_calib, 1),
-        "variants": {v: {"ms": round(1e3 * statistics.median(times[v]), 1),
-                         "x_realtime": round(audio_s / statistics.median(times[v]), 1),
-                         "snr_db": snr[v], "note": notes[v]} for v in runs},
+        "window": f"1x{args.steps}",
+        "rounds": args.rounds,
+        "hidden_std": scale,
+        "hidden_s": round(t_hidden, 1),
+        "calibration_s": round(t_calib, 1),
+        "variants": {
+            v: {
+                "ms": round(1e3 * statistics.median(times[v]), 1),
+                "x_realtime": round(audio_s / statistics.median(times[v]), 1),
+                "snr_db": snr[v],
+                "note": notes[v],
+            }
+            for v in runs
+        },
         "failed": {v: n for v, n in notes.items() if v not in runs},
     }
     print(json.dumps(result))

@@ -112,8 +112,22 @@ def core_peaks(iters: int = 20_000_000) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         src, lib = Path(tmp) / "peak.c", Path(tmp) / "peak.so"
         src.write_text(_PEAK_C)
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-mavx512f", "-mavx512bf16", "-mavx512vnni", "-mavx512bw",
-                        "-o", str(lib), str(src)], check=True)
+        subprocess.run(
+            [
+                cc,
+                "-O2",
+                "-shared",
+                "-fPIC",
+                "-mavx512f",
+                "-mavx512bf16",
+                "-mavx512vnni",
+                "-mavx512bw",
+                "-o",
+                str(lib),
+                str(src),
+            ],
+            check=True,
+        )
         so = ctypes.CDLL(str(lib))
     so.peak_fp32.restype = so.peak_bf16.restype = ctypes.c_float
     so.peak_fp32.argtypes = so.peak_bf16.argtypes = [ctypes.c_long, ctypes.c_float]
@@ -188,8 +202,13 @@ def ov_profile(model, runtime: str, steps: int, rounds: int) -> dict:
     with torch.no_grad():
         graph = ov.convert_model(net, example_input=h[:, :8])
     prec = {"ov-fp32": "f32", "ov-bf16": "bf16"}.get(runtime, "bf16")
-    cfg = {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "PERF_COUNT": True,
-           "INFERENCE_PRECISION_HINT": prec}
+    cfg = {
+        "INFERENCE_NUM_THREADS": 1,
+        "NUM_STREAMS": 1,
+        "PERFORMANCE_HINT": "LATENCY",
+        "PERF_COUNT": True,
+        "INFERENCE_PRECISION_HINT": prec,
+    }
     req = ovk.compile_model(graph, cfg).create_infer_request()
     feed = h.numpy()
     req.infer({0: feed})
@@ -234,8 +253,11 @@ def ov_profile(model, runtime: str, steps: int, rounds: int) -> dict:
         "graph_wall_ms": round(1e3 * statistics.median(walls), 2),
         "ms_by_op_type": med(by_type),
         "ms_by_part": med(by_part),
-        "torch_tail_ms": {"spectrum": round(1e3 * t_spec, 2), "istft": round(1e3 * t_istft, 2),
-                          "spectrum+istft": round(1e3 * t_tail, 2)},
+        "torch_tail_ms": {
+            "spectrum": round(1e3 * t_spec, 2),
+            "istft": round(1e3 * t_istft, 2),
+            "spectrum+istft": round(1e3 * t_tail, 2),
+        },
     }
 
 
@@ -254,8 +276,10 @@ def main() -> int:
     cfg = read_config(resolve(args.model))
     macs = macs_per_audio_second(cfg)
     total = sum(macs.values())
-    result: dict = {"macs_per_audio_s": {k: round(v / 1e6, 1) for k, v in macs.items()},
-                    "total_gmac_per_audio_s": round(total / 1e9, 3)}
+    result: dict = {
+        "macs_per_audio_s": {k: round(v / 1e6, 1) for k, v in macs.items()},
+        "total_gmac_per_audio_s": round(total / 1e9, 3),
+    }
     if "peaks" not in skip:
         peaks = core_peaks()
         result["core_peak_gmacs"] = {k: round(v / 1e9, 1) for k, v in peaks.items()}

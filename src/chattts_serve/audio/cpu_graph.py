@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-RUNTIMES = ("ort-fp32", "ov-fp32", "ov-bf16")
+RUNTIMES = ("ort-fp32", "ov-fp32", "ov-bf16", "ov-int8")
 _INSTALL = {"ort": "pip install 'chattts-serve[onnx]'", "ov": "pip install 'chattts-serve[openvino]'"}
 
 
@@ -30,6 +30,9 @@ def require(runtime: str) -> None:
     try:
         if kind == "ov":
             import openvino  # noqa: F401
+
+            if runtime == "ov-int8":
+                import nncf  # noqa: F401
         else:
             import onnx  # noqa: F401
             import onnxruntime  # noqa: F401
@@ -88,8 +91,14 @@ class AudioGraph:
         self.runtime, self.model = runtime, model
         threads = threads or torch.get_num_threads()
         if runtime.startswith("ov-"):
-            graph = convert(model)
-            self._run = compile_graph(graph, "f32" if runtime == "ov-fp32" else "bf16", threads)
+            graph, extra, precision = convert(model), None, "f32" if runtime == "ov-fp32" else "bf16"
+            if runtime == "ov-int8":
+                from ..cpu import probe
+                from .quantize import int8_graph
+
+                graph, extra = int8_graph(model, graph)
+                precision = "bf16" if probe().bf16 else "f32"  # what int8 leaves out
+            self._run = compile_graph(graph, precision, threads, extra)
         else:
             import onnxruntime as ort
 

@@ -16,6 +16,8 @@ The static kinds calibrate on hidden states the model itself makes (``calibratio
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from typing import Any
 
@@ -25,6 +27,10 @@ import torch
 from ..models.chattts.config import NUM_AUDIO_TOKENS
 
 KINDS = ("all", "linears", "smooth", "dynamic")
+INT8_KIND = "dynamic"
+"""The kind ``--audio-dtype ov-int8`` runs (BENCHMARKS.md, the audio stage's int8 designs)."""
+DYNAMIC_GROUP = 32
+"""Input channels per activation scale of the ``dynamic`` kind (``DYNAMIC_QUANTIZATION_GROUP_SIZE``)."""
 
 
 def calibration_hidden(model: Any, lengths: tuple[int, ...] = (150, 64), prompt: int = 24, seed: int = 0) -> list:
@@ -66,27 +72,35 @@ def quantize(graph: Any, feeds: list, kind: str, alpha: float = 0.5) -> Any:
     from nncf.common.logging import nncf_logger
 
     level = nncf_logger.level
-    nncf_logger.setLevel(logging.WARNING)  # its progress bars and statistics are noise in a server's log
+    nncf_logger.setLevel(logging.WARNING)  # its statistics are noise in a server's log
     try:
-        head = nncf.IgnoredScope(names=[head_projection(graph)])
-        if kind == "dynamic":
-            return nncf.compress_weights(graph, mode=nncf.CompressWeightsMode.INT8_SYM, ignored_scope=head)
-        kw: dict[str, Any] = {"subset_size": len(feeds), "fast_bias_correction": True}
-        if kind != "all":
-            kw["preset"] = nncf.QuantizationPreset.MIXED
-            kw["ignored_scope"] = nncf.IgnoredScope(
-                names=head.names, types=["Convolution", "GroupConvolution"]
-            )
-        if kind == "smooth":
-            from nncf.quantization.advanced_parameters import (
-                AdvancedQuantizationParameters,
-                AdvancedSmoothQuantParameters,
-            )
-
-            kw["model_type"] = nncf.ModelType.TRANSFORMER
-            kw["advanced_parameters"] = AdvancedQuantizationParameters(
-                smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=alpha)
-            )
-        return nncf.quantize(graph, nncf.Dataset(feeds), **kw)
+        # Its progress bars (rich) print to stdout whatever the log level, where a tool's JSON line goes.
+        with contextlib.redirect_stdout(io.StringIO()):
+            return _quantize(nncf, graph, feeds, kind, alpha)
     finally:
         nncf_logger.setLevel(level)
+
+
+def _quantize(nncf: Any, graph: Any, feeds: list, kind: str, alpha: float) -> Any:
+    head = nncf.IgnoredScope(names=[head_projection(graph)])
+    if kind == "dynamic":
+        return nncf.compress_weights(graph, mode=nncf.CompressWeightsMode.INT8_SYM, ignored_scope=head)
+    kw: dict[str, Any] = {"subset_size": len(feeds), "fast_bias_correction": True}
+    if kind != "all":
+        kw["preset"] = nncf.QuantizationPreset.MIXED
+        kw["ignored_scope"] = nncf.IgnoredScope(names=head.names, types=["Convolution", "GroupConvolution"])
+    if kind == "smooth":
+        from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
+
+        kw["model_type"] = nncf.ModelType.TRANSFORMER
+        kw["advanced_parameters"] = AdvancedQuantizationParameters(
+            smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=alpha)
+        )
+    return nncf.quantize(graph, nncf.Dataset(feeds), **kw)
+
+
+def int8_graph(model: Any, graph: Any) -> tuple[Any, dict[str, Any] | None]:
+    """``graph`` as ``--audio-dtype ov-int8`` runs it (``INT8_KIND``), and the plugin properties it compiles with."""
+    if INT8_KIND == "dynamic":
+        return quantize(graph, [], "dynamic"), {"DYNAMIC_QUANTIZATION_GROUP_SIZE": DYNAMIC_GROUP}
+    return quantize(graph, calibration_hidden(model), INT8_KIND), None
