@@ -81,3 +81,13 @@ def test_an_unknown_kind_is_refused(model):
 
     with pytest.raises(ValueError, match="int8 kind must be one of"):
         quantize(None, [], "int4")
+
+
+def test_ov_int8_decodes_a_row_alone_as_in_a_batch(model):
+    """Static scales (calibrated once): a row's quantization does not depend on the rows beside it."""
+    from chattts_serve.audio.cpu_graph import AudioGraph
+
+    graph = AudioGraph(model, "ov-int8", threads=1)
+    h = torch.randn(4, 21, model.config.gpt.hidden_size, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([graph.decode(h[i : i + 1]) for i in range(4)])
+    assert torch.equal(alone, graph.decode(h))
