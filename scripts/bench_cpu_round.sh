@@ -22,6 +22,16 @@ run kernels bench kernels --model "$CK" --threads 1 --rows 1,4,32 --rounds 5 --w
 run kernels_2t bench kernels --model "$CK" --threads 2 --rows 1,32 --rounds 3 --work-dir "$O" \
   --backends ort-int4-b32-a4,ort-int8,int4pack-g32-bf16,int4pack-g128-bf16,ov-int4-g128,ov-int8,onednn-bf16
 run audio bench audio --model "$CK" --threads 1 --windows 1x150,8x150,1x48 --rounds 5
+# The audio stage's floor (MACs per audio second, the core's peaks, the ov-bf16 graph per op) and its int8
+# designs (speed and SNR on the trunk's own hidden states), then each audio dtype's cost in eval.
+echo "audio_floor $(uptime)" >> "$O/uptime.log"
+python scripts/audio_floor.py --model "$CK" --rounds 5 --runtimes ov-bf16,ov-fp32 >> "$O/audio_floor.jsonl" 2>> "$O/err.log"
+echo "audio_designs $(uptime)" >> "$O/uptime.log"
+python scripts/audio_designs.py --model "$CK" --rounds 5 --cache "$O/audio_hidden.pt" \
+  --variants ov-bf16,ov-f32,int8-all,int8-linears,int8-smooth,dyn-g32,dyn-g128,dyn-g32-f32 \
+  >> "$O/audio_designs.jsonl" 2>> "$O/err.log"
+run eval_audio eval --model "$CK" --threads 1 --steps 150 --num-texts 4 --modes fp32 \
+  --audio-dtypes bf16,ov-fp32,ov-bf16,ov-int8
 for round in 1 2 3; do
   run one_fp32_ref bench streams $common --precision fp32 --concurrency 1 --steps 94 --reference-python "$REF"
   for p in int8-static ort-int8 ort-int4 ort-int4-b128 ort-auto; do
@@ -30,6 +40,7 @@ for round in 1 2 3; do
   run one_ort-auto-ovbf16 bench streams $common --precision ort-auto --audio-dtype ov-bf16 --concurrency 1 --steps 94
   run one_ort-int4-b128-ovbf16 bench streams $common --precision ort-int4-b128 --audio-dtype ov-bf16 --concurrency 1 \
     --steps 94
+  run one_ort-auto-ovint8 bench streams $common --precision ort-auto --audio-dtype ov-int8 --concurrency 1 --steps 94
   run one_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
     --concurrency 1 --steps 94
   if [ "$round" = 1 ]; then
@@ -44,11 +55,13 @@ for round in 1 2 3; do
     run "off_$p-ovbf16" bench offline $common --precision $p --audio-dtype ov-bf16 --num-texts 32 --steps 150
   done
   run off_fp32 bench offline $common --precision fp32 --num-texts 32 --steps 150
+  run off_ort-int8-ovint8 bench offline $common --precision ort-int8 --audio-dtype ov-int8 --num-texts 32 --steps 150
 done
 run s32_ort-int8 bench streams $common --precision ort-int8 --audio-dtype bf16 --concurrency 32 --steps 150 \
   --reference-python "$REF"
 run s32_int8-static bench streams $common --precision int8-static --audio-dtype bf16 --concurrency 32 --steps 150
 run s32_ort-int8-ovbf16 bench streams $common --precision ort-int8 --audio-dtype ov-bf16 --concurrency 32 --steps 150
+run s32_ort-int8-ovint8 bench streams $common --precision ort-int8 --audio-dtype ov-int8 --concurrency 32 --steps 150
 run s32_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
   --concurrency 32 --steps 150
 echo "done: $O" >&2

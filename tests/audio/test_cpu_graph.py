@@ -28,7 +28,12 @@ def model(tiny_ckpt):
 
 @pytest.mark.parametrize(
     ("runtime", "min_db", "module"),
-    [("ort-fp32", 80.0, "onnxruntime"), ("ov-fp32", 80.0, "openvino"), ("ov-bf16", 25.0, "openvino")],
+    [
+        ("ort-fp32", 80.0, "onnxruntime"),
+        ("ov-fp32", 80.0, "openvino"),
+        ("ov-bf16", 25.0, "openvino"),
+        ("ov-int8", 15.0, "nncf"),
+    ],
 )
 def test_graph_gives_the_torch_waveform(model, runtime, min_db, module):
     if importlib.util.find_spec(module) is None:

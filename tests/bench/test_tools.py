@@ -164,6 +164,21 @@ def test_eval_fp32_against_itself_is_perfect_and_modes_are_bounded(tiny_ckpt, ca
     assert static["wav_snr_db"] is not None and "| int8-static |" in r["markdown"]
 
 
+def test_eval_reports_each_audio_dtype_on_fp32s_hidden_states(tiny_ckpt, capsys):
+    pytest.importorskip("nncf")
+    r = run_cli(
+        capsys,
+        *("eval", "--model", str(tiny_ckpt), "--threads", "1", "--steps", "12", "--num-texts", "1"),
+        *("--modes", "fp32", "--audio-dtypes", "fp32,bf16,ov-int8"),
+    )
+    exact, bf16, int8 = r["audio_modes"]
+    assert exact["audio_dtype"] == "fp32" and exact["wav_snr_db"] is None  # inf: the same decode
+    assert bf16["audio_dtype"] == "bf16" and 15 < bf16["wav_snr_db"] < 100
+    assert int8["audio_dtype"] == "ov-int8" and 10 < int8["wav_snr_db"] < 100
+    assert all(row["free_run_code_agreement"] == 1.0 for row in r["audio_modes"])
+    assert "| audio ov-int8 |" in r["markdown"]
+
+
 def test_bad_flags_fail_cleanly(tiny_ckpt, capsys):
     assert main(["eval", "--model", str(tiny_ckpt), "--modes", "fp16"]) == 2
     assert "fp16 needs a CUDA device" in capsys.readouterr().err

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-RUNTIMES = ("ort-fp32", "ov-fp32", "ov-bf16")
+RUNTIMES = ("ort-fp32", "ov-fp32", "ov-bf16", "ov-int8")
 _INSTALL = {"ort": "pip install 'chattts-serve[onnx]'", "ov": "pip install 'chattts-serve[openvino]'"}
 
 
@@ -30,6 +30,9 @@ def require(runtime: str) -> None:
     try:
         if kind == "ov":
             import openvino  # noqa: F401
+
+            if runtime == "ov-int8":
+                import nncf  # noqa: F401
         else:
             import onnx  # noqa: F401
             import onnxruntime  # noqa: F401
@@ -55,6 +58,29 @@ class _Convolutions(nn.Module):
         return self.out(self.backbone(self.decoder(h.transpose(1, 2))))
 
 
+def convert(model: Any) -> Any:
+    """``_Convolutions`` of ``model`` as an OpenVINO model (fp32 weights; rows and steps dynamic)."""
+    import openvino as ov
+
+    net = _Convolutions(model).eval()
+    example = torch.zeros(1, 8, model.config.gpt.hidden_size)
+    with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+        warnings.simplefilter("ignore")  # its TorchScript trace's deprecation notices
+        return ov.convert_model(net, example_input=example)
+
+
+def compile_graph(graph: Any, precision: str, threads: int, extra: dict[str, Any] | None = None) -> Any:
+    """``graph`` compiled by OpenVINO's CPU plugin computing in ``precision`` (f32, bf16) on one stream of
+    ``threads``: a callable array [G, S, hidden] -> projection array [G, 2S, n_fft + 2]. ``extra``: more
+    plugin properties."""
+    from ..kernels import openvino
+
+    config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
+    config["INFERENCE_PRECISION_HINT"] = precision
+    request = openvino.compile_model(graph, {**config, **(extra or {})}).create_infer_request()
+    return lambda x: request.infer({0: x})[0]
+
+
 class AudioGraph:
     """``decode(h)``: hidden states [G, S, hidden] fp32 -> waveform [G, 512 S - 256] fp32 (torch)."""
 
@@ -64,24 +90,19 @@ class AudioGraph:
         require(runtime)
         self.runtime, self.model = runtime, model
         threads = threads or torch.get_num_threads()
-        net = _Convolutions(model).eval()
-        example = torch.zeros(1, 8, model.config.gpt.hidden_size)
         if runtime.startswith("ov-"):
-            import openvino as ov
+            graph, extra, precision = convert(model), None, "f32" if runtime == "ov-fp32" else "bf16"
+            if runtime == "ov-int8":
+                from ..cpu import probe
+                from .quantize import int8_graph
 
-            from ..kernels import openvino
-
-            with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
-                warnings.simplefilter("ignore")  # its TorchScript trace's deprecation notices
-                graph = ov.convert_model(net, example_input=example)
-            config = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
-            config["INFERENCE_PRECISION_HINT"] = "f32" if runtime == "ov-fp32" else "bf16"
-            compiled = openvino.compile_model(graph, config)
-            self._request = compiled.create_infer_request()
-            self._run = lambda x: self._request.infer({0: x})[0]
+                graph, extra = int8_graph(model, graph)
+                precision = "bf16" if probe().bf16 else "f32"  # what int8 leaves out
+            self._run = compile_graph(graph, precision, threads, extra)
         else:
             import onnxruntime as ort
 
+            net, example = _Convolutions(model).eval(), torch.zeros(1, 8, model.config.gpt.hidden_size)
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "audio.onnx"
                 with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():

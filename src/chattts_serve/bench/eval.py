@@ -11,6 +11,10 @@ For every text, fp32 first generates audio codes (fixed length, refine off, one 
   and Vocos run in fp32 in every mode), then Vocos into audio; mel distance (mean |log-mel diff|) and
   waveform SNR in dB vs fp32.
 
+``--audio-dtypes``: the audio stage's own cost, apart from the trunk's: fp32's teacher-forced hidden states
+decoded by each ``--audio-dtype`` (``audio.decode``), waveform SNR vs fp32's audio. Code agreement is 1 by
+construction (the audio stage reads the trunk's hidden states and never feeds back into it).
+
 ``ort-auto`` is measured as eval runs every mode, one sequence at a time: each prompt is one call as
 wide as its tokens (int8 whenever the prompt reaches the crossover), each code step one row (4-bit
 below a crossover of 2 or more). Its row is that mix, what one stream gets; at or above the crossover
@@ -72,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "steps are one row, so 1 measures ort-auto's int8 path",
     )
     p.add_argument("--plot", default=None, help="PNG: agreement and SNR per mode")
+    p.add_argument(
+        "--audio-dtypes",
+        default="",
+        help="comma-separated --audio-dtype values (e.g. bf16,ov-bf16,ov-int8) to measure on fp32's hidden states: "
+        "the waveform's SNR against fp32's audio (the codes are fp32's: the audio stage never feeds the trunk)",
+    )
 
 
 def _prompt_ids(engine, text: str) -> list[int]:
@@ -188,11 +198,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ref = Engine.from_pretrained(args.model, device, EngineConfig.with_slots(1))
     codes = _free_run(ref, texts, args.steps, args.seed)
     ids = [_prompt_ids(ref, t) for t in texts]
-    base = []
+    base, hiddens = [], []
     for i, c in zip(ids, codes, strict=True):
         h, lg = teacher_forced(ref, i, c)
         mel, wav = _decode(ref, h)
         base.append((lg.log_softmax(-1), mel, wav))
+        hiddens.append(h)
+    audio_rows = _audio_dtype_rows(ref.model, hiddens, [b[2] for b in base], args.audio_dtypes)
     del ref
     gc.collect()
 
@@ -246,9 +258,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_texts": len(texts),
         "seed": args.seed,
         "modes": rows,
+        "audio_modes": audio_rows,
     }
     result["markdown"] = markdown_table(result)
     return result
+
+
+def _audio_dtype_rows(model, hiddens: list, wavs: list, audio_dtypes: str) -> list[dict[str, Any]]:
+    """Per ``--audio-dtype`` in ``audio_dtypes``: fp32's hidden states decoded by it, SNR against fp32's audio."""
+    import numpy as np
+    import torch
+
+    from ..audio.decode import _decode_batch
+
+    rows = []
+    for dtype in [d.strip() for d in audio_dtypes.split(",") if d.strip()]:
+        with torch.inference_mode():
+            outs = [_decode_batch(model, h[None], dtype, None)[0] for h in hiddens]
+        snr = [_snr_db(w, out) for w, out in zip(wavs, outs, strict=True)]
+        rows.append(
+            {
+                "audio_dtype": dtype,
+                "free_run_code_agreement": 1.0,
+                "wav_snr_db": round(float(np.mean(snr)), 2),
+                "wav_snr_db_min": round(float(np.min(snr)), 2),
+            }
+        )
+    return rows
 
 
 def markdown_table(result: dict[str, Any]) -> str:
@@ -262,7 +298,11 @@ def markdown_table(result: dict[str, Any]) -> str:
         f"{r['wav_snr_db']:.1f} |"
         for r in result["modes"]
     ]
-    return "\n".join([head, *lines])
+    audio = [
+        f"| audio {r['audio_dtype']} | - | - | {r['free_run_code_agreement']:.4f} | - | - | {r['wav_snr_db']:.1f} |"
+        for r in result.get("audio_modes", [])
+    ]
+    return "\n".join([head, *lines, *audio])
 
 
 def plot(result: dict[str, Any], path: str) -> bool:

@@ -24,7 +24,7 @@ from .scheduler import SchedulerConfig
 
 DECODE_MODES = ("auto", "rows", "static")
 KV_CACHE_DTYPES = ("auto", "bf16")
-AUDIO_GRAPH_DTYPES = ("ort-fp32", "ov-fp32", "ov-bf16")
+AUDIO_GRAPH_DTYPES = ("ort-fp32", "ov-fp32", "ov-bf16", "ov-int8")
 """The Decoder + Vocos as one ONNX Runtime / OpenVINO graph (CPU only; ``audio.cpu_graph.RUNTIMES``)."""
 AUDIO_DTYPES = ("auto", "fp32", "tf32", "bf16", *AUDIO_GRAPH_DTYPES)
 SWITCHES = ("auto", "on", "off")
@@ -189,7 +189,9 @@ _HELP = {
     "audio_dtype": "the audio stage's dtype (ChatTTS: Decoder + Vocos; Kokoro: its iSTFTNet decoder): fp32 "
     "(reference-exact, no TF32), tf32 (CUDA) or bf16 (faster on CPUs with AVX-512 BF16 / AMX); CPU only, as one "
     "graph: ort-fp32 (ONNX Runtime, ChatTTS), ov-fp32 / ov-bf16 (OpenVINO), faster than torch's at the same "
-    "dtype, not bit-exact; auto: bf16 on CUDA, fp32 elsewhere",
+    "dtype, not bit-exact; ov-int8 (ChatTTS: its pointwise linears in int8 by SmoothQuant, calibrated at "
+    "start-up on the trunk's own hidden states, the rest bf16; ~1.6x ov-bf16 at 34 dB); auto: bf16 on CUDA, "
+    "fp32 elsewhere",
     "audio_overlap": "audio decode beside the next GPT step: its own CUDA stream, or a CPU worker thread "
     "(auto: on for CUDA, and on a CPU with 2 or more --threads)",
     "audio_buckets": "pad audio windows to a few fixed lengths so shapes repeat (auto: on for CUDA)",

@@ -102,6 +102,7 @@ class _Config:
 
 @pytest.mark.parametrize(("audio_dtype", "precision", "device", "message"), [
     ("ort-fp32", "fp32", "cpu", "--audio-dtype ort-fp32 is ChatTTS's audio stage"),
+    ("ov-int8", "fp32", "cpu", "--audio-dtype ov-int8 is ChatTTS's audio stage only"),
     ("ov-bf16", "fp32", "cuda", "ov-bf16 runs on the CPU only"),
     ("fp32", "int8", "cpu", "--precision int8 quantizes Kokoro's OpenVINO graph; --audio-dtype fp32 is not one"),
     ("auto", "int8", "cuda", "--precision int8 runs Kokoro's decoder on the CPU"),

@@ -531,5 +531,5 @@ def _audio_dtype(config, device_type: str) -> str:
                          f"one (take {', '.join(GRAPH_DTYPES)} or auto)")
     if audio_dtype not in ("fp32", "bf16", "tf32", *GRAPH_DTYPES):
         raise ValueError(f"the kokoro family's decoder runs in fp32, bf16, tf32, {', '.join(GRAPH_DTYPES)}; "
-                         f"--audio-dtype {audio_dtype} is ChatTTS's audio stage through ONNX Runtime")
+                         f"--audio-dtype {audio_dtype} is ChatTTS's audio stage only")
     return audio_dtype
