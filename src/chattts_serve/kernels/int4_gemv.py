@@ -40,6 +40,9 @@ TILE = 32
 """Output channels per tile of the packed layout (the kernel's two vectors of 16 lanes)."""
 PREFETCH_ENV = "CHATTTS_INT4_GEMV_PREFETCH"
 """Bytes ahead of the stream the kernel prefetches (0: the hardware prefetcher alone)."""
+DEFAULT_PREFETCH = 4096
+"""On Zen 5, one thread, one row: the hardware prefetcher alone reads at 0.55 of the floor, 2 KB ahead
+0.66, 4-8 KB ahead 0.74 (the large ops 0.79-0.81), 16 KB 0.72."""
 _SOURCE = Path(__file__).with_name("int4_gemv.cpp")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
@@ -111,7 +114,12 @@ class Int4GemvWeight:
 
 def quantize(w: torch.Tensor, block: int, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int4 per block of ``block`` inputs: (codes [out, in] int8 in [-8, 7], scales [out, in /
-    block] fp32, already rounded to ``scale_dtype``) with ``w ~= codes * scale``."""
+    block] fp32, already rounded to ``scale_dtype``) with ``w ~= codes * scale``.
+
+    As MLAS does: the block's value of largest magnitude maps to -8 (the scale is its value / -8, of
+    either sign), so all 16 codes are used; steps an eighth finer than absmax / 7 (the step's relative
+    error 0.15 -> 0.13 on random weights, ORT's MatMulNBits figure). A value of the other sign and the
+    same magnitude clamps to 7 (one step off)."""
     out, inp = w.shape
     if block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block}")
@@ -120,8 +128,9 @@ def quantize(w: torch.Tensor, block: int, scale_dtype: torch.dtype = torch.float
     if scale_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"scales are fp32 or bf16, not {scale_dtype}")
     wb = w.detach().float().reshape(out, inp // block, block)
-    scale = (wb.abs().amax(-1) / 7.0).to(scale_dtype).float()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    peak = wb.gather(-1, wb.abs().argmax(-1, keepdim=True))[..., 0]
+    scale = (peak / -8.0).to(scale_dtype).float()
+    safe = torch.where(scale != 0, scale, torch.ones_like(scale))
     q = torch.round(wb / safe[..., None]).clamp_(-8, 7).to(torch.int8)
     return q.reshape(out, inp), scale
 
@@ -170,7 +179,7 @@ def linear(x: torch.Tensor, w: Int4GemvWeight) -> torch.Tensor:
     # A decode step makes ~80 of these calls of 40-150 us each: the overload is resolved once (the
     # packet's lookup costs ~1 us a call).
     op = _gemv()
-    prefetch = int(os.environ.get(PREFETCH_ENV, "0"))
+    prefetch = int(os.environ.get(PREFETCH_ENV, DEFAULT_PREFETCH))
     return on_rows(x, lambda rows: op(rows, w.blob, w.out_features, w.block, w.bf16_scales, prefetch), torch.float32)
 
 
