@@ -20,7 +20,7 @@ run() {
 }
 run kernels bench kernels --model "$CK" --threads 1 --rows 1,4,32 --rounds 5 --work-dir "$O"
 run kernels_2t bench kernels --model "$CK" --threads 2 --rows 1,32 --rounds 3 --work-dir "$O" \
-  --backends ort-int4-b32-a4,ort-int8,int4pack-g32-bf16,int4pack-g128-bf16,ov-int4-g128,ov-int8,onednn-bf16
+  --backends ort-int4-b32-a4,ort-int4-b128-a4,ort-int8,int4pack-g32-bf16,int4pack-g128-bf16,ov-int4-g128,ov-int8,onednn-bf16,cpp-int4-b128-bf16s,cpp-int4-b32-bf16s
 run audio bench audio --model "$CK" --threads 1 --windows 1x150,8x150,1x48 --rounds 5
 for round in 1 2 3; do
   run one_fp32_ref bench streams $common --precision fp32 --concurrency 1 --steps 94 --reference-python "$REF"
