@@ -20,7 +20,7 @@ run() {
 }
 run kernels bench kernels --model "$CK" --threads 1 --rows 1,4,32 --rounds 5 --work-dir "$O"
 run kernels_2t bench kernels --model "$CK" --threads 2 --rows 1,32 --rounds 3 --work-dir "$O" \
-  --backends ort-int4-b32-a4,ort-int8,int4pack-g32-bf16,int4pack-g128-bf16,ov-int4-g128,ov-int8,onednn-bf16
+  --backends ort-int4-b32-a4,ort-int4-b128-a4,ort-int8,int4pack-g32-bf16,int4pack-g128-bf16,ov-int4-g128,ov-int8,onednn-bf16,cpp-int4-b128-bf16s,cpp-int4-b32-bf16s
 run audio bench audio --model "$CK" --threads 1 --windows 1x150,8x150,1x48 --rounds 5
 # The audio stage's floor (MACs per audio second, the core's peaks, the ov-bf16 graph per op) and its int8
 # designs (speed and SNR on the trunk's own hidden states), then each audio dtype's cost in eval.

@@ -1,8 +1,9 @@
 """The trunk's weight matmuls per library and kernel against the weight-read floor (``bench kernels``).
 
-For each backend of ``trunk_backends`` (torch's fp32 / oneDNN / int8 / int4 kernels, ONNX Runtime's
-fp32, int8 and ``MatMulNBits`` at each block size and accuracy level, OpenVINO's fp32, bf16 and
-nncf-compressed int8/int4) and each row count (decode batch width): the time of a decode step's matmul
+For each backend of ``trunk_backends`` (torch's fp32 / oneDNN / int8 / int4 kernels, the hand-written
+4-bit GEMV ``cpp-int4-*`` (``kernels/int4_gemv``), ONNX Runtime's fp32, int8 and ``MatMulNBits`` at
+each block size and accuracy level, OpenVINO's fp32, bf16 and nncf-compressed int8/int4) and each row
+count (decode batch width): the time of a decode step's matmul
 chain (every layer's projections and the output heads, ``trunk_backends._chain``) and of each op in it,
 against the floor: the bytes of that backend's weights over the memory read bandwidth measured in the
 same run (a sum over a buffer far larger than the caches). ``of_floor`` = floor / measured, 1.0 = at

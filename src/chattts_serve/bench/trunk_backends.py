@@ -197,9 +197,21 @@ def make_int4pack(group: int, act: torch.dtype):
     return make
 
 
+def make_int4_gemv(block: int, scale_dtype: torch.dtype):
+    from ..kernels.int4_gemv import available, linear, pack
+
+    def make(w: torch.Tensor):
+        if not available():  # not its dense fallback: that would time torch's fp32 matmul
+            raise RuntimeError("the int4 GEMV kernel does not run here")
+        packed = pack(w, block, scale_dtype)
+        return (lambda x: linear(x, packed)), packed.nbytes
+
+    return make
+
+
 def torch_backends(shape: TrunkShape, weights: Weights, names: set[str] | None) -> dict[str, Callable[[], Backend]]:
     """Builders (lazy: each holds its own copy of the weights) of torch's backends, by name."""
-    from ..kernels import int4_cpu
+    from ..kernels import int4_cpu, int4_gemv
     from ..kernels.linear import packing_available
 
     makers: dict[str, Callable] = {"torch-fp32": make_fp32_mkl, "onednn-fp32": make_onednn(torch.float32)}
@@ -213,6 +225,10 @@ def torch_backends(shape: TrunkShape, weights: Weights, names: set[str] | None) 
         for g in (32, 128):
             makers[f"int4pack-g{g}-fp32"] = make_int4pack(g, torch.float32)
             makers[f"int4pack-g{g}-bf16"] = make_int4pack(g, torch.bfloat16)
+    if int4_gemv.cpu_supported() and (names is None or any(n.startswith("cpp-int4") for n in names)):
+        for b in (32, 128):  # the hand-written GEMV (built on first use): fp32 or bf16 block scales
+            makers[f"cpp-int4-b{b}"] = make_int4_gemv(b, torch.float32)
+            makers[f"cpp-int4-b{b}-bf16s"] = make_int4_gemv(b, torch.bfloat16)
     return {
         n: (lambda n=n, m=m: TorchBackend(n, shape, weights, m))
         for n, m in makers.items()

@@ -1,0 +1,309 @@
+// 4-bit weight GEMV for 1-8 rows with AVX-512 VNNI (see int4_gemv.py).
+//
+// y[rows, out] = x[rows, in] @ W^T, W symmetric int4 in blocks of `block` inputs with one scale per
+// block and output channel. A decode step at one row is a read of the weights and nothing else, so the
+// whole design is about streaming them at the memory's rate:
+//
+// * The weights are packed once (int4_gemv.py) as one contiguous stream per tile of 32 output
+//   channels: per block, block/8 steps of two cache lines (16 channels x 8 inputs each; byte 4l + j
+//   holds channel l's input j in its low nibble and input 4 + j in its high one), then the block's 32
+//   scales (fp32 or bf16). A tile is read front to back, tiles one after the other: one stream for
+//   the hardware prefetcher, no gathers.
+// * Codes are stored unsigned (q + 8, 0..15), so a nibble needs only a mask (and a shift) to become a
+//   byte that vpdpbusd takes as its unsigned operand; x, quantised per row and block to int8, is the
+//   signed operand, four inputs broadcast to all 16 lanes straight from memory. The +8 offset is taken
+//   back by starting each block's sums at -8 * (the block's sum of x codes).
+// * Each block's int32 sums become fp32 once per block: sum * (weight scale * x scale), accumulated in
+//   block order. A row's arithmetic is the same whatever the other rows and the thread count (threads
+//   split whole tiles), so the result is deterministic and batch-invariant.
+//
+// Built at first use by torch.utils.cpp_extension with AVX-512 VNNI flags; only loaded on CPUs with it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if !defined(__AVX512F__) || !defined(__AVX512VNNI__) || !defined(__AVX512BW__)
+#error "int4_gemv.cpp needs AVX-512 VNNI (built with -mavx512vnni by int4_gemv.py)"
+#endif
+
+namespace {
+
+constexpr int kTile = 32;    // output channels per tile: two vectors of 16 int32 lanes
+constexpr int kMaxRows = 8;  // rows per pass over the weights (their sums stay in registers)
+constexpr int64_t kGrain = 4;  // tiles per thread at least (a tile of 768 inputs is ~13 KB)
+
+inline int32_t load32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// x [rows, in] fp32 -> codes [rows, in] int8, scales [rows, blocks] and the -8 * sum of codes per block.
+// code = round-to-nearest-even(x * (127 / absmax)), scale = absmax / 127 (int4_gemv.quantize_rows).
+void quantize_rows(const float* x, int64_t rows, int64_t in, int64_t block, int8_t* q, float* scale,
+                   int32_t* corr) {
+  const int64_t blocks = in / block;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * in + b * block;
+      __m512 m = _mm512_setzero_ps();
+      for (int64_t i = 0; i < block; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+      const float amax = _mm512_reduce_max_ps(m);
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      scale[r * blocks + b] = amax / 127.0f;
+      const __m512 vinv = _mm512_set1_ps(inv);
+      __m512i sum = _mm512_setzero_si512();
+      int8_t* qb = q + r * in + b * block;
+      for (int64_t i = 0; i < block; i += 16) {
+        const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), vinv));
+        sum = _mm512_add_epi32(sum, c);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i), _mm512_cvtsepi32_epi8(c));
+      }
+      corr[r * blocks + b] = -8 * _mm512_reduce_add_epi32(sum);
+    }
+  }
+}
+
+struct Args {
+  const int8_t* xq;     // [rows, in]
+  const float* xs;      // [rows, blocks]
+  const int32_t* xc;    // [rows, blocks]
+  int64_t in, blocks;
+  float* y;             // [rows, out]
+  int64_t out;
+  int64_t prefetch;     // bytes ahead to prefetch (0: the hardware prefetcher alone)
+};
+
+// One tile (32 output channels) for R rows: p is the tile's packed stream, o its first channel.
+template <int R, int KB, bool kBf16Scales>
+void tile(const uint8_t* p, const Args& A, int64_t o) {
+  __m512 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < A.blocks; ++b) {
+    __m512i a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_set1_epi32(A.xc[r * A.blocks + b]);
+    const int8_t* xb = A.xq + b * KB * 8;
+#pragma GCC unroll 16
+    for (int s = 0; s < KB; ++s) {
+      if (A.prefetch) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + A.prefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + A.prefetch + 64), _MM_HINT_T0);
+      }
+      const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64);
+      p += 128;
+      const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+      const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xb + r * A.in + s * 8;
+        const __m512i xl = _mm512_set1_epi32(load32(xr)), xh = _mm512_set1_epi32(load32(xr + 4));
+        a[r][0] = _mm512_dpbusd_epi32(a[r][0], lo0, xl);
+        a[r][1] = _mm512_dpbusd_epi32(a[r][1], lo1, xl);
+        a[r][0] = _mm512_dpbusd_epi32(a[r][0], hi0, xh);
+        a[r][1] = _mm512_dpbusd_epi32(a[r][1], hi1, xh);
+      }
+    }
+    __m512 w0, w1;
+    if constexpr (kBf16Scales) {  // a bf16 is the top half of the fp32 of the same value
+      const __m512i raw = _mm512_loadu_si512(p);
+      w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+      w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+      p += 64;
+    } else {
+      w0 = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+      w1 = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 64));
+      p += 128;
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xs = _mm512_set1_ps(A.xs[r * A.blocks + b]);
+      f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(w0, xs), f[r][0]);
+      f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][1]), _mm512_mul_ps(w1, xs), f[r][1]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kTile, A.out - o);
+  const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  const __mmask16 m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(A.y + r * A.out + o, m0, f[r][0]);
+    _mm512_mask_storeu_ps(A.y + r * A.out + o + 16, m1, f[r][1]);
+  }
+}
+
+// The alternative the VNNI path was measured against: x kept in fp32, each nibble turned into an fp32
+// lane (shift, mask, convert) and multiplied in with an FMA per row; 8 such per cache line and row
+// against vpdpbusd's 2. Same layout and the same block order; xs unused, xc holds -8 * the block's
+// sum of x (as fp32 bits). Only for the measurement (``gemv_f32x``).
+template <int R, int KB, bool kBf16Scales>
+void tile_f32x(const uint8_t* p, const Args& A, int64_t o) {
+  const float* x = reinterpret_cast<const float*>(A.xq);
+  __m512 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t b = 0; b < A.blocks; ++b) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) {
+      float c;
+      std::memcpy(&c, A.xc + r * A.blocks + b, 4);
+      a[r][0] = a[r][1] = _mm512_set1_ps(c);
+    }
+    const float* xb = x + b * KB * 8;
+#pragma GCC unroll 4
+    for (int s = 0; s < KB; ++s) {
+      if (A.prefetch) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + A.prefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + A.prefetch + 64), _MM_HINT_T0);
+      }
+      const __m512i v[2] = {_mm512_loadu_si512(p), _mm512_loadu_si512(p + 64)};
+      p += 128;
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const int shift = i < 4 ? 8 * i : 8 * (i - 4) + 4;
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[0], shift), low));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v[1], shift), low));
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(xb[r * A.in + s * 8 + i]);
+          a[r][0] = _mm512_fmadd_ps(w0, xv, a[r][0]);
+          a[r][1] = _mm512_fmadd_ps(w1, xv, a[r][1]);
+        }
+      }
+    }
+    __m512 w0, w1;
+    if constexpr (kBf16Scales) {
+      const __m512i raw = _mm512_loadu_si512(p);
+      w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+      w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+      p += 64;
+    } else {
+      w0 = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+      w1 = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 64));
+      p += 128;
+    }
+    for (int r = 0; r < R; ++r) {
+      f[r][0] = _mm512_fmadd_ps(a[r][0], w0, f[r][0]);
+      f[r][1] = _mm512_fmadd_ps(a[r][1], w1, f[r][1]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kTile, A.out - o);
+  const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  const __mmask16 m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(A.y + r * A.out + o, m0, f[r][0]);
+    _mm512_mask_storeu_ps(A.y + r * A.out + o + 16, m1, f[r][1]);
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, const Args&, int64_t);
+
+template <int KB, bool kBf16>
+TileFn pick_rows_f32x(int rows) {
+  switch (rows) {
+    case 1: return tile_f32x<1, KB, kBf16>;
+    case 2: return tile_f32x<2, KB, kBf16>;
+    case 3: return tile_f32x<3, KB, kBf16>;
+    default: return tile_f32x<4, KB, kBf16>;
+  }
+}
+
+template <int KB, bool kBf16>
+TileFn pick_rows(int rows) {
+  switch (rows) {
+    case 1: return tile<1, KB, kBf16>;
+    case 2: return tile<2, KB, kBf16>;
+    case 3: return tile<3, KB, kBf16>;
+    case 4: return tile<4, KB, kBf16>;
+    case 5: return tile<5, KB, kBf16>;
+    case 6: return tile<6, KB, kBf16>;
+    case 7: return tile<7, KB, kBf16>;
+    default: return tile<8, KB, kBf16>;
+  }
+}
+
+TileFn pick(int64_t block, bool bf16_scales, int rows) {
+  switch (block) {
+    case 32: return bf16_scales ? pick_rows<4, true>(rows) : pick_rows<4, false>(rows);
+    case 64: return bf16_scales ? pick_rows<8, true>(rows) : pick_rows<8, false>(rows);
+    default: return bf16_scales ? pick_rows<16, true>(rows) : pick_rows<16, false>(rows);
+  }
+}
+
+TileFn pick_f32x(int64_t block, bool bf16_scales, int rows) {
+  switch (block) {
+    case 32: return bf16_scales ? pick_rows_f32x<4, true>(rows) : pick_rows_f32x<4, false>(rows);
+    case 64: return bf16_scales ? pick_rows_f32x<8, true>(rows) : pick_rows_f32x<8, false>(rows);
+    default: return bf16_scales ? pick_rows_f32x<16, true>(rows) : pick_rows_f32x<16, false>(rows);
+  }
+}
+
+at::Tensor run(const at::Tensor& x, const at::Tensor& blob, int64_t out, int64_t block, bool bf16_scales,
+               int64_t prefetch, bool f32x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [rows, in]");
+  TORCH_CHECK(blob.scalar_type() == at::kByte && blob.is_contiguous(), "the packed weight must be contiguous uint8");
+  TORCH_CHECK(x.device().is_cpu() && blob.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(block == 32 || block == 64 || block == 128, "block must be 32, 64 or 128");
+  const int64_t rows = x.size(0), in = x.size(1);
+  TORCH_CHECK(in > 0 && in % block == 0, "in features (", in, ") must be a positive multiple of the block (", block, ")");
+  TORCH_CHECK(out > 0, "out features must be positive");
+  const int64_t blocks = in / block, tiles = (out + kTile - 1) / kTile;
+  const int64_t tile_bytes = blocks * (block / 8 * 128 + (bf16_scales ? 64 : 128));
+  TORCH_CHECK(blob.numel() == tiles * tile_bytes, "packed weight of ", blob.numel(), " bytes, expected ",
+              tiles * tile_bytes, " for [", out, ", ", in, "] in blocks of ", block);
+  TORCH_CHECK(prefetch >= 0, "prefetch distance must be >= 0");
+  at::Tensor y = at::empty({rows, out}, x.options());
+  if (rows == 0) return y;
+  // Per-call scratch, reused: a decode step makes ~80 of these calls.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> xc;
+  xq.resize(rows * in), xs.resize(rows * blocks), xc.resize(rows * blocks);
+  const float* xf = x.data_ptr<float>();
+  if (f32x) {  // xq points at x itself; xc = -8 * each block's sum of x, as fp32 bits
+    for (int64_t rb = 0; rb < rows * blocks; ++rb) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < block; ++i) sum += xf[rb * block + i];
+      sum *= -8.0f;
+      std::memcpy(xc.data() + rb, &sum, 4);
+    }
+  } else {
+    quantize_rows(xf, rows, in, block, xq.data(), xs.data(), xc.data());
+  }
+  const uint8_t* w = blob.data_ptr<uint8_t>();
+  const int max_rows = f32x ? 4 : kMaxRows;
+  for (int64_t r0 = 0; r0 < rows; r0 += max_rows) {
+    const int n = static_cast<int>(std::min<int64_t>(max_rows, rows - r0));
+    const int8_t* xr = f32x ? reinterpret_cast<const int8_t*>(xf + r0 * in) : xq.data() + r0 * in;
+    const Args A{xr, xs.data() + r0 * blocks, xc.data() + r0 * blocks, in, blocks,
+                 y.data_ptr<float>() + r0 * out, out, prefetch};
+    const TileFn fn = f32x ? pick_f32x(block, bf16_scales, n) : pick(block, bf16_scales, n);
+    at::parallel_for(0, tiles, kGrain, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) fn(w + t * tile_bytes, A, t * kTile);
+    });
+  }
+  return y;
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& blob, int64_t out, int64_t block, bool bf16_scales,
+                     int64_t prefetch) {
+  return run(x, blob, out, block, bf16_scales, prefetch, false);
+}
+
+at::Tensor int4_gemv_f32x(const at::Tensor& x, const at::Tensor& blob, int64_t out, int64_t block, bool bf16_scales,
+                          int64_t prefetch) {
+  return run(x, blob, out, block, bf16_scales, prefetch, true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(chattts_int4_gemv, m) {
+  m.def("gemv(Tensor x, Tensor blob, int out, int block, bool bf16_scales, int prefetch) -> Tensor");
+  m.def("gemv_f32x(Tensor x, Tensor blob, int out, int block, bool bf16_scales, int prefetch) -> Tensor");
+  m.impl("gemv", c10::DispatchKey::CPU, &int4_gemv);
+  m.impl("gemv_f32x", c10::DispatchKey::CPU, &int4_gemv_f32x);
+}
