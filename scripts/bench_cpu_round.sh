@@ -4,7 +4,8 @@
 # medians), the reference in the same rounds. Run it on a quiet machine (nothing else running); every
 # JSON line records the CPU. First the per-op kernel table (bench kernels: every library's trunk matmuls
 # at 1/4/32 rows against the weight-read floor, 1 thread) and the audio stage per runtime (bench audio);
-# the load averages go in $O/uptime.log with each stage. Usage:
+# decode attention per KV cache dtype (bench attention: bf16 and int8 against their read floors, at two
+# context lengths); the load averages go in $O/uptime.log with each stage. Usage:
 #   scripts/bench_cpu_round.sh CKPT REFERENCE_PYTHON OUT_DIR [ONNX_CACHE_DIR]
 set -u
 CK=${1:?checkpoint directory (chattts-serve checkpoint random CKPT --size full)}
@@ -22,6 +23,8 @@ run kernels bench kernels --model "$CK" --threads 1 --rows 1,4,32 --rounds 5 --w
 run kernels_2t bench kernels --model "$CK" --threads 2 --rows 1,32 --rounds 3 --work-dir "$O" \
   --backends ort-int4-b32-a4,ort-int8,int4pack-g32-bf16,int4pack-g128-bf16,ov-int4-g128,ov-int8,onednn-bf16
 run audio bench audio --model "$CK" --threads 1 --windows 1x150,8x150,1x48 --rounds 5
+run attention bench attention --threads 2 --rows 1,8,32 --min-len 300 --max-len 800 --json
+run attention_long bench attention --threads 2 --rows 1,8,32 --min-len 1500 --max-len 2000 --no-fp32 --json
 for round in 1 2 3; do
   run one_fp32_ref bench streams $common --precision fp32 --concurrency 1 --steps 94 --reference-python "$REF"
   for p in int8-static ort-int8 ort-int4 ort-int4-b128 ort-auto; do
@@ -29,6 +32,8 @@ for round in 1 2 3; do
   done
   run one_ort-auto-ovbf16 bench streams $common --precision ort-auto --audio-dtype ov-bf16 --concurrency 1 --steps 94
   run one_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
+    --concurrency 1 --steps 94
+  run one_int8-static-kvint8 bench streams $common --precision int8-static --kv-cache-dtype int8 --audio-dtype bf16 \
     --concurrency 1 --steps 94
   if [ "$round" = 1 ]; then
     run off_ref bench offline $common --precision int8-static --num-texts 32 --steps 150 --reference-python "$REF"
@@ -38,11 +43,15 @@ for round in 1 2 3; do
   done
   run off_int8-static-kvbf16 bench offline $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
     --num-texts 32 --steps 150
+  run off_int8-static-kvint8 bench offline $common --precision int8-static --kv-cache-dtype int8 --audio-dtype bf16 \
+    --num-texts 32 --steps 150
   run off_fp32 bench offline $common --precision fp32 --num-texts 32 --steps 150
 done
 for p in ort-int8 int8-static; do
   run "s32_$p" bench streams $common --precision $p --audio-dtype bf16 --concurrency 32 --steps 150
 done
 run s32_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
+  --concurrency 32 --steps 150
+run s32_int8-static-kvint8 bench streams $common --precision int8-static --kv-cache-dtype int8 --audio-dtype bf16 \
   --concurrency 32 --steps 150
 echo "done: $O" >&2
