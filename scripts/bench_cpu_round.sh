@@ -4,7 +4,8 @@
 # medians), the reference in the same rounds. Run it on a quiet machine (nothing else running); every
 # JSON line records the CPU. First the per-op kernel table (bench kernels: every library's trunk matmuls
 # at 1/4/32 rows against the weight-read floor, 1 thread) and the audio stage per runtime (bench audio);
-# the load averages go in $O/uptime.log with each stage. Usage:
+# decode attention per KV cache dtype (bench attention: bf16 and int8 against their read floors, at two
+# context lengths); the load averages go in $O/uptime.log with each stage. Usage:
 #   scripts/bench_cpu_round.sh CKPT REFERENCE_PYTHON OUT_DIR [ONNX_CACHE_DIR]
 set -u
 CK=${1:?checkpoint directory (chattts-serve checkpoint random CKPT --size full)}
@@ -32,6 +33,8 @@ python scripts/audio_designs.py --model "$CK" --rounds 5 --cache "$O/audio_hidde
   >> "$O/audio_designs.jsonl" 2>> "$O/err.log"
 run eval_audio eval --model "$CK" --threads 1 --steps 150 --num-texts 4 --modes fp32 \
   --audio-dtypes bf16,ov-fp32,ov-bf16,ov-int8
+run attention bench attention --threads 2 --rows 1,8,32 --min-len 300 --max-len 800 --json
+run attention_long bench attention --threads 2 --rows 1,8,32 --min-len 1500 --max-len 2000 --no-fp32 --json
 for round in 1 2 3; do
   run one_fp32_ref bench streams $common --precision fp32 --concurrency 1 --steps 94 --reference-python "$REF"
   for p in int8-static ort-int8 ort-int4 ort-int4-b128 ort-auto; do
@@ -42,6 +45,8 @@ for round in 1 2 3; do
     --steps 94
   run one_ort-auto-ovint8 bench streams $common --precision ort-auto --audio-dtype ov-int8 --concurrency 1 --steps 94
   run one_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
+    --concurrency 1 --steps 94
+  run one_int8-static-kvint8 bench streams $common --precision int8-static --kv-cache-dtype int8 --audio-dtype bf16 \
     --concurrency 1 --steps 94
   if [ "$round" = 1 ]; then
     run off_ref bench offline $common --precision int8-static --num-texts 32 --steps 150 --reference-python "$REF"
@@ -54,6 +59,8 @@ for round in 1 2 3; do
   for p in ort-int8 ort-auto; do
     run "off_$p-ovbf16" bench offline $common --precision $p --audio-dtype ov-bf16 --num-texts 32 --steps 150
   done
+  run off_int8-static-kvint8 bench offline $common --precision int8-static --kv-cache-dtype int8 --audio-dtype bf16 \
+    --num-texts 32 --steps 150
   run off_fp32 bench offline $common --precision fp32 --num-texts 32 --steps 150
   run off_ort-int8-ovint8 bench offline $common --precision ort-int8 --audio-dtype ov-int8 --num-texts 32 --steps 150
 done
@@ -63,5 +70,7 @@ run s32_int8-static bench streams $common --precision int8-static --audio-dtype 
 run s32_ort-int8-ovbf16 bench streams $common --precision ort-int8 --audio-dtype ov-bf16 --concurrency 32 --steps 150
 run s32_ort-int8-ovint8 bench streams $common --precision ort-int8 --audio-dtype ov-int8 --concurrency 32 --steps 150
 run s32_int8-static-kvbf16 bench streams $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
+  --concurrency 32 --steps 150
+run s32_int8-static-kvint8 bench streams $common --precision int8-static --kv-cache-dtype int8 --audio-dtype bf16 \
   --concurrency 32 --steps 150
 echo "done: $O" >&2

@@ -21,9 +21,11 @@ from tests.support.tiny_model import prepared
 SPK_ID, TEXT_EOS, MAX_LEN, SLOTS = 7, 3, 256, 4
 
 
-def _runner(tiny_ckpt, precision: str, onnx_cache_dir: str) -> ModelRunner:
+def _runner(tiny_ckpt, mode: str, onnx_cache_dir: str) -> ModelRunner:
+    """``mode``: a precision, or ``PRECISION/kv-int8`` (that precision over an int8 KV cache)."""
+    precision, _, kv = mode.partition("/kv-")
     model, layout = prepared(tiny_ckpt, precision, SLOTS, onnx_cache_dir=onnx_cache_dir)
-    plan = resolve_plan(EngineConfig(precision=precision), "cpu")
+    plan = resolve_plan(EngineConfig(precision=precision, runner=RunnerConfig(kv_cache_dtype=kv or "auto")), "cpu")
     assert plan.chunked_prefill(SLOTS) == PREFILL_BLOCK
     return ModelRunner(model, layout, SLOTS, MAX_LEN, TEXT_EOS, plan, 2048, plan.chunked_prefill(SLOTS))
 
@@ -56,7 +58,7 @@ def _sequences(runner: ModelRunner) -> list[Sequence]:
     return seqs
 
 
-MODES = ["fp32", "bf16", "int8", "int8-static", "ort-fp32", "ort-int4"]
+MODES = ["fp32", "bf16", "int8", "int8-static", "ort-fp32", "ort-int4", "fp32/kv-int8", "int8-static/kv-int8"]
 
 
 @pytest.mark.parametrize("precision", MODES)
@@ -95,7 +97,9 @@ def test_chunk_prefilled_request_equals_one_shot(tiny_ckpt, onnx_cache_dir, prec
         if a.kind == "code":
             assert torch.equal(got_hidden[a.seq_id], want.hidden_of(b.seq_id))
         n = a.prompt_len
-        for kv, kv_whole in ((chunked.cache.k, whole.cache.k), (chunked.cache.v, whole.cache.v)):
+        c, w = chunked.cache, whole.cache
+        pairs = [(c.k, w.k), (c.v, w.v)] + ([(c.k_scale, w.k_scale), (c.v_scale, w.v_scale)] if c.quantized else [])
+        for kv, kv_whole in pairs:  # an int8 cache: its bytes and scales alike
             assert torch.equal(kv[:, a.slot, :, :n], kv_whole[:, a.slot, :, :n]), (precision, n)
 
 

@@ -103,6 +103,16 @@ def test_ort_precisions_decode_in_onnx_runtime_with_an_fp32_cache():
         resolve_plan(EngineConfig(precision="ort-fp32", runner=RunnerConfig(kv_cache_dtype="bf16")), "cpu")
 
 
+def test_int8_kv_cache_is_a_cpu_torch_mode():
+    plan = resolve_plan(EngineConfig(precision="int8-static", runner=RunnerConfig(kv_cache_dtype="int8")), "cpu")
+    assert plan.kv_cache_dtype == torch.int8 and plan.decode == "rows"
+    assert "kv cache int8 + fp32 scales" in plan.describe()
+    with pytest.raises(ValueError, match="int8 runs on the CPU only"):
+        resolve_plan(EngineConfig(precision="bf16", runner=RunnerConfig(kv_cache_dtype="int8")), "cuda")
+    with pytest.raises(ValueError, match="the ort-\\* cache is fp32"):
+        resolve_plan(EngineConfig(precision="ort-int8", runner=RunnerConfig(kv_cache_dtype="int8")), "cpu")
+
+
 def test_the_plan_is_frozen_and_every_path_has_a_module():
     plan = resolve_plan(EngineConfig(), "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -1,4 +1,4 @@
-"""kernels/decode_attention.py: the C++ decode attention over a bf16 slot cache against plain attention,
+"""kernels/decode_attention.py: the C++ decode attention over a bf16 (and an int8) slot cache against plain attention,
 its batch invariance, and the fallback to torch's SDPA where it cannot be built."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from chattts_serve.kernels import decode_attention as da
+from chattts_serve.kernels import kv_int8
 from chattts_serve.models.chattts.config import GPTConfig
 from chattts_serve.models.chattts.gpt import GPT
 
@@ -136,3 +137,120 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch):
     # torch's path rounds the query to bf16 and runs in bf16 SDPA: close to the kernel, not equal.
     assert torch.isfinite(fallback).all()
     torch.testing.assert_close(fallback, with_kernel, atol=5e-2, rtol=5e-2)
+
+
+# ------------------------------------------------------------------ the int8 cache (one fp32 scale per vector)
+
+
+def _int8_cache(slots: int, kv_heads: int, positions: int, head_dim: int, seed: int = 0):
+    """An int8 cache quantized from random values (``kernels.kv_int8``): int8 keys, values and their scales."""
+    k, v = _cache(slots, kv_heads, positions, head_dim, seed)
+    (qk, sk), (qv, sv) = kv_int8.quantize(k.float()), kv_int8.quantize(v.float())
+    return qk, qv, (sk, sv)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 12, 64), (8, 2, 32), (4, 4, 16), (6, 3, 48)])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_int8_matches_plain_attention_in_float64(heads, kv_heads, head_dim, rows):
+    """The int8 op against float64 attention over the dequantized cache (the scales folded into the dots
+    and the weights are the same numbers): what is left is the kernel's fp32 rounding, as for bf16."""
+    _kernel_or_skip()
+    positions, slots_n = 600, 70
+    k, v, scales = _int8_cache(slots_n, kv_heads, positions, head_dim)
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, heads, head_dim, generator=g)
+    slots = torch.randperm(slots_n, generator=g)[:rows]
+    last = torch.randint(0, positions, (rows,), generator=g)
+    last[0] = positions - 1
+    if rows > 1:
+        last[1] = 0
+    if rows > 5:  # either side of the 512-position chunks, and a partial block of 16 with scales past it
+        last[2:6] = torch.tensor([255, 256, 511, 512])
+    scale = head_dim**-0.5
+    out = da.attend(q, k, v, slots, last, scale, scales)
+    assert out.shape == (rows, heads, head_dim) and out.dtype == torch.float32
+    torch.testing.assert_close(out, da.reference(q, k, v, slots, last, scale, scales), atol=ATOL, rtol=0)
+    if rows > 1:  # one key: the output is its value, dequantized
+        want = kv_int8.dequantize(v[slots[1], :, 0], scales[1][slots[1], :, 0])
+        torch.testing.assert_close(out[1], want.repeat_interleave(heads // kv_heads, 0))
+
+
+def test_int8_sharp_softmax_zero_vectors_and_repeated_slots():
+    """Scores in the hundreds, all-zero keys and values (scale 0), two rows on one slot."""
+    _kernel_or_skip()
+    k, v, (sk, sv) = _int8_cache(3, 4, 700, 64, seed=1)
+    k[2, :, 100:140], sk[2, :, 100:140] = 0, 0
+    v[2, :, 120:160], sv[2, :, 120:160] = 0, 0
+    q = 40 * torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(2))
+    slots, last = torch.tensor([2, 2, 0, 1]), torch.tensor([699, 300, 17, 512])
+    out = da.attend(q, k, v, slots, last, 0.125, (sk, sv))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, da.reference(q, k, v, slots, last, 0.125, (sk, sv)), atol=ATOL, rtol=0)
+
+
+def test_int8_row_does_not_depend_on_the_batch_or_the_threads():
+    _kernel_or_skip()
+    k, v, scales = _int8_cache(64, 12, 520, 64, seed=3)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(64, 12, 64, generator=g)
+    slots, last = torch.randperm(64, generator=g), torch.randint(0, 520, (64,), generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = da.attend(q, k, v, slots, last, 0.125, scales)
+    finally:
+        torch.set_num_threads(threads)
+    for row in (0, 17, 63):
+        alone = da.attend(q[row : row + 1], k, v, slots[row : row + 1], last[row : row + 1], 0.125, scales)
+        assert torch.equal(alone[0], batched[row])
+
+
+def test_int8_bad_inputs_are_refused():
+    _kernel_or_skip()
+    k, v, (sk, sv) = _int8_cache(2, 2, 10, 32)
+    q = torch.randn(1, 2, 32)
+    one, zero = torch.tensor([1]), torch.tensor([0])
+    with pytest.raises(ValueError, match="needs its scales"):
+        da.attend(q, k, v, one, zero, 1.0)
+    with pytest.raises(ValueError, match="needs its scales"):
+        da.attend(q, k.bfloat16(), v.bfloat16(), one, zero, 1.0, (sk, sv))
+    with pytest.raises(RuntimeError, match="scales must be \\[slots, kv_heads, positions\\]"):
+        da.attend(q, k, v, one, zero, 1.0, (sk[:, :, :5], sv))
+    with pytest.raises(RuntimeError, match="scales must be float32"):
+        da.attend(q, k, v, one, zero, 1.0, (sk.double(), sv))
+    with pytest.raises(RuntimeError, match="last position 10 out of range"):
+        da.attend(q, k, v, zero, torch.tensor([10]), 1.0, (sk, sv))
+
+
+def test_an_int8_cpu_cache_uses_it_too(monkeypatch):
+    if da.cpu_supported():
+        assert da.applies(torch.empty(1, 1, 1, 64, dtype=torch.int8)) == da.applies(
+            torch.empty(1, 1, 1, 64, dtype=torch.bfloat16)
+        )
+    assert not da.applies(torch.empty(1, 1, 1, 64, dtype=torch.uint8))
+    monkeypatch.setenv(da.MODE_ENV, "torch")
+    assert not da.applies(torch.empty(1, 1, 1, 64, dtype=torch.int8))
+
+
+def _decode(gpt: GPT, dtype: torch.dtype) -> torch.Tensor:
+    """``_decode_bf16`` in a cache of ``dtype``."""
+    hidden = gpt.cfg.hidden_size
+    g = torch.Generator().manual_seed(7)
+    cache = gpt.new_cache(3, 16, dtype=dtype)
+    with torch.inference_mode():
+        for slot, n in ((2, 9), (0, 5)):
+            gpt(torch.randn(1, n, hidden, generator=g), torch.arange(n)[None], cache, torch.tensor([slot]), 0, None)
+        return gpt.decode(torch.randn(2, hidden, generator=g), cache, [2, 0], [9, 5])
+
+
+def test_int8_torch_fallback_is_the_same_math(monkeypatch):
+    """Where the op does not run, ``_attend_rows`` dequantizes each row to fp32 and runs torch's SDPA in fp32:
+    the op's result up to fp32 rounding (unlike bf16's fallback, which rounds the query to bf16)."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)).eval()
+    with_kernel = _decode(gpt, torch.int8)
+    monkeypatch.setenv(da.MODE_ENV, "torch")
+    fallback = _decode(gpt, torch.int8)
+    torch.testing.assert_close(fallback, with_kernel, atol=1e-5, rtol=1e-5)
+    fp32 = _decode(gpt, torch.float32)
+    torch.testing.assert_close(fallback, fp32, atol=5e-2, rtol=5e-2)  # int8 keys: close to fp32, not equal

@@ -10,6 +10,10 @@ compare on a shared machine):
   floor; ``copy``: a copy of that buffer (bytes copied per second);
 - ``kernel``: ``kernels.decode_attention`` on the bf16 cache (GB/s of keys and values, and the floor
   over its time: 1.0 = at the read bandwidth);
+- ``read-int8``: the same read of the int8 cache's bytes (int8 vectors and their fp32 scales: 68 bytes a
+  vector at head_dim 64, 0.53 of bf16's), its floor; ``kernel-int8``: the op on the int8 cache made of the
+  same values (``kernels.kv_int8``), reported as its floor over its time and its speed-up over ``kernel``;
+  ``torch-int8``: the int8 cache's torch fallback (each row dequantized to fp32; ``--no-fp32`` skips it too);
 - ``torch-bf16``: today's path for a bf16 cache (torch's SDPA row by row, ``Attention._attend_rows``);
 - ``torch-fp32``: the same on an fp32 cache of the same values (the fp32 mode's path; twice the bytes).
 """
@@ -50,9 +54,9 @@ def measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
     """One row count: the step's medians (ms) and the derived bandwidths and ratios."""
     import torch
 
-    from ..kernels import decode_attention
+    from ..kernels import decode_attention, kv_int8
     from ..models.chattts.config import ModelConfig
-    from ..models.chattts.gpt import Attention
+    from ..models.chattts.gpt import Attention, KVCache
 
     cfg = ModelConfig.full().gpt
     layers = args.layers or cfg.num_layers
@@ -68,23 +72,37 @@ def measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
     attn = Attention(cfg, 0)
     slot_list, last_list = slots.tolist(), last.tolist()
     nbytes = 2 * layers * kvh * d * 2 * int(lengths.sum())  # keys and values, bf16, each row's positions
+    nbytes8 = 2 * layers * kvh * KVCache.vector_bytes(d, torch.int8) * int(lengths.sum())  # int8 with scales
+    k8 = [kv_int8.quantize(t) for t in k]
+    v8 = [kv_int8.quantize(t) for t in v]
 
-    def torch_rows(kc: list, vc: list) -> Callable[[], Any]:
-        return lambda: [attn._attend_rows(q, kc[i], vc[i], slot_list, last_list) for i in range(layers)]
+    def torch_rows(kc: list, vc: list, sc: list | None = None) -> Callable[[], Any]:
+        return lambda: [
+            attn._attend_rows(q, kc[i], vc[i], slot_list, last_list, sc[i] if sc else None) for i in range(layers)
+        ]
 
     buf = torch.ones(nbytes // 4)
+    buf8 = torch.ones(nbytes8 // 4)
     flush = torch.ones(FLUSH_BYTES // 4)
     dst = torch.empty_like(buf)
     methods: dict[str, Callable[[], Any]] = {
         "read": lambda: buf.sum().item(),
+        "read-int8": lambda: buf8.sum().item(),
         "copy": lambda: dst.copy_(buf),
         "torch-bf16": torch_rows(k, v),
     }
+    qk = q[:, :, 0]
     if decode_attention.applies(k[0]):
-        qk = q[:, :, 0]
         methods["kernel"] = lambda: [decode_attention.attend(qk, k[i], v[i], slots, last, scale) for i in range(layers)]
+    if decode_attention.applies(k8[0][0]):
+        methods["kernel-int8"] = lambda: [
+            decode_attention.attend(qk, k8[i][0], v8[i][0], slots, last, scale, (k8[i][1], v8[i][1]))
+            for i in range(layers)
+        ]
     if not args.no_fp32:
         methods["torch-fp32"] = torch_rows([t.float() for t in k], [t.float() for t in v])
+        scales8 = [(a[1], b[1]) for a, b in zip(k8, v8, strict=True)]
+        methods["torch-int8"] = torch_rows([t[0] for t in k8], [t[0] for t in v8], scales8)
     with torch.inference_mode():
         for fn in methods.values():  # warm-up: first touches, lazy inits
             fn()
@@ -97,6 +115,7 @@ def measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows,
         "layers": layers,
         "kv_mb": round(nbytes / 1e6, 1),
+        "kv_int8_mb": round(nbytes8 / 1e6, 1),
         "ms": {name: round(t, 2) for name, t in ms.items()},
         "read_gbs": round(nbytes / ms["read"] / 1e6, 1),
         "copy_gbs": round(nbytes / ms["copy"] / 1e6, 1),
@@ -107,6 +126,11 @@ def measure(rows: int, args: argparse.Namespace) -> dict[str, Any]:
         for name in ("torch-bf16", "torch-fp32"):
             if name in ms:
                 out[f"speedup_vs_{name}"] = round(ms[name] / ms["kernel"], 2)
+    if "kernel-int8" in ms:
+        out["int8_of_read"] = round(ms["read-int8"] / ms["kernel-int8"], 2)  # of its own (int8) read floor
+        out["int8_of_bf16_read"] = round(ms["read"] / ms["kernel-int8"], 2)
+        if "kernel" in ms:
+            out["int8_speedup_vs_kernel"] = round(ms["kernel"] / ms["kernel-int8"], 2)
     return out
 
 
@@ -129,5 +153,9 @@ def main(args: argparse.Namespace) -> int:
             f"rows {r['rows']:>3}: {r['kv_mb']:>7} MB  read {r['read_gbs']} GB/s  copy {r['copy_gbs']} GB/s  "
             f"kernel {kern}  ms {r['ms']}  speedup: bf16 {r.get('speedup_vs_torch-bf16', '-')}x "
             f"fp32 {r.get('speedup_vs_torch-fp32', '-')}x"
+        )
+        print(
+            f"          int8 cache {r['kv_int8_mb']:>7} MB  kernel-int8 {r.get('int8_of_read', '-')} of its read, "
+            f"{r.get('int8_of_bf16_read', '-')} of bf16's, {r.get('int8_speedup_vs_kernel', '-')}x the bf16 kernel"
         )
     return 0

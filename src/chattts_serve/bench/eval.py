@@ -36,17 +36,22 @@ from ..kernels.precisions import PRECISIONS
 from . import stats
 from .common import TEXTS, run_tool, set_threads
 
-# Every precision a CPU runs, against fp32 (fp16 is CUDA-only), and the bf16 KV cache under two of them.
-DEFAULT_MODES = (*(p for p in PRECISIONS if p not in ("fp32", "fp16")), "fp32/kv-bf16", "int8-static/kv-bf16")
+# Every precision a CPU runs, against fp32 (fp16 is CUDA-only), and the bf16 and int8 KV caches under two of them.
+DEFAULT_MODES = (
+    *(p for p in PRECISIONS if p not in ("fp32", "fp16")),
+    *(f"{p}/kv-{kv}" for kv in ("bf16", "int8") for p in ("fp32", "int8-static")),
+)
 KV_SUFFIX = "/kv-"
-"""``PRECISION/kv-bf16``: that precision with a bf16 KV cache (``RunnerConfig.kv_cache_dtype``)."""
+"""``PRECISION/kv-bf16``, ``PRECISION/kv-int8``: that precision with a bf16 or int8 KV cache
+(``RunnerConfig.kv_cache_dtype``)."""
+KV_DTYPES = ("bf16", "int8")
 
 
 def split_mode(mode: str) -> tuple[str, str]:
     """``"int8-static/kv-bf16"`` -> ("int8-static", "bf16"); a plain precision -> (precision, "auto")."""
     precision, sep, kv = mode.partition(KV_SUFFIX)
-    if sep and kv != "bf16":
-        raise ValueError(f"mode {mode!r}: the KV cache suffix must be {KV_SUFFIX}bf16")
+    if sep and kv not in KV_DTYPES:
+        raise ValueError(f"mode {mode!r}: the KV cache suffix must be {' or '.join(KV_SUFFIX + d for d in KV_DTYPES)}")
     return precision, kv or "auto"
 
 
@@ -56,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--modes",
         default=None,
-        help=f"comma-separated, from {', '.join(PRECISIONS[1:])}, each optionally with {KV_SUFFIX}bf16 "
-        "(a bf16 KV cache) (default: those the device runs)",
+        help=f"comma-separated, from {', '.join(PRECISIONS[1:])}, each optionally with {KV_SUFFIX}bf16 or "
+        f"{KV_SUFFIX}int8 (a bf16 or int8 KV cache) (default: those the device runs)",
     )
     p.add_argument("--steps", type=int, default=100, help="audio tokens per text")
     p.add_argument("--num-texts", type=int, default=4)
@@ -94,7 +99,7 @@ def teacher_forced(engine, ids: list[int], codes) -> tuple[Any, Any]:
     """The GPT over prompt + codes: (hidden [T, H] that produced each code, logits [T, 4, V]). Torch
     modes read it in one pass; ONNX Runtime modes (``ort-*``) as the engine runs them, the prompt in one
     call, then one code per step (their int8 activation scale depends on the rows of a call); so do
-    modes with a bf16 KV cache (decode attention runs in bf16, the prompt's in fp32)."""
+    modes with a bf16 or int8 KV cache (decode attention reads the cache's keys through its own kernel)."""
     import torch
 
     model = engine.model
@@ -185,6 +190,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         modes = []
         for m in DEFAULT_MODES + ("fp16",):
+            if split_mode(m)[1] == "int8" and device.type != "cpu":
+                continue  # the int8 KV cache runs on the CPU only (``engine.plan``)
             try:
                 check_supported(parse_precision(split_mode(m)[0]), device)
                 modes.append(m)

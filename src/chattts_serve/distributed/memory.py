@@ -102,7 +102,8 @@ def budget_for(
 
     root = checkpoint.resolve(model)
     dims = checkpoint.read_config(root)
-    # The runner's own rule: the cache holds kv_cache_dtype (bf16 halves it), not always the trunk's.
+    # The runner's own rule: the cache holds kv_cache_dtype (bf16 halves it; int8 with its scales, CPU only, is
+    # refused here), not always the trunk's.
     plan = resolve_plan(config, "cuda")
     per_slot = slot_bytes(dims.gpt, config.scheduler.max_model_len, plan.kv_cache_dtype, graphs=plan.cuda_graphs)
     total = torch.cuda.get_device_properties(device).total_memory

@@ -23,7 +23,7 @@ from ..kernels.precisions import PRECISIONS
 from .scheduler import SchedulerConfig
 
 DECODE_MODES = ("auto", "rows", "static")
-KV_CACHE_DTYPES = ("auto", "bf16")
+KV_CACHE_DTYPES = ("auto", "bf16", "int8")
 AUDIO_GRAPH_DTYPES = ("ort-fp32", "ov-fp32", "ov-bf16", "ov-int8")
 """The Decoder + Vocos as one ONNX Runtime / OpenVINO graph (CPU only; ``audio.cpu_graph.RUNTIMES``)."""
 AUDIO_DTYPES = ("auto", "fp32", "tf32", "bf16", *AUDIO_GRAPH_DTYPES)
@@ -180,7 +180,8 @@ _HELP = {
     "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
     "ort_auto_crossover": "ort-auto: trunk calls of this many rows or more run int8, narrower ones 4-bit "
     "(0: from a table by CPU)",
-    "kv_cache_dtype": "KV cache dtype: auto (the trunk's) or bf16 (half the bytes; attention in bf16; torch modes)",
+    "kv_cache_dtype": "KV cache dtype: auto (the trunk's), bf16 (half the bytes; attention in bf16) or int8 (int8 "
+    "vectors with an fp32 scale each, 0.27 of fp32's bytes; attention in fp32; CPU); torch precisions",
     "sampling_noise": "sampling noise: generator (one torch.Generator per sequence, reference-identical; CPU "
     "default), counter (hash of seed and step, one batched draw, batch-invariant; CUDA default) or auto",
     "step_graphs": "a step's decode rows as one CUDA graph: embed, trunk, heads and sampling (auto: with CUDA "

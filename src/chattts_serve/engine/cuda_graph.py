@@ -255,8 +255,9 @@ class StaticDecoder:
         """Which SDPA kernel the step's attention runs (logged once: flash, efficient, cuDNN or math)."""
         # One row: the choice depends on dtype, head size, the mask and alignment, not on the batch.
         cfg, ctx = gpt.cfg, self.ctx_sizes[0]
-        q = torch.zeros(1, cfg.num_heads, 1, cfg.head_dim, dtype=cache.k.dtype, device=self.device)
-        k = torch.zeros(1, cfg.num_heads, ctx, cfg.head_dim, dtype=cache.k.dtype, device=self.device)
+        dtype = torch.float32 if cache.quantized else cache.k.dtype  # an int8 cache is read dequantized
+        q = torch.zeros(1, cfg.num_heads, 1, cfg.head_dim, dtype=dtype, device=self.device)
+        k = torch.zeros(1, cfg.num_heads, ctx, cfg.head_dim, dtype=dtype, device=self.device)
         mask = torch.ones(1, 1, 1, ctx, dtype=torch.bool, device=self.device)
         try:
             name = sdpa_backend(q, k, k, mask)

@@ -19,7 +19,7 @@ class RowsDecode(TrunkDecode):
         super().__init__(parts)
         self.gpt = parts.model.gpt
         self.dtype = self.gpt.norm.weight.dtype
-        decode_attention.prepare(parts.cache.k)  # build the bf16 cache's attention kernel now, not mid-request
+        decode_attention.prepare(parts.cache.k)  # build the bf16/int8 cache's attention kernel now, not mid-request
 
     def trunk(self, emb: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         slots = [s.slot for s in step.seqs]

@@ -16,7 +16,7 @@ def static_decoder(parts: RunnerParts, graphs: bool) -> StaticDecoder:
     """The static step over the runner's cache (its rows read finite values: zeroed), capturing its own
     graphs if ``graphs``."""
     p = parts.plan
-    parts.cache.k.zero_(), parts.cache.v.zero_()  # rows that decode nothing read finite values
+    parts.cache.zero_()  # rows that decode nothing read finite values
     return StaticDecoder(
         parts.model.gpt, parts.cache, graphs, p.compile, p.strict_cuda_graphs, parts.graph_store, p.attention
     )

@@ -32,7 +32,9 @@ PREFILL_CHUNKS = {"rows": True, "static": True, "step-graph": True, "onnx": True
 GroupQueryAttention both append a chunk after the cached positions). A path that cannot says False here, and its
 engines prefill whole prompts (``ExecutionPlan.prefill_chunk`` 0)."""
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8"}
+_KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8}
+"""``--kv-cache-dtype`` other than auto (the trunk's dtype)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,8 @@ class ExecutionPlan:
         on = {True: "on", False: "off"}
         return (
             f"execution plan: {self.device}, precision {self.precision}, decode {self.decode}, "
-            f"kv cache {_DTYPE_NAMES.get(self.kv_cache_dtype, str(self.kv_cache_dtype))}, "
+            f"kv cache {_DTYPE_NAMES.get(self.kv_cache_dtype, str(self.kv_cache_dtype))}"
+            f"{' + fp32 scales' if self.kv_cache_dtype == torch.int8 else ''}, "
             f"noise {self.sampling_noise}, cuda graphs {on[self.cuda_graphs]}, compile {on[self.compile]}, "
             f"attention {self.attention}, host ahead {on[self.host_ahead]}, audio {self.audio_dtype} "
             f"(overlap {on[self.audio_overlap]}, buckets {on[self.audio_buckets]}, graphs {on[self.audio_graphs]}), "
@@ -109,15 +112,16 @@ def resolve_audio_dtype(requested: str, device_type: str) -> str:
 
 def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
     """``config`` on a device type: the one place an "auto" is read. Raises ValueError for combinations
-    that cannot run (step graphs "on" off the static step or with generator noise; a bf16 KV cache under
-    an ``ort-*`` precision; an ONNX Runtime / OpenVINO audio graph off the CPU)."""
+    that cannot run (step graphs "on" off the static step or with generator noise; a bf16 or int8 KV cache
+    under an ``ort-*`` precision; an int8 KV cache off the CPU; an ONNX Runtime / OpenVINO audio graph off the
+    CPU)."""
     rc = config.runner
     spec = parse_precision(config.precision)
     cuda = device_type == "cuda"
     noise = rc.sampling_noise if rc.sampling_noise != "auto" else ("counter" if cuda else "generator")
     if spec.onnx is not None:
-        if rc.kv_cache_dtype == "bf16":
-            raise ValueError("kv_cache_dtype bf16 is for the torch precisions; the ort-* cache is fp32")
+        if rc.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {rc.kv_cache_dtype} is for the torch precisions; the ort-* cache is fp32")
         decode = "onnx"
     else:
         decode = rc.decode if rc.decode != "auto" else ("static" if cuda else "rows")
@@ -127,7 +131,10 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
         raise ValueError("step_graphs on needs decode static and sampling_noise counter")
     if possible and (rc.step_graphs == "on" or (rc.step_graphs == "auto" and graphs)):
         decode = "step-graph"
-    kv_dtype = torch.bfloat16 if rc.kv_cache_dtype == "bf16" else spec.trunk_dtype
+    if rc.kv_cache_dtype == "int8" and device_type != "cpu":
+        # Its attention is a CPU op; CUDA's static step would dequantize whole context buckets every layer.
+        raise ValueError(f"kv_cache_dtype int8 runs on the CPU only; on {device_type} use bf16")
+    kv_dtype = _KV_DTYPES.get(rc.kv_cache_dtype, spec.trunk_dtype)
     # The static step on CUDA: FlexAttention where its probe runs (``CHATTTS_CUDA_ATTENTION`` may force
     # either; the probe runs once a process). Off CUDA the masked SDPA unless forced.
     attention = flex_decode.choose(device_type, kv_dtype) if decode in ("static", "step-graph") else "sdpa"

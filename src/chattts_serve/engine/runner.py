@@ -235,7 +235,7 @@ class ModelRunner:
         """Bytes of keys and values one cached position of one slot holds, all layers together: what a
         decode step reads per position it attends to (``profile``'s memory floor)."""
         k = self.cache.k  # [layers, slots, kv_heads, positions, head_dim]
-        return 2 * k.shape[0] * k.shape[2] * k.shape[4] * k.element_size()
+        return 2 * k.shape[0] * k.shape[2] * KVCache.vector_bytes(k.shape[4], k.dtype)  # int8: with its scales
 
     def counters(self) -> dict[str, int]:
         """The decode path's graph counters, every ``EngineStats`` one present (0 where the path has none)."""

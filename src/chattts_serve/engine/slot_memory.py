@@ -2,7 +2,8 @@
 auto slots, a fixed slot count's fitted length (and its refusal), and a replica's memory budget.
 
 A slot holds its keys and values for ``max_len`` positions and the static step's scratch position
-(``KVCache.bytes_per_slot`` in the cache's dtype: fp32 is 283 MB at 2304 positions, bf16 half), its
+(``KVCache.bytes_per_slot`` in the cache's dtype: fp32 is 283 MB at 2304 positions, bf16 half, int8 with
+its fp32 scale per vector 75 MB), its
 audio stream's hidden-state row and that row's share of the store's headroom
 (``HiddenStore.bytes_per_slot``), and, on CUDA, its row's share of the step graphs' memory pool: the
 pool is as large as the largest bucket's live activations, and the largest bucket has a row per slot.
@@ -39,7 +40,8 @@ def graph_bytes_per_row(cfg: GPTConfig, max_len: int) -> int:
 @dataclass(frozen=True, slots=True)
 class SlotCost:
     kv: int
-    """Keys and values, all layers, ``max_len`` positions and the scratch one, in ``kv_dtype``."""
+    """Keys and values, all layers, ``max_len`` positions and the scratch one, in ``kv_dtype`` (int8: and their
+    scales)."""
     hidden: int
     """The audio stream's hidden-state row (fp32) and its share of the store's headroom."""
     graphs: int
@@ -51,7 +53,7 @@ class SlotCost:
         return self.kv + self.hidden + self.graphs
 
     def describe(self) -> str:
-        dtype = str(self.kv_dtype).removeprefix("torch.")
+        dtype = str(self.kv_dtype).removeprefix("torch.") + (" (+ fp32 scales)" if self.kv_dtype == torch.int8 else "")
         return (
             f"{self.total / MB:.0f} MB a slot: {dtype} keys and values {self.kv / MB:.0f} MB, hidden-state row "
             f"{self.hidden / MB:.1f} MB, graph activations {self.graphs / MB:.1f} MB"

@@ -1,7 +1,10 @@
-// Decode attention over a bf16 slot KV cache, one new token per row (see decode_attention.py).
+// Decode attention over a bf16 or int8 slot KV cache, one new token per row (see decode_attention.py).
 //
-// Keys and values are read once, as bf16, straight from each row's slot of the layer's cache
-// [slots, kv_heads, positions, head_dim]; dots, softmax and the weighted sum run in fp32. The work is
+// Keys and values are read once, as bf16 or int8, straight from each row's slot of the layer's cache
+// [slots, kv_heads, positions, head_dim]; dots, softmax and the weighted sum run in fp32. An int8 cache
+// has one fp32 scale per vector ([slots, kv_heads, positions]): the int8 numbers are converted to fp32 in
+// registers, the key's scale multiplies its dot (q . s k = s (q . k)) and the value's scale its softmax
+// weight in the weighted sum (w s v), so nothing is dequantized into memory. The work is
 // split flash-decoding style into (row, kv head, chunk of kChunk positions) items, each one pass over
 // its keys and values together with an online softmax local to the chunk; the chunks of a row and head
 // are then combined in order. The chunk size is a constant, so a row's result never depends on the
@@ -20,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifndef __AVX512F__
@@ -136,13 +140,60 @@ struct Row {
   }
 };
 
+// 16 int8 -> 16 fp32 (exact).
+inline __m512 load_int8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The int8 cache's row: D / 16 vectors in natural order (int8 widens 16 at a time, no even/odd split).
+template <int D>
+struct Row8 {
+  static constexpr int W = D / 16;
+  __m512 x[W];
+
+  void zero() {
+    for (int w = 0; w < W; ++w) x[w] = _mm512_setzero_ps();
+  }
+  void load_split(const float* p) {
+    for (int w = 0; w < W; ++w) x[w] = _mm512_loadu_ps(p + 16 * w);
+  }
+  void store_joined(float* p) const {
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(p + 16 * w, x[w]);
+  }
+  // Two chains of FMAs (even and odd vectors), as the bf16 row's even/odd halves.
+  __m512 dot_lanes(const int8_t* p) const {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    int w = 0;
+    for (; w + 2 <= W; w += 2) {
+      a = _mm512_fmadd_ps(x[w], load_int8(p + 16 * w), a);
+      b = _mm512_fmadd_ps(x[w + 1], load_int8(p + 16 * w + 16), b);
+    }
+    if (w < W) a = _mm512_fmadd_ps(x[w], load_int8(p + 16 * w), a);
+    return _mm512_add_ps(a, b);
+  }
+  void add(const Row8& o) {
+    for (int w = 0; w < W; ++w) x[w] = _mm512_add_ps(x[w], o.x[w]);
+  }
+  void scale(__m512 f) {
+    for (int w = 0; w < W; ++w) x[w] = _mm512_mul_ps(x[w], f);
+  }
+  void add_scaled(__m512 s, const int8_t* p) {  // this += s * (int8 row at p)
+    for (int w = 0; w < W; ++w) x[w] = _mm512_fmadd_ps(s, load_int8(p + 16 * w), x[w]);
+  }
+};
+
+template <class T>
 struct Layout {
   const float* q;  // [rows, heads, D], contiguous, already scaled
-  const at::BFloat16* k;
-  const at::BFloat16* v;
+  const T* k;
+  const T* v;
   int64_t k_slot, k_head, k_pos;  // strides (elements) of the cache views; head_dim is contiguous
   int64_t v_slot, v_head, v_pos;
   int64_t heads, rep;
+  // int8 only (else null): one scale per vector, [slots, kv_heads, positions] with positions contiguous.
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  int64_t ks_slot = 0, ks_head = 0, vs_slot = 0, vs_head = 0;
 };
 
 // One item: row `row` (cache slot `slot`), kv head `g`, positions [p0, p1). Writes for each of the
@@ -154,24 +205,37 @@ struct Layout {
 // layout's runs of a few tens of KB markedly faster than one pass over keys then one over values.
 // Query heads of a kv head run one after another over the same chunk: its keys and values (kChunk *
 // D * 2 bytes each) come from memory once and then from cache.
-template <int D>
-void chunk_item(const Layout& L, int64_t row, int64_t slot, int64_t g, int64_t p0, int64_t p1, float* part) {
+//
+// An int8 cache (R = Row8): scores times the keys' scales, and the weights that multiply the values times
+// the values' scales (the softmax's sum takes the weights alone).
+template <int D, class R, class T>
+void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_t p0, int64_t p1, float* part) {
+  constexpr bool kScaled = std::is_same_v<T, int8_t>;
   const int64_t n = p1 - p0;
-  const at::BFloat16* k0 = L.k + slot * L.k_slot + g * L.k_head + p0 * L.k_pos;
-  const at::BFloat16* v0 = L.v + slot * L.v_slot + g * L.v_head + p0 * L.v_pos;
+  const T* k0 = L.k + slot * L.k_slot + g * L.k_head + p0 * L.k_pos;
+  const T* v0 = L.v + slot * L.v_slot + g * L.v_head + p0 * L.v_pos;
+  const float* ks0 = nullptr;
+  const float* vs0 = nullptr;
+  if constexpr (kScaled) {
+    ks0 = L.ks + slot * L.ks_slot + g * L.ks_head + p0;
+    vs0 = L.vs + slot * L.vs_slot + g * L.vs_head + p0;
+  }
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) float e[16];
   for (int64_t r = 0; r < L.rep; ++r) {
-    Row<D> q, out, odd_out;  // odd_out: the odd positions' sum, a second chain of FMAs
+    R q, out, odd_out;  // odd_out: the odd positions' sum, a second chain of FMAs
     q.load_split(L.q + (row * L.heads + g * L.rep + r) * D);
     out.zero(), odd_out.zero();
     float m = -std::numeric_limits<float>::infinity();
     __m512 sum = _mm512_setzero_ps();
     for (int64_t p = 0; p < n; p += 16) {
       const int cnt = static_cast<int>(std::min<int64_t>(16, n - p));
+      const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
       __m512 lanes[16];
       for (int i = 0; i < 16; ++i) lanes[i] = i < cnt ? q.dot_lanes(k0 + (p + i) * L.k_pos) : _mm512_setzero_ps();
-      const __m512 scores = _mm512_mask_mov_ps(neg_inf, static_cast<__mmask16>((1u << cnt) - 1), sum16(lanes));
+      __m512 dots = sum16(lanes);
+      if constexpr (kScaled) dots = _mm512_mul_ps(dots, _mm512_maskz_loadu_ps(live, ks0 + p));
+      const __m512 scores = _mm512_mask_mov_ps(neg_inf, live, dots);
       const float block_max = _mm512_reduce_max_ps(scores);
       if (block_max > m) {  // rescale what was summed under the old max (m = -inf: nothing yet, factor 0)
         const __m512 factor = exp_nonpositive(_mm512_set1_ps(m - block_max));
@@ -181,7 +245,11 @@ void chunk_item(const Layout& L, int64_t row, int64_t slot, int64_t g, int64_t p
       }
       const __m512 w = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(m)));  // masked lanes: 0
       sum = _mm512_add_ps(sum, w);
-      _mm512_store_ps(e, w);
+      if constexpr (kScaled) {
+        _mm512_store_ps(e, _mm512_mul_ps(w, _mm512_maskz_loadu_ps(live, vs0 + p)));
+      } else {
+        _mm512_store_ps(e, w);
+      }
       int i = 0;
       for (; i + 2 <= cnt; i += 2) {
         out.add_scaled(_mm512_set1_ps(e[i]), v0 + (p + i) * L.v_pos);
@@ -197,8 +265,8 @@ void chunk_item(const Layout& L, int64_t row, int64_t slot, int64_t g, int64_t p
   }
 }
 
-template <int D>
-void run(const Layout& L, const int64_t* slots, const int64_t* last, int64_t rows, int64_t kv_heads, float* out) {
+template <int D, class R, class T>
+void run(const Layout<T>& L, const int64_t* slots, const int64_t* last, int64_t rows, int64_t kv_heads, float* out) {
   // Items in (row, kv head, chunk) order; first[row] is the row's first item.
   std::vector<int64_t> first(rows + 1, 0);
   for (int64_t i = 0; i < rows; ++i) first[i + 1] = first[i] + kv_heads * ((last[i] + kChunk) / kChunk);
@@ -219,7 +287,7 @@ void run(const Layout& L, const int64_t* slots, const int64_t* last, int64_t row
         const int64_t chunks = (last[row] + kChunk) / kChunk, local = it - first[row];
         const int64_t g = local / chunks, c = local % chunks;
         const int64_t p0 = c * kChunk, p1 = std::min(last[row] + 1, p0 + kChunk);
-        chunk_item<D>(L, row, slots[row], g, p0, p1, parts.data() + it * part_size);
+        chunk_item<D, R, T>(L, row, slots[row], g, p0, p1, parts.data() + it * part_size);
       }
     }
   });
@@ -250,11 +318,11 @@ void run(const Layout& L, const int64_t* slots, const int64_t* last, int64_t row
   }
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                            const at::Tensor& last, double scale) {
+// The checks both ops share; returns the query pre-scaled and contiguous.
+at::Tensor check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                 const at::Tensor& last, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be float32 [rows, heads, head_dim]");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(), "k and v must be [slots, kv_heads, positions, head_dim]");
-  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "k and v must be bfloat16");
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && q.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "head_dim must be contiguous in k and v");
   TORCH_CHECK(slots.scalar_type() == at::kLong && last.scalar_type() == at::kLong, "slots and last must be int64");
@@ -263,7 +331,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(k.size(3) == d, "q and k head_dim differ");
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(d % 16 == 0 && d <= 128, "head_dim must be a multiple of 16, at most 128");
-  const at::Tensor qs = (q * scale).contiguous();
   const at::Tensor sl = slots.contiguous(), ls = last.contiguous();
   const int64_t* sp = sl.data_ptr<int64_t>();
   const int64_t* lp = ls.data_ptr<int64_t>();
@@ -271,27 +338,67 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "slot ", sp[i], " out of range");
     TORCH_CHECK(lp[i] >= 0 && lp[i] < k.size(2), "last position ", lp[i], " out of range");
   }
-  at::Tensor out = at::empty({rows, heads, d}, q.options());
+  return (q * scale).contiguous();
+}
+
+template <template <int> class R, class T>
+at::Tensor dispatch(const Layout<T>& L, const at::Tensor& q, const at::Tensor& k, const at::Tensor& slots,
+                    const at::Tensor& last) {
+  const int64_t rows = q.size(0), d = q.size(2), kv_heads = k.size(1);
+  at::Tensor out = at::empty({rows, q.size(1), d}, q.options());
   if (rows == 0) return out;
-  const Layout L{qs.data_ptr<float>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(),
-                 k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), heads, heads / kv_heads};
+  const at::Tensor sl = slots.contiguous(), ls = last.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* lp = ls.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   switch (d / 16) {
-    case 1: run<16>(L, sp, lp, rows, kv_heads, o); break;
-    case 2: run<32>(L, sp, lp, rows, kv_heads, o); break;
-    case 3: run<48>(L, sp, lp, rows, kv_heads, o); break;
-    case 4: run<64>(L, sp, lp, rows, kv_heads, o); break;
-    case 5: run<80>(L, sp, lp, rows, kv_heads, o); break;
-    case 6: run<96>(L, sp, lp, rows, kv_heads, o); break;
-    case 7: run<112>(L, sp, lp, rows, kv_heads, o); break;
-    default: run<128>(L, sp, lp, rows, kv_heads, o); break;
+    case 1: run<16, R<16>, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 2: run<32, R<32>, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 3: run<48, R<48>, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 4: run<64, R<64>, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 5: run<80, R<80>, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 6: run<96, R<96>, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 7: run<112, R<112>, T>(L, sp, lp, rows, kv_heads, o); break;
+    default: run<128, R<128>, T>(L, sp, lp, rows, kv_heads, o); break;
   }
   return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                            const at::Tensor& last, double scale) {
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "k and v must be bfloat16");
+  const at::Tensor qs = check(q, k, v, slots, last, scale);
+  const Layout<at::BFloat16> L{qs.data_ptr<float>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(),
+                               k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                               q.size(1), q.size(1) / k.size(1)};
+  return dispatch<Row, at::BFloat16>(L, qs, k, slots, last);
+}
+
+at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& slots,
+                                 const at::Tensor& last, double scale) {
+  TORCH_CHECK(k.scalar_type() == at::kChar && v.scalar_type() == at::kChar, "k and v must be int8");
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat, "scales must be float32");
+  TORCH_CHECK(k_scale.dim() == 3 && v_scale.dim() == 3 && k_scale.sizes() == k.sizes().slice(0, 3) &&
+                  v_scale.sizes() == v.sizes().slice(0, 3),
+              "scales must be [slots, kv_heads, positions] of k and v");
+  TORCH_CHECK(k_scale.stride(2) == 1 && v_scale.stride(2) == 1, "positions must be contiguous in the scales");
+  TORCH_CHECK(k_scale.device().is_cpu() && v_scale.device().is_cpu(), "CPU tensors only");
+  const at::Tensor qs = check(q, k, v, slots, last, scale);
+  Layout<int8_t> L{qs.data_ptr<float>(), k.data_ptr<int8_t>(), v.data_ptr<int8_t>(),
+                   k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                   q.size(1), q.size(1) / k.size(1)};
+  L.ks = k_scale.data_ptr<float>(), L.vs = v_scale.data_ptr<float>();
+  L.ks_slot = k_scale.stride(0), L.ks_head = k_scale.stride(1);
+  L.vs_slot = v_scale.stride(0), L.vs_head = v_scale.stride(1);
+  return dispatch<Row8, int8_t>(L, qs, k, slots, last);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(chattts_decode_attention, m) {
   m.def("bf16(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor last, float scale) -> Tensor");
+  m.def("int8(Tensor q, Tensor k, Tensor v, Tensor k_scale, Tensor v_scale, Tensor slots, Tensor last, float scale) -> Tensor");
   m.impl("bf16", c10::DispatchKey::CPU, &decode_attention);
+  m.impl("int8", c10::DispatchKey::CPU, &decode_attention_int8);
 }

@@ -1,4 +1,4 @@
-"""Decode attention over a bf16 KV cache at memory bandwidth: a small C++ op built at first use.
+"""Decode attention over a bf16 or int8 KV cache at memory bandwidth: a small C++ op built at first use.
 
 The decode step's attention is cache-bound at many rows: each row reads all its keys and values once.
 Torch's bf16 SDPA reads a bf16 cache far below the bandwidth its bytes allow (on a Zen 4 box a step's
@@ -9,8 +9,14 @@ softmax and weighted sum in fp32, split into fixed chunks of positions across th
 (flash-decoding). A row's result depends only on its own query and keys (batch-invariant), and it is
 deterministic: chunks are combined in order whatever the thread count.
 
+An int8 cache (``--kv-cache-dtype int8``, ``kernels.kv_int8``: int8 vectors with one fp32 scale each) has
+its own op over the same loop: the int8 numbers widened to fp32 in registers, each key's scale folded into
+its dot and each value's into its softmax weight, so it reads 68 bytes a vector where bf16 reads 128 (at
+head_dim 64) and dequantizes nothing into memory. Where the op cannot run, ``Attention._attend_rows``
+dequantizes each row's keys to fp32 in torch (the same math, slower).
+
 Where it runs: a CPU with AVX-512 (torch's own probe, ``torch.backends.cpu.get_cpu_capability``), a
-bf16 cache, and a C++ compiler and ninja to build it (the first build takes ~30-60 s and is cached
+bf16 or int8 cache, and a C++ compiler and ninja to build it (the first build takes ~30-60 s and is cached
 per user, ``TORCH_EXTENSIONS_DIR``). Elsewhere, or when the build fails (a slim container without a
 compiler), decode attention stays on torch's SDPA with one warning. An fp32 cache never uses it (the
 fp32 mode stays bit-exact with its own attention). ``CHATTTS_DECODE_ATTENTION=torch`` turns it off.
@@ -78,16 +84,16 @@ def _load() -> bool:
         except Exception as exc:  # a failed build must not stop the engine: it still has torch's path
             why = f"its build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1:]})"
     warnings.warn(
-        f"decode attention over the bf16 KV cache runs on torch's SDPA (slower): {why}", RuntimeWarning, stacklevel=2
+        f"decode attention over the bf16/int8 KV cache runs on torch (slower): {why}", RuntimeWarning, stacklevel=2
     )
     return False
 
 
 def applies(k_cache: torch.Tensor) -> bool:
-    """Whether ``attend`` runs for this layer cache ``[slots, kv_heads, positions, head_dim]``: bf16 on
-    the CPU, head_dim a multiple of 16 up to 128, an AVX-512 CPU, not turned off, and the op built.
+    """Whether ``attend`` runs for this layer cache ``[slots, kv_heads, positions, head_dim]``: bf16 or int8
+    on the CPU, head_dim a multiple of 16 up to 128, an AVX-512 CPU, not turned off, and the op built.
     Cheap after the first call (the build is attempted once)."""
-    if k_cache.dtype != torch.bfloat16 or k_cache.device.type != "cpu":
+    if k_cache.dtype not in (torch.bfloat16, torch.int8) or k_cache.device.type != "cpu":
         return False
     d = k_cache.shape[-1]
     if d % 16 or d > 128 or os.environ.get(MODE_ENV, "auto") == "torch" or not cpu_supported():
@@ -103,29 +109,47 @@ def prepare(k_cache: torch.Tensor) -> bool:
 
 def attend(
     q: torch.Tensor,  # [rows, heads, head_dim], any float dtype
-    k_cache: torch.Tensor,  # [slots, kv_heads, positions, head_dim] bf16
+    k_cache: torch.Tensor,  # [slots, kv_heads, positions, head_dim] bf16 or int8
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # [rows] int64: each row's cache slot
     last: torch.Tensor,  # [rows] int64: each row's last position; it attends to 0..last
     scale: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8: key and value scales [slots, kv_heads, positions]
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over each row's positions 0..last[row] of its slot, fp32 ``[rows, heads,
-    head_dim]``; query heads share kv heads in groups (GQA) when heads > kv_heads. Call only where
+    head_dim]``; query heads share kv heads in groups (GQA) when heads > kv_heads. An int8 cache's keys
+    and values are ``k_cache * scales[0][..., None]`` and ``v_cache * scales[1][..., None]``. Call only where
     ``applies(k_cache)``."""
     if q.dim() != 3 or q.shape[0] != slots.numel() or q.shape[0] != last.numel():
         raise ValueError(f"q must be [rows, heads, head_dim], one slot and one last position per row; got {q.shape}")
+    if (k_cache.dtype == torch.int8) != (scales is not None):
+        raise ValueError("an int8 cache needs its scales, and only an int8 cache takes them")
+    if scales is not None:
+        ks, vs = scales
+        return torch.ops.chattts_decode_attention.int8(q.float(), k_cache, v_cache, ks, vs, slots, last, float(scale))
     return torch.ops.chattts_decode_attention.bf16(q.float(), k_cache, v_cache, slots, last, float(scale))
 
 
 def reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, last: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    last: torch.Tensor,
+    scale: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``attend`` in plain torch, row by row in float64 (the tests' oracle; slow)."""
+    """``attend`` in plain torch, row by row in float64 (the tests' oracle; slow); an int8 cache dequantized
+    in float64."""
     rep = q.shape[1] // k_cache.shape[1]
     outs = []
     for row, (slot, end) in enumerate(zip(slots.tolist(), last.tolist(), strict=True)):
-        keys = k_cache[slot, :, : end + 1].double().repeat_interleave(rep, dim=0)
-        values = v_cache[slot, :, : end + 1].double().repeat_interleave(rep, dim=0)
+        keys = k_cache[slot, :, : end + 1].double()
+        values = v_cache[slot, :, : end + 1].double()
+        if scales is not None:
+            keys = keys * scales[0][slot, :, : end + 1, None].double()
+            values = values * scales[1][slot, :, : end + 1, None].double()
+        keys, values = keys.repeat_interleave(rep, dim=0), values.repeat_interleave(rep, dim=0)
         weights = torch.softmax((q[row].double()[:, None] @ keys.transpose(-1, -2)) * scale, dim=-1)
         outs.append((weights @ values)[:, 0])
     return torch.stack(outs).float()

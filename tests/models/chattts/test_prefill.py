@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chattts_serve.kernels import kv_int8
 from chattts_serve.kernels.quant import parse_precision, record_absmax
-from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts import checkpoint, prefill
+from chattts_serve.models.chattts.config import GPTConfig
+from chattts_serve.models.chattts.gpt import Attention, KVCache, rope_cos_sin, rope_inv_freq, rotate_half
 from chattts_serve.models.chattts.prefill import prefill_prompts
 from chattts_serve.models.chattts.prepare import ModelLayout, prepare_model
 
@@ -41,7 +44,9 @@ def _prompts(model) -> list[torch.Tensor]:
 
 def _cache(gpt, kv_dtype=None):
     cache = gpt.new_cache(len(LENGTHS) + 1, MAX_LEN, dtype=kv_dtype)
-    cache.k.fill_(SENTINEL), cache.v.fill_(SENTINEL)
+    for t in (cache.k, cache.v, cache.k_scale, cache.v_scale):  # int8: its scales too
+        if t is not None:
+            t.fill_(SENTINEL)
     return cache
 
 
@@ -62,6 +67,8 @@ INVARIANT = [
     ("fp32", None, False),  # oneDNN-packed weights
     ("fp32", None, True),  # compile: no packing, fp32 matmuls on a multiple of 4 rows
     ("fp32", torch.bfloat16, False),  # bf16 KV cache: the prompt reads its keys rounded, as forward
+    ("fp32", torch.int8, False),  # int8 KV cache: each vector quantized alone, the prompt reads them dequantized
+    ("int8-static", torch.int8, False),
     ("bf16", None, False),
     ("int8", None, False),  # weight-only int8 (bf16 activations)
     ("int8-static", None, False),  # one calibrated activation scale per layer
@@ -75,22 +82,33 @@ def test_packed_prompts_equal_each_alone_bit_exactly(tiny_ckpt, precision, kv_dt
     _, together, cache, alone = _together_and_alone(model, layout, kv_dtype)
     for slot, n, h, (h_alone, single) in zip(SLOTS, LENGTHS, together, alone, strict=True):
         assert torch.equal(h, h_alone), (precision, n)
-        for kv, kv_alone in ((cache.k, single.k), (cache.v, single.v)):
+        for kv, kv_alone in _cache_pairs(cache, single):
             assert torch.equal(kv[:, slot, :, :n], kv_alone[:, slot, :, :n])
             assert (kv[:, slot, :, n:] == SENTINEL).all(), "nothing past a prompt's length is written"
     spare = len(LENGTHS)  # a slot no prompt went to
     assert (cache.k[:, spare] == SENTINEL).all() and (cache.v[:, spare] == SENTINEL).all()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8-static"])
-def test_packed_layout_prefill_equals_forward(tiny_ckpt, precision):
+def _cache_pairs(a, b) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The buffers of two caches side by side: keys, values and, int8, their scales."""
+    pairs = [(a.k, b.k), (a.v, b.v)]
+    if a.quantized:
+        pairs += [(a.k_scale, b.k_scale), (a.v_scale, b.v_scale)]
+    return pairs
+
+
+@pytest.mark.parametrize(
+    "precision,kv_dtype", [("fp32", None), ("bf16", None), ("int8-static", None), ("int8-static", torch.int8)]
+)
+def test_packed_layout_prefill_equals_forward(tiny_ckpt, precision, kv_dtype):
     """With packed weights the batched prefill is what the per-sequence ``forward`` gave (the
-    runner's path before the prompts were batched), prompt by prompt."""
+    runner's path before the prompts were batched), prompt by prompt (an int8 cache: both write the same
+    bytes and read them back dequantized)."""
     model, layout = _prepared(tiny_ckpt, precision, len(LENGTHS) + 1)
-    prompts, together, _, _ = _together_and_alone(model, layout)
+    prompts, together, _, _ = _together_and_alone(model, layout, kv_dtype)
     with torch.inference_mode():
         for slot, emb, h in zip(SLOTS, prompts, together, strict=True):
-            cache = _cache(model.gpt)
+            cache = _cache(model.gpt, kv_dtype)
             n = len(emb)
             ref = model.gpt(emb[None], torch.arange(n)[None], cache, torch.tensor([slot]), 0, None, last_only=False)
             assert torch.equal(h, ref[0]), (precision, n)
@@ -208,3 +226,42 @@ def test_blocked_attention_matches_forward_closely_and_refuses_unaligned_chunks(
         first = prefill_prompts(gpt, emb[:100], cache, [0], [100])
         rest = prefill_prompts(gpt, emb[100:], cache, [0], [n - 100], starts=[100])
         torch.testing.assert_close(torch.cat([first, rest]), ref[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("first,block", [(0, 0), (0, 16), (32, 16)])
+def test_prefill_attention_over_an_int8_cache_matches_float64(first, block):
+    """The prompt's attention over an int8 cache (``prefill._attend``), one chunk at ``first`` after earlier
+    positions already cached, against float64 attention over the dequantized keys and values: the keys the
+    prompt sees are the int8 ones the decode steps will read, and the rest is fp32 rounding."""
+    cfg = GPTConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=96)
+    attn = Attention(cfg, 0).eval()
+    torch.nn.init.eye_(attn.o_proj.weight)  # the attention output itself
+    gen = torch.Generator().manual_seed(5)
+    n, slot, hd = 40, 1, cfg.head_dim
+    cache = KVCache(1, 3, cfg.num_kv_heads, first + n, hd, torch.int8, "cpu")
+    if first:  # the earlier chunk's keys and values, written as its own call wrote them
+        k0 = torch.randn(first, cfg.num_kv_heads, hd, generator=gen)
+        v0 = torch.randn(first, cfg.num_kv_heads, hd, generator=gen)
+        cache.write(0, (torch.full((first,), slot), slice(None), torch.arange(first)), k0, v0)
+    x = torch.randn(n, cfg.hidden_size, generator=gen)
+    pos = torch.arange(first, first + n)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(hd, cfg.rope_theta), torch.float32)
+    where = (torch.full((n,), slot), pos)
+    with torch.inference_mode():
+        out = prefill._attend(attn, x, cos[:, None], sin[:, None], cache, [slot], [n], [first], block, where)
+        q = attn.q_proj(x).reshape(n, cfg.num_heads, hd)
+        q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+    keys = kv_int8.dequantize(cache.k[0, slot, :, : first + n], cache.k_scale[0, slot, :, : first + n]).double()
+    values = kv_int8.dequantize(cache.v[0, slot, :, : first + n], cache.v_scale[0, slot, :, : first + n]).double()
+    rep = cfg.num_heads // cfg.num_kv_heads
+    keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
+    scores = torch.einsum("thd,hpd->htp", q.double(), keys) * hd**-0.5
+    causal = torch.arange(first + n)[None, :] <= pos[:, None]
+    weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    want = torch.einsum("htp,hpd->thd", weights, values).reshape(n, -1).float()
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    # and the int8 keys are the fp32 keys within half a step
+    k = attn.k_proj(x).reshape(n, cfg.num_kv_heads, hd)
+    k = (k * cos[:, None] + rotate_half(k) * sin[:, None]).transpose(0, 1)
+    err = (keys[::rep, first:].float() - k).abs()
+    assert (err <= cache.k_scale[0, slot, :, first : first + n, None] / 2 + 1e-6).all()

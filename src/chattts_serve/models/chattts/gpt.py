@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import decode_attention, flex_decode
+from ...kernels import decode_attention, flex_decode, kv_int8
 from .config import GPTConfig
 
 
@@ -63,7 +63,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class KVCache(nn.Module):
     """Static cache: one ``[slots, kv_heads, max_len, head_dim]`` buffer pair per layer, written in place.
 
-    A slot holds one sequence. Nothing grows: prefill and decode write at explicit positions.
+    A slot holds one sequence. Nothing grows: prefill and decode write at explicit positions. An int8
+    cache (``kernels.kv_int8``) also holds one fp32 scale per vector, ``[slots, kv_heads, max_len]`` per
+    layer; every write goes through ``write`` (which quantizes) and every torch read through ``read``.
     """
 
     def __init__(
@@ -82,12 +84,28 @@ class KVCache(nn.Module):
         # large cache cost no memory on the host.
         self.register_buffer("k", torch.empty(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.empty(shape, dtype=dtype, device=device), persistent=False)
+        # int8: one scale per vector (None otherwise).
+        int8 = dtype == torch.int8
+        for name in ("k_scale", "v_scale"):
+            scale = torch.empty(shape[:-1], dtype=kv_int8.SCALE_DTYPE, device=device) if int8 else None
+            self.register_buffer(name, scale, persistent=False)
 
     @staticmethod
     def bytes_per_slot(cfg: GPTConfig, max_len: int, dtype: torch.dtype) -> int:
         """Keys and values of one slot of ``max_len`` positions, all layers: the one KV-size rule (the
-        runner's auto slots and a replica's memory budget both size the cache by it)."""
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * max_len * dtype.itemsize
+        runner's auto slots and a replica's memory budget both size the cache by it). int8 counts its
+        scales: 64 + 4 bytes a vector at head_dim 64."""
+        return 2 * cfg.num_layers * cfg.num_kv_heads * max_len * KVCache.vector_bytes(cfg.head_dim, dtype)
+
+    @staticmethod
+    def vector_bytes(head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one key (or value) vector takes in a cache of ``dtype``, its scale included."""
+        scale = kv_int8.SCALE_DTYPE.itemsize if dtype == torch.int8 else 0
+        return head_dim * dtype.itemsize + scale
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def num_slots(self) -> int:
@@ -96,6 +114,33 @@ class KVCache(nn.Module):
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+    def write(self, layer: int, index: tuple, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``cache[layer][index] = k, v`` (one indexed write each): cast to the cache's dtype, or quantized
+        per vector for int8 (``kernels.kv_int8``: a vector's bytes depend on its own values only)."""
+        if self.k_scale is None or self.v_scale is None:
+            # A no-op cast unless the cache is narrower than the trunk (bf16).
+            self.k[layer][index] = k.to(self.k.dtype)
+            self.v[layer][index] = v.to(self.v.dtype)
+            return
+        (qk, sk), (qv, sv) = kv_int8.quantize(k), kv_int8.quantize(v)
+        self.k[layer][index], self.k_scale[layer][index] = qk, sk
+        self.v[layer][index], self.v_scale[layer][index] = qv, sv
+
+    def read(self, layer: int, index: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``cache[layer][index]`` in ``dtype`` (a view when that is the cache's dtype; an
+        int8 cache dequantized in fp32, then cast)."""
+        keys, values = self.k[layer][index], self.v[layer][index]
+        if self.k_scale is None or self.v_scale is None:
+            return keys.to(dtype), values.to(dtype)
+        ks, vs = self.k_scale[layer][index], self.v_scale[layer][index]
+        return kv_int8.dequantize(keys, ks, dtype), kv_int8.dequantize(values, vs, dtype)
+
+    def zero_(self) -> None:
+        """Every position zero (finite when read), scales included."""
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is not None:
+                t.zero_()
 
 
 class Attention(nn.Module):
@@ -135,20 +180,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         end = start + seqlen
-        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # a no-op unless the cache is narrower (bf16)
-        contiguous_slots = slots.numel() == k_cache.shape[0]
-        if contiguous_slots:
-            # All slots in order: write and read through views, no gather copy.
-            k_cache[:, :, start:end] = k
-            v_cache[:, :, start:end] = v
-            keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
-        else:
-            k_cache[slots, :, start:end] = k
-            v_cache[slots, :, start:end] = v
-            keys, values = k_cache[slots, :, :end], v_cache[slots, :, :end]
-        # A bf16 cache under an fp32 trunk: the prompt's attention (once per sequence) reads it upcast.
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        # All slots in order: write and read through views, no gather copy.
+        rows = slice(None) if slots.numel() == cache.num_slots else slots
+        cache.write(self.layer_idx, (rows, slice(None), slice(start, end)), k, v)
+        # A bf16 cache under an fp32 trunk: the prompt's attention (once per sequence) reads it upcast (int8:
+        # dequantized), the keys the decode steps will read.
+        keys, values = cache.read(self.layer_idx, (rows, slice(None), slice(None, end)), q.dtype)
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
@@ -207,30 +244,39 @@ class Attention(nn.Module):
         """
         m, n = x.shape[0], len(slots)
         q, k, v = self.rotated_qkv(x, cos, sin)
-        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        layer = self.layer_idx
         # Every row's new key/value in one indexed write (a copy: the same values as row by row).
-        k_cache[where[0], :, where[1]] = k[:n, :, 0].to(k_cache.dtype)
-        v_cache[where[0], :, where[1]] = v[:n, :, 0].to(v_cache.dtype)
+        cache.write(layer, (where[0], slice(None), where[1]), k[:n, :, 0], v[:n, :, 0])
+        k_cache, v_cache = cache.k[layer], cache.v[layer]
+        scales = None if cache.k_scale is None else (cache.k_scale[layer], cache.v_scale[layer])
         if decode_attention.applies(k_cache):
-            # A bf16 cache on an AVX-512 CPU: every row's keys and values read once, in one C++ call.
+            # A bf16 or int8 cache on an AVX-512 CPU: every row's keys and values read once, in one C++ call.
             scale = self.head_dim**-0.5
-            outs = [decode_attention.attend(q[:n, :, 0], k_cache, v_cache, where[0], where[1], scale)[:, :, None]]
+            qn = q[:n, :, 0]
+            outs = [decode_attention.attend(qn, k_cache, v_cache, where[0], where[1], scale, scales)[:, :, None]]
         else:
-            outs = self._attend_rows(q, k_cache, v_cache, slots, lengths)
+            outs = self._attend_rows(q, k_cache, v_cache, slots, lengths, scales)
         if m > n:  # padding rows (pad_rows_to): zeros
             outs.append(outs[0].new_zeros(m - n, self.num_heads, 1, self.head_dim))
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
 
-    def _attend_rows(self, q, k_cache, v_cache, slots: list[int], lengths: list[int]) -> list[torch.Tensor]:
+    def _attend_rows(
+        self, q, k_cache, v_cache, slots: list[int], lengths: list[int], scales: tuple | None = None
+    ) -> list[torch.Tensor]:
         """Torch's attention, row by row over exactly each row's keys (the same call a batch-1 decode
         makes). A bf16 cache: attention runs in bf16 (the query rounded once), so the keys are read at
-        half the bytes instead of upcast into a copy; the kernel accumulates in fp32."""
-        q = q.to(k_cache.dtype)
+        half the bytes instead of upcast into a copy; the kernel accumulates in fp32. An int8 cache
+        (``scales``: its layer's key and value scales): each row's keys dequantized to fp32 and attention in
+        fp32, the C++ op's math (slower: the fallback where the op cannot run)."""
+        q = q.float() if scales is not None else q.to(k_cache.dtype)
         rep = self.num_heads // self.num_kv_heads
         outs = []
         for row, (slot, pos) in enumerate(zip(slots, lengths, strict=True)):
             keys, values = k_cache[slot : slot + 1, :, : pos + 1], v_cache[slot : slot + 1, :, : pos + 1]
+            if scales is not None:
+                keys = kv_int8.dequantize(keys, scales[0][slot : slot + 1, :, : pos + 1])
+                values = kv_int8.dequantize(values, scales[1][slot : slot + 1, :, : pos + 1])
             if rep > 1:
                 keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
             outs.append(
@@ -257,19 +303,18 @@ class Attention(nn.Module):
         m = x.shape[0]
         ctx = mask.shape[-1]
         q, k, v = self.rotated_qkv(x, cos, sin)
-        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
         rows = torch.arange(m, device=x.device)
-        k_cache[rows, :, positions] = k[:, :, 0].to(k_cache.dtype)
-        v_cache[rows, :, positions] = v[:, :, 0].to(v_cache.dtype)
-        keys, values = k_cache[:m, :, :ctx], v_cache[:m, :, :ctx]
-        if self.num_kv_heads != self.num_heads and attention != "flex":
-            rep = self.num_heads // self.num_kv_heads
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        q = q.to(k_cache.dtype)  # (see decode)
+        cache.write(self.layer_idx, (rows, slice(None), positions), k[:, :, 0], v[:, :, 0])
+        # (see decode) bf16: attention in bf16 over the cache's views; int8: the bucket dequantized to fp32.
+        dtype = torch.float32 if cache.quantized else cache.k.dtype
+        keys, values = cache.read(self.layer_idx, (slice(None, m), slice(None), slice(None, ctx)), dtype)
+        q = q.to(dtype)
         if attention == "flex":  # each row reads its own keys only (``kernels.flex_decode``)
-            keys, values = k_cache[:m, :, :ctx], v_cache[:m, :, :ctx]
             out = flex_decode.attend(q, keys, values, positions, self.head_dim**-0.5)
             return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=0.0, scale=self.head_dim**-0.5)
         return self.o_proj(out.reshape(m, self.num_heads * self.head_dim).to(x.dtype))
 

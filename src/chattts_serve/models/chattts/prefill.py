@@ -89,19 +89,18 @@ def _attend(
     k = k.reshape(m, kv_heads, head_dim)
     v = v.reshape(m, kv_heads, head_dim)
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
-    # Every real token's key and value in one indexed write (padding rows write nothing).
-    k_cache[where[0], :, where[1]] = k[:n_tok].to(k_cache.dtype)
-    v_cache[where[0], :, where[1]] = v[:n_tok].to(v_cache.dtype)
+    # Every real token's key and value in one indexed write (padding rows write nothing); an int8 cache
+    # quantizes each vector on its own, so a chunk writes the bytes the one-shot prefill writes.
+    cache.write(attn.layer_idx, (where[0], slice(None), where[1]), k[:n_tok], v[:n_tok])
     rep = heads // kv_heads
     outs, start = [], 0
     for slot, n, first in zip(slots, lengths, starts, strict=True):
         qs = q[start : start + n].unsqueeze(0).transpose(1, 2)  # [1, heads, n, head_dim], strided as forward's
         pieces = []
         for lo, hi in query_blocks(first, n, block):
-            # Read back from the cache, as forward does (a bf16 cache rounds the keys the prompt sees).
-            keys = k_cache[slot : slot + 1, :, :hi].to(q.dtype)
-            values = v_cache[slot : slot + 1, :, :hi].to(q.dtype)
+            # Read back from the cache, as forward does (a bf16 cache rounds the keys the prompt sees; int8
+            # dequantizes them).
+            keys, values = cache.read(attn.layer_idx, (slice(slot, slot + 1), slice(None), slice(None, hi)), q.dtype)
             if rep > 1:
                 keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
             pieces.append(_sdpa(qs[:, :, lo - first : hi - first], keys, values, lo, head_dim**-0.5))
