@@ -162,8 +162,9 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 _HELP = {
     "precision": "GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
-    "int8-static (CPU, int8 activations too), int4 (CPU, 4-bit weights on the AVX-512 VNNI GEMV), ort-fp32 / ort-int8 / ort-int4 / ort-int4-b128 (the trunk in ONNX "
-    "Runtime, CPU; needs the [onnx] extra), ort-auto (ort-int4 while few rows decode, ort-int8 from "
+    "int8-static (CPU, int8 activations too), int4 (CPU, 4-bit weights on the AVX-512 VNNI GEMV), ort-fp32 / "
+    "ort-int8 / ort-int4 / ort-int4-b128 (the trunk in ONNX Runtime, CPU; needs the [onnx] extra), ort-auto "
+    "(ort-int4 while few rows decode, ort-int8 from "
     "--ort-auto-crossover on); see the README's quality table",
     "max_num_seqs": "KV-cache slots: sequences decoding at once",
     "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence; at most the checkpoint's "
@@ -180,7 +181,8 @@ _HELP = {
     "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
     "ort_auto_crossover": "ort-auto: trunk calls of this many rows or more run int8, narrower ones 4-bit "
     "(0: from a table by CPU)",
-    "kv_cache_dtype": "KV cache dtype: auto (the trunk's; int4: bf16 on AVX-512 CPUs) or bf16 (half the bytes; attention in bf16; torch modes)",
+    "kv_cache_dtype": "KV cache dtype: auto (the trunk's; int4: bf16 on AVX-512 CPUs) or bf16 (half the bytes; "
+    "attention in bf16; torch modes)",
     "sampling_noise": "sampling noise: generator (one torch.Generator per sequence, reference-identical; CPU "
     "default), counter (hash of seed and step, one batched draw, batch-invariant; CUDA default) or auto",
     "step_graphs": "a step's decode rows as one CUDA graph: embed, trunk, heads and sampling (auto: with CUDA "
