@@ -31,15 +31,21 @@ echo "audio_designs $(uptime)" >> "$O/uptime.log"
 python scripts/audio_designs.py --model "$CK" --rounds 5 --cache "$O/audio_hidden.pt" \
   --variants ov-bf16,ov-f32,int8-all,int8-linears,int8-smooth,dyn-g32,dyn-g128,dyn-g32-f32 \
   >> "$O/audio_designs.jsonl" 2>> "$O/err.log"
+# The int4 mode (the hand-written GEMV) beside ort-int4-b128, its ONNX Runtime twin (same blocks).
+run eval_int4 eval --model "$CK" --threads 1 --steps 100 --num-texts 4 --modes ort-int4-b128,int4
 run eval_audio eval --model "$CK" --threads 1 --steps 150 --num-texts 4 --modes fp32 \
   --audio-dtypes bf16,ov-fp32,ov-bf16,ov-int8
 run attention bench attention --threads 2 --rows 1,8,32 --min-len 300 --max-len 800 --json
 run attention_long bench attention --threads 2 --rows 1,8,32 --min-len 1500 --max-len 2000 --no-fp32 --json
 for round in 1 2 3; do
   run one_fp32_ref bench streams $common --precision fp32 --concurrency 1 --steps 94 --reference-python "$REF"
-  for p in int8-static ort-int8 ort-int4 ort-int4-b128 ort-auto; do
+  for p in int8-static ort-int8 ort-int4 ort-int4-b128 ort-auto int4; do
     run "one_$p" bench streams $common --precision $p --audio-dtype bf16 --concurrency 1 --steps 94
   done
+  run one_int4_1t bench streams --model "$CK" --threads 1 $OC --precision int4 --audio-dtype bf16 --concurrency 1 \
+    --steps 94
+  run one_ort-int4-b128_1t bench streams --model "$CK" --threads 1 $OC --precision ort-int4-b128 --audio-dtype bf16 \
+    --concurrency 1 --steps 94
   run one_ort-auto-ovbf16 bench streams $common --precision ort-auto --audio-dtype ov-bf16 --concurrency 1 --steps 94
   run one_ort-int4-b128-ovbf16 bench streams $common --precision ort-int4-b128 --audio-dtype ov-bf16 --concurrency 1 \
     --steps 94
@@ -51,7 +57,7 @@ for round in 1 2 3; do
   if [ "$round" = 1 ]; then
     run off_ref bench offline $common --precision int8-static --num-texts 32 --steps 150 --reference-python "$REF"
   fi
-  for p in ort-int8 ort-auto int8-static; do
+  for p in ort-int8 ort-auto int8-static int4; do
     run "off_$p" bench offline $common --precision $p --audio-dtype bf16 --num-texts 32 --steps 150
   done
   run off_int8-static-kvbf16 bench offline $common --precision int8-static --kv-cache-dtype bf16 --audio-dtype bf16 \
@@ -66,6 +72,7 @@ for round in 1 2 3; do
 done
 run s32_ort-int8 bench streams $common --precision ort-int8 --audio-dtype bf16 --concurrency 32 --steps 150 \
   --reference-python "$REF"
+run s32_int4 bench streams $common --precision int4 --audio-dtype bf16 --concurrency 32 --steps 150
 run s32_int8-static bench streams $common --precision int8-static --audio-dtype bf16 --concurrency 32 --steps 150
 run s32_ort-int8-ovbf16 bench streams $common --precision ort-int8 --audio-dtype ov-bf16 --concurrency 32 --steps 150
 run s32_ort-int8-ovint8 bench streams $common --precision ort-int8 --audio-dtype ov-int8 --concurrency 32 --steps 150

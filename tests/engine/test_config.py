@@ -46,7 +46,7 @@ def test_engine_config_defaults_are_the_parts_defaults():
     )
 
 
-@pytest.mark.parametrize("bad", ["int4", "FP32", ""])
+@pytest.mark.parametrize("bad", ["int3", "FP32", ""])
 def test_unknown_precision_is_refused(bad):
     with pytest.raises(ValueError, match="precision must be one of"):
         EngineConfig(precision=bad)
@@ -78,7 +78,7 @@ def test_cli_flags_default_to_the_dataclass_defaults():
     assert auto == from_flat(precision="ort-auto", ort_auto_crossover=6)
     assert auto.runner == RunnerConfig(ort_auto_crossover=6)
     with pytest.raises(SystemExit):
-        p.parse_args(["--precision", "int4"])
+        p.parse_args(["--precision", "int3"])
     layered = argparse.ArgumentParser()
     add_engine_arguments(layered, none_defaults=True)
     assert all(v is None for v in vars(layered.parse_args([])).values())

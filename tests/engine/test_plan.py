@@ -113,6 +113,16 @@ def test_int8_kv_cache_is_a_cpu_torch_mode():
         resolve_plan(EngineConfig(precision="ort-int8", runner=RunnerConfig(kv_cache_dtype="int8")), "cpu")
 
 
+def test_int4_takes_a_bf16_cache_where_the_cpp_attention_runs(monkeypatch):
+    from chattts_serve.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "cpu_supported", lambda: True)
+    assert resolve_plan(EngineConfig(precision="int4"), "cpu").kv_cache_dtype == torch.bfloat16
+    assert resolve_plan(EngineConfig(precision="int8-static"), "cpu").kv_cache_dtype == torch.float32
+    monkeypatch.setattr(decode_attention, "cpu_supported", lambda: False)  # AVX2: torch's bf16 SDPA is slower
+    assert resolve_plan(EngineConfig(precision="int4"), "cpu").kv_cache_dtype == torch.float32
+
+
 def test_the_plan_is_frozen_and_every_path_has_a_module():
     plan = resolve_plan(EngineConfig(), "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):

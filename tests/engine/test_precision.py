@@ -19,7 +19,7 @@ PARAMS = SamplingParams(seed=5, max_new_tokens=24, refine_text=False)
 TEXTS = ["你好，世界。", "Hello there, my friend.", "Good morning."]
 
 
-@pytest.fixture(scope="module", params=["bf16", "int8", "int8-dynamic", "int8-static"])
+@pytest.fixture(scope="module", params=["bf16", "int8", "int8-dynamic", "int8-static", "int4"])
 def engine(request, tiny_ckpt):
     return Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(4, precision=request.param))
 

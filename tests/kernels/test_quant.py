@@ -9,6 +9,7 @@ from torch import nn
 from chattts_serve.kernels.linear import swap_linears_
 from chattts_serve.kernels.quant import (
     DynamicInt8Linear,
+    Int4GemvLinear,
     Int8Linear,
     StaticInt8Linear,
     apply_precision_,
@@ -35,7 +36,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_parse_precision_names_and_errors():
     assert parse_precision("fp32").name == "fp32"
     assert parse_precision("int8-static").int8 == "static"
-    for bad in ("int4", "bfloat16"):  # names only: EngineConfig accepts nothing else either
+    assert parse_precision("int4").int4 and parse_precision("int4").trunk_dtype == torch.float32
+    for bad in ("int3", "bfloat16"):  # names only: EngineConfig accepts nothing else either
         with pytest.raises(ValueError, match="precision must be one of"):
             parse_precision(bad)
 
@@ -46,6 +48,8 @@ def test_check_supported_refuses_what_the_device_cannot_run():
     for name in ("int8-dynamic", "int8-static"):
         with pytest.raises(ValueError, match="fbgemm CPU kernels"):
             check_supported(parse_precision(name), torch.device("cuda"))
+    with pytest.raises(ValueError, match="runs a CPU kernel"):
+        check_supported(parse_precision("int4"), torch.device("cuda"))
     for name in ("fp32", "bf16", "int8", "int8-dynamic", "int8-static"):
         check_supported(parse_precision(name), CPU)
 
@@ -98,6 +102,28 @@ def test_static_int8_is_batch_invariant_and_dynamic_is_not():
     assert not torch.equal(dyn(x[:1]), dyn(x)[:1])
 
 
+def test_int4_gemv_linear_matches_fp32_and_is_batch_invariant_at_every_width():
+    # Wider than the kernel's 8 rows a pass (prefill, many slots): the same per-row arithmetic, so a row's
+    # output is bit-identical alone, among 8 and among 40.
+    lin = _linear(768, 96)
+    m = Int4GemvLinear(lin)
+    assert m.packed.block == 128 and m.packed.bf16_scales
+    x = torch.randn(40, 768)
+    x[7] *= 20  # a loud neighbour must not move the other rows (per-row activation scales)
+    full = m(x)
+    for n in (1, 3, 8, 9, 17):
+        assert torch.equal(m(x[:n]), full[:n])
+    assert torch.equal(m(x[9:10]), full[9:10])
+    assert _rel(m(x.view(4, 10, 768)), lin(x).view(4, 10, 96)) < 0.15  # 4-bit weights in blocks of 128: ~0.12
+    assert m(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_int4_gemv_linear_narrow_inputs_take_a_smaller_block():
+    assert Int4GemvLinear(_linear(64, 32)).packed.block == 64
+    with pytest.raises(ValueError, match="multiples of 32"):
+        Int4GemvLinear(_linear(48, 32))
+
+
 def test_static_int8_saturates_beyond_the_calibrated_range():
     lin = _linear()
     x = torch.randn(2, 96)
@@ -122,6 +148,11 @@ def test_apply_precision_to_a_trunk(tiny_ckpt):
     apply_precision_(m.gpt, parse_precision("int8"), CPU)
     assert not any(isinstance(x, nn.Linear) for x in m.gpt.modules())
     assert {p.dtype for p in m.gpt.parameters()} == {torch.bfloat16}  # the norms
+    m = load(tiny_ckpt)
+    apply_precision_(m.gpt, parse_precision("int4"), CPU)
+    assert not any(isinstance(x, nn.Linear) for x in m.gpt.modules())
+    assert any(isinstance(x, Int4GemvLinear) for x in m.gpt.modules())
+    assert {p.dtype for p in m.gpt.parameters()} == {torch.float32}
     m = load(tiny_ckpt)
     with pytest.raises(ValueError, match="needs calibration"):
         apply_precision_(m.gpt, parse_precision("int8-static"), CPU)

@@ -359,7 +359,7 @@ def test_server_config_refuses_unknown_precision_and_decode():
     from chattts_serve.server.config import ServerConfig
 
     with pytest.raises(ValueError, match="precision must be one of"):
-        ServerConfig.from_env({}, precision="int4")
+        ServerConfig.from_env({}, precision="int3")
     with pytest.raises(ValueError, match="decode must be"):
         ServerConfig.from_env({}, decode="graph")
     assert ServerConfig.from_env({"CHATTTS_SERVE_PRECISION": "int8-static"}).engine.precision == "int8-static"

@@ -2,7 +2,7 @@
 ``ServerConfig`` all hold, so a limit has one name, one default and one check.
 
     EngineConfig
-    ├── precision     str               fp32 | bf16 | fp16 | int8 | int8-dynamic | int8-static | ort-*
+    ├── precision     str               fp32 | bf16 | fp16 | int8 | int8-dynamic | int8-static | int4 | ort-*
                                         (ort-fp32 | ort-int8 | ort-int4 | ort-int4-b128 | ort-auto)
     ├── scheduler     SchedulerConfig   KV slots, slot length, queue bound, prefill budget
     ├── runner        RunnerConfig      decode step: rows | static, CUDA graphs, torch.compile, KV dtype, ONNX cache
@@ -162,8 +162,9 @@ FLAT_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 _HELP = {
     "precision": "GPT precision: fp32 (reference-exact), bf16, fp16 (CUDA), int8 (weights), int8-dynamic and "
-    "int8-static (CPU, int8 activations too), ort-fp32 / ort-int8 / ort-int4 / ort-int4-b128 (the trunk in ONNX "
-    "Runtime, CPU; needs the [onnx] extra), ort-auto (ort-int4 while few rows decode, ort-int8 from "
+    "int8-static (CPU, int8 activations too), int4 (CPU, 4-bit weights on the AVX-512 VNNI GEMV), ort-fp32 / "
+    "ort-int8 / ort-int4 / ort-int4-b128 (the trunk in ONNX Runtime, CPU; needs the [onnx] extra), ort-auto "
+    "(ort-int4 while few rows decode, ort-int8 from "
     "--ort-auto-crossover on); see the README's quality table",
     "max_num_seqs": "KV-cache slots: sequences decoding at once",
     "max_model_len": "positions per slot (prompt + max_new_tokens of any sequence; at most the checkpoint's "
@@ -180,8 +181,9 @@ _HELP = {
     "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
     "ort_auto_crossover": "ort-auto: trunk calls of this many rows or more run int8, narrower ones 4-bit "
     "(0: from a table by CPU)",
-    "kv_cache_dtype": "KV cache dtype: auto (the trunk's), bf16 (half the bytes; attention in bf16) or int8 (int8 "
-    "vectors with an fp32 scale each, 0.27 of fp32's bytes; attention in fp32; CPU); torch precisions",
+    "kv_cache_dtype": "KV cache dtype: auto (the trunk's; int4: bf16 on AVX-512 CPUs), bf16 (half the bytes; "
+    "attention in bf16) or int8 (int8 vectors with an fp32 scale each, 0.27 of fp32's bytes; attention in fp32; "
+    "CPU); torch precisions",
     "sampling_noise": "sampling noise: generator (one torch.Generator per sequence, reference-identical; CPU "
     "default), counter (hash of seed and step, one batched draw, batch-invariant; CUDA default) or auto",
     "step_graphs": "a step's decode rows as one CUDA graph: embed, trunk, heads and sampling (auto: with CUDA "

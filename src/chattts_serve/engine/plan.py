@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import flex_decode
+from ..kernels import decode_attention, flex_decode
 from ..kernels.quant import parse_precision
 from .config import AUDIO_GRAPH_DTYPES, EngineConfig
 
@@ -135,6 +135,11 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
         # Its attention is a CPU op; CUDA's static step would dequantize whole context buckets every layer.
         raise ValueError(f"kv_cache_dtype int8 runs on the CPU only; on {device_type} use bf16")
     kv_dtype = _KV_DTYPES.get(rc.kv_cache_dtype, spec.trunk_dtype)
+    if rc.kv_cache_dtype == "auto" and spec.cpu_kv_dtype is not None and device_type == "cpu":
+        # (int4) half the cache's bytes where the C++ decode attention reads them at its rate; elsewhere a
+        # bf16 cache would run torch's slower bf16 SDPA.
+        if decode_attention.cpu_supported():
+            kv_dtype = spec.cpu_kv_dtype
     # The static step on CUDA: FlexAttention where its probe runs (``CHATTTS_CUDA_ATTENTION`` may force
     # either; the probe runs once a process). Off CUDA the masked SDPA unless forced.
     attention = flex_decode.choose(device_type, kv_dtype) if decode in ("static", "step-graph") else "sdpa"

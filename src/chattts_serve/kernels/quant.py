@@ -13,6 +13,8 @@ fp16           fp16        fp16                                                c
 int8           bf16        int8 weights, per-output-channel scales, bf16 act.  cpu, cuda
 int8-dynamic   fp32        int8 weights, activations quantised per call        cpu (fbgemm)
 int8-static    fp32        int8 weights, activation scales calibrated on text  cpu (fbgemm)
+int4           fp32        4-bit weights (block 128, bf16 scales), int8 act.   cpu (AVX-512 VNNI C++ op)
+                           per row and block; KV cache bf16 by default
 ort-fp32       fp32        the trunk in ONNX Runtime, fp32                     cpu (onnxruntime)
 ort-int8       fp32        ORT, int8 weights per channel, act. per call        cpu (onnxruntime)
 ort-int4       fp32        ORT, 4-bit weights (block 32), int8 act. per block  cpu (onnxruntime)
@@ -25,6 +27,16 @@ GEMV (``_weight_int8pack_mm``) is only as fast as a bf16 GEMV, while fbgemm's u8
 weights at nearly the bandwidth floor. fbgemm needs int8 activations: "dynamic" takes one scale per
 call from the whole batch (so a row's result depends on its neighbours: not batch-invariant),
 "static" fixes one scale per layer from calibration text (batch-invariant, and a little faster).
+
+int4: every GPT projection (fused qkv, o, fused gate/up, down) on ``kernels.int4_gemv``, the hand-written
+AVX-512 VNNI kernel that reads 4-bit weights at ~0.7 of the memory's rate at 1-8 rows, where ONNX Runtime's
+``MatMulNBits`` reads at ~0.55 (issue 33). Calls wider than 8 rows (prefill, many slots) run on the same
+kernel and packed weights, one pass over the weights per 8 rows: the same arithmetic for a row at any
+width (batch-invariant, prefill included) and no second copy of the weights; what it costs against a
+dequantising GEMM at wide calls is in BENCHMARKS.md. The kernel takes fp32 activations and quantises them
+to int8 per row and block of 128 itself. Its KV cache is bf16 where the C++ decode attention runs (an
+AVX-512 CPU: ``kernels.decode_attention``): half the cache's bytes, as ``int8-static --kv-cache-dtype bf16``.
+Without AVX-512 VNNI or a compiler the weights run dequantised in fp32 (``int4_gemv.pack``; one warning).
 
 The ``ort-*`` modes leave the torch trunk alone: ``models.chattts.prepare`` exports it to ONNX (cached) and the
 runner steps it in ONNX Runtime over the same KV slot cache (``models.chattts.onnx_export``,
@@ -60,15 +72,20 @@ class PrecisionSpec:
     onnx: Literal["fp32", "int8", "int4", "int4-b128", "auto"] | None = None
     """The trunk runs in ONNX Runtime with these weights (``ort-*``; "auto": int4 or int8 by the
     width of each call, ``models.chattts.onnx_auto``); None: in torch."""
+    int4: bool = False
+    """The projections run on ``kernels.int4_gemv`` (``Int4GemvLinear``)."""
+    cpu_kv_dtype: torch.dtype | None = None
+    """The KV cache under ``kv_cache_dtype`` auto on a CPU with the C++ decode attention (None: the trunk's)."""
 
 
-_MODES = {  # name -> (trunk dtype, int8 kind, ONNX weights); the names are kernels.precisions.PRECISIONS
+_MODES = {  # name -> (trunk dtype, int8 kind, ONNX weights[, int4 GEMV, CPU KV cache]); kernels.precisions.PRECISIONS
     "fp32": (torch.float32, "none", None),
     "bf16": (torch.bfloat16, "none", None),
     "fp16": (torch.float16, "none", None),
     "int8": (torch.bfloat16, "weight", None),
     "int8-dynamic": (torch.float32, "dynamic", None),
     "int8-static": (torch.float32, "static", None),
+    "int4": (torch.float32, "none", None, True, torch.bfloat16),
     "ort-fp32": (torch.float32, "none", "fp32"),
     "ort-int8": (torch.float32, "none", "int8"),
     "ort-int4": (torch.float32, "none", "int4"),
@@ -98,6 +115,8 @@ def check_supported(spec: PrecisionSpec, device: torch.device) -> None:
         return
     if device.type == "cpu" and spec.name == "fp16":
         raise ValueError("precision fp16 needs a CUDA device (CPUs have no fast fp16 matmul); use bf16 or int8")
+    if device.type != "cpu" and spec.int4:
+        raise ValueError(f"precision {spec.name} runs a CPU kernel; on {device.type} use int8, bf16 or fp16")
     if device.type != "cpu" and spec.int8 in ("dynamic", "static"):
         raise ValueError(f"precision {spec.name} uses fbgemm CPU kernels; on {device.type} use int8, bf16 or fp16")
     if spec.int8 in ("dynamic", "static") and "fbgemm" not in torch.backends.quantized.supported_engines:
@@ -196,6 +215,38 @@ class StaticInt8Linear(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------
+# 4-bit weights
+
+INT4_BLOCK = 128
+"""Inputs per scale: at 1-8 rows block 128 with bf16 scales is the kernel's fastest (fewer scale bytes to read;
+``bench kernels``: cpp-int4-b128-bf16s), at the quality ``eval`` reports for the int4 mode."""
+
+
+class Int4GemvLinear(nn.Module):
+    """4-bit weights (symmetric, blocks of ``INT4_BLOCK``, bf16 scales) on ``kernels.int4_gemv`` at every width."""
+
+    def __init__(self, linear: nn.Linear, block: int = INT4_BLOCK, scale_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        from . import int4_gemv
+
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # Narrower inputs (the tiny test model's 64) take the largest block that divides them.
+        fits = [b for b in int4_gemv.BLOCKS if b <= block and linear.in_features % b == 0]
+        if not fits:
+            raise ValueError(f"int4 needs input features in multiples of 32; got {linear.in_features}")
+        self._gemv = int4_gemv
+        self.packed = int4_gemv.pack(linear.weight, fits[-1], scale_dtype)
+        self.bias = linear.bias
+
+    @torch.compiler.disable  # a custom C++ op on an opaque packed stream: run eagerly
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._gemv.linear(x, self.packed)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
 # Module swap
 
 
@@ -235,6 +286,8 @@ def apply_precision_(
         if missing:
             raise ValueError(f"calibration saw no input for {len(missing)} layer(s), e.g. {missing[0]}")
         swap_linears_(gpt, lambda n, lin: StaticInt8Linear(lin, absmax[n]))
+    if spec.int4:
+        swap_linears_(gpt, lambda _n, lin: Int4GemvLinear(lin))
     # What is left in float: norm weights (and, without int8, the projections). Buffers (the rotary
     # frequencies) stay fp32.
     for p in gpt.parameters():
