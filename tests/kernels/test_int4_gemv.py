@@ -55,7 +55,9 @@ def test_more_than_eight_rows_run_in_passes(rows):
     w = _weight(96, 256, seed=2)
     q, scale = ig.quantize(w, 32)
     x = _x(rows, 256, seed=3)
-    torch.testing.assert_close(ig.linear(x, ig.pack(w, 32)).double(), ig.reference(x, q, scale, 32), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ig.linear(x, ig.pack(w, 32)).double(), ig.reference(x, q, scale, 32), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_quantisation_error_is_within_half_a_step():
@@ -154,4 +156,6 @@ def test_no_compiler_falls_back_to_a_dense_matmul_with_one_warning(monkeypatch):
     assert len([c for c in caught if issubclass(c.category, RuntimeWarning)]) == 1
     assert packed.dense is not None and packed.nbytes == 40 * 256 * 4
     q, scale = ig.quantize(w, 128)
-    torch.testing.assert_close(ig.linear(x, packed).double(), x.double() @ ig.dequantize(q, scale).t(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ig.linear(x, packed).double(), x.double() @ ig.dequantize(q, scale).t(), atol=1e-5, rtol=1e-5
+    )

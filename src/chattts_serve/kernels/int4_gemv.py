@@ -112,7 +112,9 @@ class Int4GemvWeight:
         return t.numel() * t.element_size()
 
 
-def quantize(w: torch.Tensor, block: int, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    w: torch.Tensor, block: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int4 per block of ``block`` inputs: (codes [out, in] int8 in [-8, 7], scales [out, in /
     block] fp32, already rounded to ``scale_dtype``) with ``w ~= codes * scale``.
 
@@ -205,5 +207,7 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: int)
     xq, xs = quantize_rows(x, block)
     rows, inp = x.shape
     out, blocks = q.shape[0], inp // block
-    sums = torch.einsum("rbk,obk->rob", xq.double().reshape(rows, blocks, block), q.double().reshape(out, blocks, block))
+    sums = torch.einsum(
+        "rbk,obk->rob", xq.double().reshape(rows, blocks, block), q.double().reshape(out, blocks, block)
+    )
     return (sums * scale.double()[None] * xs.double()[:, None]).sum(-1)
