@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
+from chattts_serve.kernels import cpp_build, kv_int8
 from chattts_serve.kernels import decode_attention as da
-from chattts_serve.kernels import kv_int8
 from chattts_serve.models.chattts.config import GPTConfig
 from chattts_serve.models.chattts.gpt import GPT
 
@@ -123,7 +123,7 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch):
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96)).eval()
     with_kernel = _decode_bf16(gpt)  # the kernel where it runs here, else torch's SDPA already
-    monkeypatch.setattr(da, "_find_compiler", lambda: None)
+    monkeypatch.setattr(cpp_build, "find_compiler", lambda: None)
     # A fresh once-per-process loader, as in a new process (the loaded op is never loaded twice: a
     # second load of its library would register its namespace again).
     monkeypatch.setattr(da, "_load", functools.cache(da._load.__wrapped__))

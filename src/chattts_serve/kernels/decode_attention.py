@@ -25,31 +25,21 @@ fp32 mode stays bit-exact with its own attention). ``CHATTTS_DECODE_ATTENTION=to
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import shutil
 import threading
 import warnings
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import cpp_build
 
 MODE_ENV = "CHATTTS_DECODE_ATTENTION"
 """"auto" (default): the C++ kernel where it applies; "torch": always torch's SDPA."""
 _SOURCE = Path(__file__).with_name("decode_attention.cpp")
 # The kernel is written with AVX-512F intrinsics only (no BF16 instructions): any AVX-512 CPU runs it.
-# -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers; without it the op runs on one
-# thread. The OpenMP runtime it links is the one torch has already loaded (same soname).
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
-
-
-def _find_compiler() -> str | None:
-    """The C++ compiler torch.utils.cpp_extension would use ($CXX, else c++), if it is on the PATH."""
-    return shutil.which(os.environ.get("CXX", "c++"))
 
 
 def cpu_supported() -> bool:
@@ -62,31 +52,12 @@ def cpu_supported() -> bool:
 def _load() -> bool:
     """Build (or load the cached build of) the op once per process; False with one warning when it
     cannot be built, and the caller keeps torch's attention."""
-    why = None
-    if _find_compiler() is None:
-        why = "no C++ compiler on the PATH"
-    elif shutil.which("ninja") is None:
-        why = "ninja is not installed"
-    if why is None:
-        try:
-            from torch.utils.cpp_extension import load
-
-            log.info("building the decode attention kernel (once per machine, ~30-60 s)")
-            load(
-                name="chattts_decode_attention",
-                sources=[str(_SOURCE)],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=_LDFLAGS,
-                is_python_module=False,
-                verbose=False,
-            )
-            return True
-        except Exception as exc:  # a failed build must not stop the engine: it still has torch's path
-            why = f"its build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1:]})"
-    warnings.warn(
-        f"decode attention over the bf16/int8 KV cache runs on torch (slower): {why}", RuntimeWarning, stacklevel=2
-    )
-    return False
+    why = cpp_build.build("chattts_decode_attention", _SOURCE, _CFLAGS)
+    if why is not None:
+        warnings.warn(
+            f"decode attention over the bf16/int8 KV cache runs on torch (slower): {why}", RuntimeWarning, stacklevel=2
+        )
+    return why is None
 
 
 def applies(k_cache: torch.Tensor) -> bool:

@@ -20,9 +20,7 @@ slower, not the same rounding), after one warning.
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import shutil
 import threading
 import warnings
 from dataclasses import dataclass
@@ -31,9 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import cpp_build
 from .linear import on_rows
-
-log = logging.getLogger(__name__)
 
 BLOCKS = (32, 64, 128)
 TILE = 32
@@ -45,12 +42,7 @@ DEFAULT_PREFETCH = 4096
 0.66, 4-8 KB ahead 0.74 (the large ops 0.79-0.81), 16 KB 0.72."""
 _SOURCE = Path(__file__).with_name("int4_gemv.cpp")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
-
-
-def _find_compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++"))
 
 
 def cpu_supported() -> bool:
@@ -61,31 +53,14 @@ def cpu_supported() -> bool:
 @functools.cache
 def _load() -> bool:
     """Build (or load the cached build of) the op once per process; False with one warning."""
-    why = None
-    if not cpu_supported():
-        why = "this CPU has no AVX-512 VNNI"
-    elif _find_compiler() is None:
-        why = "no C++ compiler on the PATH"
-    elif shutil.which("ninja") is None:
-        why = "ninja is not installed"
-    if why is None:
-        try:
-            from torch.utils.cpp_extension import load
-
-            log.info("building the int4 GEMV kernel (once per machine, ~30-60 s)")
-            load(
-                name="chattts_int4_gemv",
-                sources=[str(_SOURCE)],
-                extra_cflags=_CFLAGS,
-                extra_ldflags=_LDFLAGS,
-                is_python_module=False,
-                verbose=False,
-            )
-            return True
-        except Exception as exc:  # a failed build must not stop the engine: torch's matmul still runs
-            why = f"its build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1:]})"
-    warnings.warn(f"the int4 GEMV runs as a dequantised fp32 matmul (slower): {why}", RuntimeWarning, stacklevel=2)
-    return False
+    why = (
+        "this CPU has no AVX-512 VNNI"
+        if not cpu_supported()
+        else cpp_build.build("chattts_int4_gemv", _SOURCE, _CFLAGS)
+    )
+    if why is not None:
+        warnings.warn(f"the int4 GEMV runs as a dequantised fp32 matmul (slower): {why}", RuntimeWarning, stacklevel=2)
+    return why is None
 
 
 def available() -> bool:
