@@ -4,21 +4,16 @@ path's waveform (fp32: to rounding; bf16: to bf16's precision), and a bad runtim
 from __future__ import annotations
 
 import importlib.util
-import math
 
 import pytest
 import torch
 
 from chattts_serve.audio.cpu_graph import AudioGraph, graph_for
 from chattts_serve.audio.decode import _decode_batch, decode_windows
+from chattts_serve.bench.stats import snr_db as _snr_db
 from chattts_serve.models.chattts.checkpoint import load
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    noise = float(((ref.double() - test.double()) ** 2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(float((ref.double() ** 2).sum()) / noise)
 
 
 @pytest.fixture(scope="module")

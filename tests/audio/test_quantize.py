@@ -3,23 +3,17 @@ states, calibration repeats, and the head's projection is the MatMul left out.""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from chattts_serve.audio.decode import _decode_batch
+from chattts_serve.bench.stats import snr_db as _snr_db
 from chattts_serve.models.chattts.checkpoint import load
 
 pytestmark = [pytest.mark.timeout(300)]
 ov = pytest.importorskip("openvino")
 pytest.importorskip("nncf")
-
-
-def _snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    noise = float(((ref.double() - test.double()) ** 2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(float((ref.double() ** 2).sum()) / noise)
 
 
 @pytest.fixture(scope="module")

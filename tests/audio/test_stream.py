@@ -13,6 +13,7 @@ from chattts_serve import Engine, SamplingParams
 from chattts_serve.audio.decode import decode
 from chattts_serve.audio.policy import StreamPolicy
 from chattts_serve.audio.stream import AudioStream, Window
+from chattts_serve.bench.stats import snr_db
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.core import EngineCore
 from chattts_serve.models.chattts.config import ConvStackConfig, DecoderConfig, ModelConfig, VocosConfig
@@ -307,12 +308,6 @@ def run_requests(core: EngineCore, reqs: dict[str, tuple[SamplingParams, StreamP
                 streams[rid] = req.segments[0].stream
     assert all(finals[rid].finish_reason == "length" for rid in reqs)
     return chunks, finals, streams
-
-
-def snr_db(ref: np.ndarray, x: np.ndarray) -> float:
-    ref, x = ref.astype(np.float64), x.astype(np.float64)
-    noise = np.sum((ref - x) ** 2)
-    return float("inf") if noise == 0 else 10 * np.log10(np.sum(ref**2) / noise)
 
 
 @pytest.fixture(scope="module")

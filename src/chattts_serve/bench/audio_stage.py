@@ -9,10 +9,11 @@ runtime's arithmetic alone). Interleaved rounds, medians: compare the ratios wit
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from typing import Any
+
+from .stats import snr_db as _snr_db
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,11 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--markdown", action="store_true", help="print a markdown table before the JSON line")
-
-
-def _snr_db(ref, test) -> float:
-    noise = float(((ref - test) ** 2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(float((ref**2).sum()) / noise)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 from dataclasses import replace
 from typing import Any
 
 from ..kernels.precisions import PRECISIONS
 from . import stats
 from .common import TEXTS, run_tool, set_threads
+from .stats import snr_db as _snr_db
 
 # Every precision a CPU runs, against fp32 (fp16 is CUDA-only), and the bf16 and int8 KV caches under two of them.
 DEFAULT_MODES = (
@@ -166,11 +166,6 @@ def _free_run(engine, texts: list[str], steps: int, seed: int):
 
     params = SamplingParams(seed=seed, min_new_tokens=steps, max_new_tokens=steps, refine_text=False)
     return [engine.synthesize([t], params)[0].codes for t in texts]  # one at a time: no batching effects
-
-
-def _snr_db(ref, test) -> float:
-    noise = float(((ref - test) ** 2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(float((ref**2).sum()) / noise)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

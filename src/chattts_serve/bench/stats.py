@@ -19,6 +19,19 @@ from typing import Any, TextIO
 MATPLOTLIB_HINT = "plots need matplotlib: pip install matplotlib (or pip install 'chattts-serve[bench]')"
 
 
+def snr_db(ref: Any, test: Any) -> float:
+    """Signal-to-noise ratio of ``test`` against ``ref`` in dB, in float64 (inf when they are equal): the
+    one quality figure every tool and test gives audio. numpy arrays or CPU tensors of any float dtype."""
+    import numpy as np
+
+    def f64(x: Any) -> Any:
+        return x.detach().double().cpu().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+
+    ref, test = f64(ref), f64(test)
+    noise = float(((ref - test) ** 2).sum())
+    return math.inf if noise == 0 else 10 * math.log10(float((ref**2).sum()) / noise)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) with linear interpolation between closest ranks (numpy's default),
     so small samples still give a p99 between the two largest values rather than snapping to one."""

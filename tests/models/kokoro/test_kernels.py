@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from chattts_serve import SamplingParams
+from chattts_serve.bench.stats import snr_db
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.engine import Engine
 from chattts_serve.models.kokoro import kernels
@@ -23,11 +24,6 @@ from .test_model import _make, _utterances
 MIN_SNR_DB = {"ov-fp32": 90.0, "ov-bf16": 30.0, "int8": 15.0}
 """Each mode's floor against fp32's waveform on the tiny checkpoint (8 utterances of 3-19 phonemes). Measured there,
 the lowest of them: ov-fp32 121 dB, ov-bf16 38 dB, int8 21 dB; on the full-size checkpoint see docs/kokoro.md."""
-
-
-def snr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
-    error = (other.double() - reference.double()).pow(2).sum()
-    return float(10 * torch.log10(reference.double().pow(2).sum() / error.clamp_min(1e-300)))
 
 
 def _moded(root, mode: str):

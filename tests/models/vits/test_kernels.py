@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from chattts_serve import SamplingParams
+from chattts_serve.bench.stats import snr_db
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.engine import Engine
 from chattts_serve.models.vits import kernels
@@ -26,11 +27,6 @@ bf16 (OpenVINO) 40 dB, torch bf16 36 dB, int8 (OpenVINO) 34 dB; on the full-size
 TORCH_BF16_BATCH_BOUND = 1e-3
 """torch bf16's padded batch against each row alone (its masks hold the rows apart; other blockings may round
 differently: measured 0 on the CPU with the tiny checkpoint, whose audio peaks near 0.08)."""
-
-
-def snr_db(reference: torch.Tensor, other: torch.Tensor) -> float:
-    error = (other.double() - reference.double()).pow(2).sum()
-    return float(10 * torch.log10(reference.double().pow(2).sum() / error.clamp_min(1e-300)))
 
 
 def _moded(root, mode: str):
