@@ -83,6 +83,21 @@ struct Args {
 };
 
 // One tile (32 output channels) for R rows: p is the tile's packed stream, o its first channel.
+// A block's 32 channel scales (bf16 or fp32) as two fp32 vectors; returns the stream past them.
+template <bool kBf16Scales>
+inline const uint8_t* load_scales(const uint8_t* p, __m512& w0, __m512& w1) {
+  if constexpr (kBf16Scales) {  // a bf16 is the top half of the fp32 of the same value
+    const __m512i raw = _mm512_loadu_si512(p);
+    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+    w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    return p + 64;
+  } else {
+    w0 = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+    w1 = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 64));
+    return p + 128;
+  }
+}
+
 template <int R, int KB, bool kBf16Scales>
 void tile(const uint8_t* p, const Args& A, int64_t o) {
   __m512 f[R][2];
@@ -112,16 +127,7 @@ void tile(const uint8_t* p, const Args& A, int64_t o) {
       }
     }
     __m512 w0, w1;
-    if constexpr (kBf16Scales) {  // a bf16 is the top half of the fp32 of the same value
-      const __m512i raw = _mm512_loadu_si512(p);
-      w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-      w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
-      p += 64;
-    } else {
-      w0 = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
-      w1 = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 64));
-      p += 128;
-    }
+    p = load_scales<kBf16Scales>(p, w0, w1);
     for (int r = 0; r < R; ++r) {
       const __m512 xs = _mm512_set1_ps(A.xs[r * A.blocks + b]);
       f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(w0, xs), f[r][0]);
@@ -176,16 +182,7 @@ void tile_f32x(const uint8_t* p, const Args& A, int64_t o) {
       }
     }
     __m512 w0, w1;
-    if constexpr (kBf16Scales) {
-      const __m512i raw = _mm512_loadu_si512(p);
-      w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-      w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
-      p += 64;
-    } else {
-      w0 = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
-      w1 = _mm512_loadu_ps(reinterpret_cast<const float*>(p + 64));
-      p += 128;
-    }
+    p = load_scales<kBf16Scales>(p, w0, w1);
     for (int r = 0; r < R; ++r) {
       f[r][0] = _mm512_fmadd_ps(a[r][0], w0, f[r][0]);
       f[r][1] = _mm512_fmadd_ps(a[r][1], w1, f[r][1]);
