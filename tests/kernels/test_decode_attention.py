@@ -69,20 +69,21 @@ def test_sharp_softmax_and_repeated_slots():
     torch.testing.assert_close(out, da.reference(q, k, v, slots, last, 0.125), atol=ATOL, rtol=0)
 
 
-def test_a_row_does_not_depend_on_the_batch_or_the_threads():
+@pytest.mark.parametrize("cache", ["bf16", "int8"])
+def test_a_row_does_not_depend_on_the_batch_or_the_threads(cache):
     _kernel_or_skip()
-    k, v = _cache(64, 12, 520, 64, seed=3)
+    k, v, scales = (*_cache(64, 12, 520, 64, seed=3), None) if cache == "bf16" else _int8_cache(64, 12, 520, 64, seed=3)
     g = torch.Generator().manual_seed(4)
     q = torch.randn(64, 12, 64, generator=g)
     slots, last = torch.randperm(64, generator=g), torch.randint(0, 520, (64,), generator=g)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        batched = da.attend(q, k, v, slots, last, 0.125)
+        batched = da.attend(q, k, v, slots, last, 0.125, scales)
     finally:
         torch.set_num_threads(threads)
     for row in (0, 17, 63):
-        alone = da.attend(q[row : row + 1], k, v, slots[row : row + 1], last[row : row + 1], 0.125)
+        alone = da.attend(q[row : row + 1], k, v, slots[row : row + 1], last[row : row + 1], 0.125, scales)
         assert torch.equal(alone[0], batched[row])
 
 
@@ -186,23 +187,6 @@ def test_int8_sharp_softmax_zero_vectors_and_repeated_slots():
     out = da.attend(q, k, v, slots, last, 0.125, (sk, sv))
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, da.reference(q, k, v, slots, last, 0.125, (sk, sv)), atol=ATOL, rtol=0)
-
-
-def test_int8_row_does_not_depend_on_the_batch_or_the_threads():
-    _kernel_or_skip()
-    k, v, scales = _int8_cache(64, 12, 520, 64, seed=3)
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(64, 12, 64, generator=g)
-    slots, last = torch.randperm(64, generator=g), torch.randint(0, 520, (64,), generator=g)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        batched = da.attend(q, k, v, slots, last, 0.125, scales)
-    finally:
-        torch.set_num_threads(threads)
-    for row in (0, 17, 63):
-        alone = da.attend(q[row : row + 1], k, v, slots[row : row + 1], last[row : row + 1], 0.125, scales)
-        assert torch.equal(alone[0], batched[row])
 
 
 def test_int8_bad_inputs_are_refused():
