@@ -16,9 +16,6 @@ The static kinds calibrate on hidden states the model itself makes (``calibratio
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 from typing import Any
 
 import numpy as np
@@ -79,16 +76,11 @@ def quantize(graph: Any, feeds: list, kind: str, alpha: float = 0.5) -> Any:
     if kind not in KINDS:
         raise ValueError(f"int8 kind must be one of {', '.join(KINDS)}; got {kind!r}")
     import nncf
-    from nncf.common.logging import nncf_logger
 
-    level = nncf_logger.level
-    nncf_logger.setLevel(logging.WARNING)  # its statistics are noise in a server's log
-    try:
-        # Its progress bars (rich) print to stdout whatever the log level, where a tool's JSON line goes.
-        with contextlib.redirect_stdout(io.StringIO()):
-            return _quantize(nncf, graph, feeds, kind, alpha)
-    finally:
-        nncf_logger.setLevel(level)
+    from ..kernels.openvino import quiet_nncf
+
+    with quiet_nncf():
+        return _quantize(nncf, graph, feeds, kind, alpha)
 
 
 def _quantize(nncf: Any, graph: Any, feeds: list, kind: str, alpha: float) -> Any:

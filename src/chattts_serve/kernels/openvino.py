@@ -11,7 +11,11 @@ directly.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -35,3 +39,19 @@ def compile_model(model: Any, config: dict[str, Any], core: Any = None) -> Any:
     if failure:
         raise failure[0]
     return result[0]
+
+
+@contextlib.contextmanager
+def quiet_nncf() -> Iterator[None]:
+    """nncf's statistics (INFO logs) and progress bars kept out of the process's output: its log at WARNING,
+    and stdout (where rich prints the bars whatever the log level, and where a tool's JSON line goes) swallowed
+    for the duration. For every nncf call in the package (Kokoro's int8 decoder, the ov-int8 audio graph)."""
+    from nncf.common.logging import nncf_logger
+
+    level = nncf_logger.level
+    nncf_logger.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        nncf_logger.setLevel(level)

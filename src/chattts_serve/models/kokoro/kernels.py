@@ -24,7 +24,6 @@ The snake activation's sine goes into the graph as a polynomial (``sin_squared``
 from __future__ import annotations
 
 import io
-import logging
 import math
 import threading
 import warnings
@@ -185,17 +184,12 @@ def quantize(graph, feeds: list[dict]):
     left in float: quantized, OpenVINO ran them on a reference f32 kernel several times slower."""
     try:
         import nncf
-        from nncf.common.logging import nncf_logger
     except ImportError:
         raise ValueError("--precision int8 quantizes Kokoro's decoder with nncf: pip install "
                          "'chattts-serve[openvino]'") from None
-    level = nncf_logger.level
-    nncf_logger.setLevel(logging.WARNING)  # its progress bars and statistics (INFO) are noise in a server's log
-    try:
+    with openvino.quiet_nncf():
         return nncf.quantize(graph, nncf.Dataset(feeds), subset_size=len(feeds), fast_bias_correction=True,
                              ignored_scope=nncf.IgnoredScope(types=["ConvolutionBackpropData"]))
-    finally:
-        nncf_logger.setLevel(level)
 
 
 def session(graph, core, precision: str, threads: int) -> RowSpectrum:
