@@ -6,6 +6,8 @@ no device to wait for.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..kernels import decode_attention
@@ -20,6 +22,10 @@ class RowsDecode(TrunkDecode):
         self.gpt = parts.model.gpt
         self.dtype = self.gpt.norm.weight.dtype
         decode_attention.prepare(parts.cache.k)  # build the bf16/int8 cache's attention kernel now, not mid-request
+        fused = self.gpt.fused_decode
+        if fused is not None and parts.plan.audio_overlap and parts.plan.device == "cpu":
+            # The audio worker has the other core: narrow int4 steps keep to this one (kernels.int4_decode).
+            self.gpt.fused_decode = replace(fused, narrow_threads=1)
 
     def trunk(self, emb: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         slots = [s.slot for s in step.seqs]

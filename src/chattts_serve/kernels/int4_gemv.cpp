@@ -21,13 +21,17 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if !defined(__AVX512F__) || !defined(__AVX512VNNI__) || !defined(__AVX512BW__)
@@ -207,9 +211,173 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& blob, int64_t out, i
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// The int4 trunk's decode step, every layer in one call (int4_decode.py): at one row the step's weights
+// stream in ~4 ms, and the ~15 torch ops a layer makes around its four matmuls (norms, rotary, cache
+// writes, SwiGLU, residuals; ~5 ms a step of dispatch and Python) are here plain loops over one row.
+// Each row's arithmetic depends on its own values only (batch- and thread-invariant, as the GEMV), and
+// it is GPT.decode's to the bit: the norms and SiLU are the same ATen calls (without Python), rotary,
+// the cache writes and the residual adds the same fp32 operations in the same order (built with
+// -ffp-contract=off, so no multiply-add is fused where torch rounds twice).
+
+// x*cos + rotate_half(x)*sin on each of `vectors` head vectors of d, in place.
+void rotate(float* x, const float* cos, const float* sin, int64_t vectors, int64_t d) {
+  const int64_t half = d / 2;
+  float tmp[256];
+  for (int64_t h = 0; h < vectors; ++h) {
+    float* v = x + h * d;
+    for (int64_t i = 0; i < half; ++i) tmp[i] = v[i] * cos[i] + (-v[i + half]) * sin[i];
+    for (int64_t i = half; i < d; ++i) tmp[i] = v[i] * cos[i] + v[i - half] * sin[i];
+    std::memcpy(v, tmp, d * sizeof(float));
+  }
+}
+
+// One key or value vector into a bf16 cache (round to nearest even, as torch's cast).
+void store(const float* x, at::BFloat16* out, float*, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) out[i] = at::BFloat16(x[i]);
+}
+
+// ... or into an int8 cache with its fp32 scale (kv_int8.quantize: absmax / 127, round half to even).
+void store(const float* x, int8_t* out, float* scale, int64_t d) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = amax / 127.0f;
+  const float div = std::max(s, std::numeric_limits<float>::min());
+  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] / div))));
+  *scale = s;
+}
+
+template <class T>
+void write_cache(const float* qkv, int64_t width, int64_t k_off, int64_t v_off, const at::Tensor& k,
+                 const at::Tensor& v, const c10::optional<at::Tensor>& ks, const c10::optional<at::Tensor>& vs,
+                 const int64_t* slots, const int64_t* pos, int64_t n, int64_t kv_heads, int64_t d) {
+  T* kp = k.data_ptr<T>();
+  T* vp = v.data_ptr<T>();
+  float* ksp = ks ? ks->data_ptr<float>() : nullptr;
+  float* vsp = vs ? vs->data_ptr<float>() : nullptr;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t s = slots[r], t = pos[r];
+      const float* src = qkv + r * width;
+      float* kscale = ksp ? ksp + s * ks->stride(0) + h * ks->stride(1) + t : nullptr;
+      float* vscale = vsp ? vsp + s * vs->stride(0) + h * vs->stride(1) + t : nullptr;
+      store(src + k_off + h * d, kp + s * k.stride(0) + h * k.stride(1) + t * k.stride(2), kscale, d);
+      store(src + v_off + h * d, vp + s * v.stride(0) + h * v.stride(1) + t * v.stride(2), vscale, d);
+    }
+  }
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& ks,
+                  const c10::optional<at::Tensor>& vs, const at::Tensor& slots, const at::Tensor& pos, double scale) {
+  // decode_attention.cpp's ops, through the dispatcher (its library is loaded first: int4_decode.py).
+  if (ks) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("chattts_decode_attention::int8", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+    return op.call(q, k, v, *ks, *vs, slots, pos, scale);
+  }
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("chattts_decode_attention::bf16", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, double)>();
+  return op.call(q, k, v, slots, pos, scale);
+}
+
+// h [m, hidden] fp32 (rows >= n are padding: their attention output is zero, nothing is written for them);
+// norms [layers, 2, hidden]; blobs: per layer the packed qkv, o, gate_up and down weights; blocks: their
+// four block sizes; cos, sin [m, head_dim]; k, v [layers, slots, kv_heads, positions, head_dim] bf16 or
+// int8 (+ scales [layers, slots, kv_heads, positions]); slots, pos [n]. Returns h after every layer
+// (before the final norm).
+at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& norms, double eps, at::TensorList blobs,
+                         at::IntArrayRef blocks, bool bf16_scales, int64_t intermediate, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& k, const at::Tensor& v,
+                         const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                         const at::Tensor& slots, const at::Tensor& pos, int64_t heads, int64_t kv_heads,
+                         int64_t prefetch, int64_t threads) {
+  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat, "h must be fp32 [rows, hidden]");
+  const int64_t m = h_in.size(0), hidden = h_in.size(1), layers = norms.size(0);
+  const int64_t d = k.size(4), n = slots.numel();
+  TORCH_CHECK(norms.dim() == 3 && norms.size(1) == 2 && norms.size(2) == hidden && norms.scalar_type() == at::kFloat &&
+                  norms.is_contiguous(),
+              "norms must be contiguous fp32 [layers, 2, hidden]");
+  TORCH_CHECK(static_cast<int64_t>(blobs.size()) == 4 * layers && blocks.size() == 4, "4 weights a layer, 4 block sizes");
+  TORCH_CHECK(k.dim() == 5 && k.size(0) == layers && v.sizes() == k.sizes() && k.size(2) == kv_heads,
+              "k and v must be [layers, slots, kv_heads, positions, head_dim]");
+  TORCH_CHECK(d <= 256 && d % 2 == 0 && heads % kv_heads == 0 && hidden == heads * d, "bad head layout");
+  TORCH_CHECK(k.stride(4) == 1 && v.stride(4) == 1, "head vectors must be contiguous in the cache");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == m && cos.size(1) == d &&
+                  cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+              "cos and sin must be contiguous fp32 [rows, head_dim]");
+  TORCH_CHECK(n <= m && pos.numel() == n && slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong,
+              "one int64 slot and position per real row");
+  const bool int8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 || k.scalar_type() == at::kBFloat16, "the cache must be bf16 or int8");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), "an int8 cache needs its scales, only it");
+  const at::Tensor sl = slots.contiguous(), ps = pos.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* pp = ps.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {  // checked once here: the cache writes below index with them
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(1), "slot ", sp[i], " out of range");
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < k.size(3), "position ", pp[i], " out of range");
+  }
+  // threads > 0: this call's parallel regions (the GEMV's, attention's) on that many threads, then the
+  // caller's count again (OpenMP's count is per thread: nothing else sees the change).
+  const int before = omp_get_max_threads();
+  struct Restore {
+    int n;
+    ~Restore() { omp_set_num_threads(n); }
+  } restore{before};
+  if (threads > 0) omp_set_num_threads(static_cast<int>(threads));
+  const int64_t width = (heads + 2 * kv_heads) * d, qk = (heads + kv_heads) * d;
+  at::Tensor h = h_in.contiguous().clone();
+  at::Tensor attn_in = at::zeros({m, heads * d}, h.options());
+  at::Tensor act = at::empty({m, intermediate}, h.options());
+  float* hp = h.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  const at::Tensor sl_n = sl.slice(0, 0, n), ps_n = ps.slice(0, 0, n);
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor nl = norms.select(0, l);
+    // attention
+    at::Tensor x = at::rms_norm(h, {hidden}, nl.select(0, 0), eps);
+    at::Tensor qkv = int4_gemv(x, blobs[4 * l], width, blocks[0], bf16_scales, prefetch);
+    float* qp = qkv.data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r) rotate(qp + r * width, cp + r * d, snp + r * d, heads + kv_heads, d);
+    const at::Tensor kl = k.select(0, l), vl = v.select(0, l);
+    const c10::optional<at::Tensor> ksl = int8 ? c10::optional<at::Tensor>(k_scale->select(0, l)) : c10::nullopt;
+    const c10::optional<at::Tensor> vsl = int8 ? c10::optional<at::Tensor>(v_scale->select(0, l)) : c10::nullopt;
+    if (int8)
+      write_cache<int8_t>(qp, width, heads * d, qk, kl, vl, ksl, vsl, sp, pp, n, kv_heads, d);
+    else
+      write_cache<at::BFloat16>(qp, width, heads * d, qk, kl, vl, ksl, vsl, sp, pp, n, kv_heads, d);
+    if (n > 0) {
+      const at::Tensor q = qkv.slice(0, 0, n).slice(1, 0, heads * d).view({n, heads, d});
+      const at::Tensor out = attend(q, kl, vl, ksl, vsl, sl_n, ps_n, 1.0 / std::sqrt(static_cast<double>(d)));
+      attn_in.slice(0, 0, n).copy_(out.view({n, heads * d}));
+    }
+    at::Tensor o = int4_gemv(attn_in, blobs[4 * l + 1], hidden, blocks[1], bf16_scales, prefetch);
+    const float* op = o.data_ptr<float>();
+    for (int64_t i = 0; i < m * hidden; ++i) hp[i] = hp[i] + op[i];
+    // MLP
+    x = at::rms_norm(h, {hidden}, nl.select(0, 1), eps);
+    at::Tensor gu = int4_gemv(x, blobs[4 * l + 2], 2 * intermediate, blocks[2], bf16_scales, prefetch);
+    at::mul_out(act, at::silu(gu.slice(1, 0, intermediate)), gu.slice(1, intermediate, 2 * intermediate));
+    at::Tensor dn = int4_gemv(act, blobs[4 * l + 3], hidden, blocks[3], bf16_scales, prefetch);
+    const float* dp = dn.data_ptr<float>();
+    for (int64_t i = 0; i < m * hidden; ++i) hp[i] = hp[i] + dp[i];
+  }
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(chattts_int4_gemv, m) {
   m.def("gemv(Tensor x, Tensor blob, int out, int block, bool bf16_scales, int prefetch) -> Tensor");
+  m.def(
+      "decode_layers(Tensor h, Tensor norms, float eps, Tensor[] blobs, int[] blocks, bool bf16_scales, "
+      "int intermediate, Tensor cos, Tensor sin, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, "
+      "Tensor slots, Tensor pos, int heads, int kv_heads, int prefetch, int threads) -> Tensor");
   m.impl("gemv", c10::DispatchKey::CPU, &int4_gemv);
+  m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
 }

@@ -41,7 +41,9 @@ DEFAULT_PREFETCH = 4096
 """On Zen 5, one thread, one row: the hardware prefetcher alone reads at 0.55 of the floor, 2 KB ahead
 0.66, 4-8 KB ahead 0.74 (the large ops 0.79-0.81), 16 KB 0.72."""
 _SOURCE = Path(__file__).with_name("int4_gemv.cpp")
+# -ffp-contract=off: int4_decode's elementwise loops round as torch's separate ops do (no fused multiply-add).
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-fopenmp"]
+_CFLAGS += ["-ffp-contract=off"]
 _lock = threading.Lock()
 
 
@@ -156,8 +158,13 @@ def linear(x: torch.Tensor, w: Int4GemvWeight) -> torch.Tensor:
     # A decode step makes ~80 of these calls of 40-150 us each: the overload is resolved once (the
     # packet's lookup costs ~1 us a call).
     op = _gemv()
-    prefetch = int(os.environ.get(PREFETCH_ENV, DEFAULT_PREFETCH))
+    prefetch = prefetch_distance()
     return on_rows(x, lambda rows: op(rows, w.blob, w.out_features, w.block, w.bf16_scales, prefetch), torch.float32)
+
+
+def prefetch_distance() -> int:
+    """``CHATTTS_INT4_GEMV_PREFETCH``, else ``DEFAULT_PREFETCH``."""
+    return int(os.environ.get(PREFETCH_ENV, DEFAULT_PREFETCH))
 
 
 @functools.cache

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import decode_attention, flex_decode, kv_int8
+from ...kernels.int4_decode import Int4Decode, Int4Layer
+from ...kernels.quant import Int4GemvLinear
 from .config import GPTConfig
 
 
@@ -364,6 +366,8 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused_decode: Int4Decode | None = None
+        """``int4``: the decode step's layers in one C++ call (set by ``use_int4_decode_``)."""
         self.init_buffers()
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
@@ -433,8 +437,12 @@ class GPT(nn.Module):
         h = embeds if rows == bsz else torch.cat([embeds, embeds.new_zeros(rows - bsz, embeds.shape[1])])
         pos = torch.tensor(lengths + [0] * (rows - bsz), device=h.device)
         cos, sin = rope_cos_sin(pos, self.inv_freq, h.dtype)
-        cos, sin = cos[:, None, None], sin[:, None, None]  # shaped once for every layer
         where = (torch.tensor(slots, device=h.device), pos[:bsz])
+        if self.fused_decode is not None and self.fused_decode.applies(cache.k):
+            scales = None if cache.k_scale is None else (cache.k_scale, cache.v_scale)
+            h = self.fused_decode.run(h, cos, sin, cache.k, cache.v, scales, *where)
+            return self.norm(h)
+        cos, sin = cos[:, None, None], sin[:, None, None]  # shaped once for every layer
         return self.norm(self.run_layers(h, lambda attn, x: attn.decode(x, cos, sin, cache, slots, lengths, where)))
 
     def decode_static(
@@ -458,6 +466,22 @@ def _concat(*linears: nn.Linear) -> nn.Linear:
     fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     fused.weight = nn.Parameter(w, requires_grad=False)
     return fused
+
+
+def use_int4_decode_(gpt: GPT) -> bool:
+    """``int4`` (fused projections on ``kernels.int4_gemv``): run the decode step's layers as one C++ call
+    (``kernels.int4_decode``) where it can; False where it cannot (the torch ops run, as before)."""
+    layers = []
+    for layer in gpt.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(lin, Int4GemvLinear) and lin.bias is None for lin in linears):
+            return False
+        weights = [lin.packed for lin in linears]
+        layers.append(Int4Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *weights))
+    cfg = gpt.cfg
+    gpt.fused_decode = Int4Decode.build(layers, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
+    return gpt.fused_decode is not None
 
 
 def fuse_projections_(gpt: GPT) -> None:

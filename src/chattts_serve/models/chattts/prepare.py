@@ -21,7 +21,7 @@ import torch
 from ...kernels.linear import pack_linears_, packing_available
 from ...kernels.quant import PrecisionSpec, apply_precision_, check_supported
 from .checkpoint import LoadedModel
-from .gpt import fuse_projections_
+from .gpt import fuse_projections_, use_int4_decode_
 from .onnx_auto import AutoTrunk, resolve_crossover
 from .onnx_trunk import OnnxTrunk
 
@@ -76,6 +76,8 @@ def prepare_model(
             raise ValueError("int8-static needs a calibration function")
         absmax = calibrate(model)
     apply_precision_(model.gpt, spec, device, absmax)
+    if spec.int4 and use_int4_decode_(model.gpt):
+        logger.info("int4: the decode step's layers run as one C++ call")
     packed, pad_rows_to = False, 1
     dtype = model.gpt.norm.weight.dtype
     if num_slots > 1 and device.type == "cpu":

@@ -1,0 +1,132 @@
+"""The int4 trunk's decode step as one C++ call: GPT.decode's result and cache writes to the bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chattts_serve.kernels import decode_attention, int4_gemv
+from chattts_serve.kernels.quant import parse_precision
+from chattts_serve.models.chattts import checkpoint
+from chattts_serve.models.chattts.prepare import prepare_model
+
+needs_ops = pytest.mark.skipif(
+    not (int4_gemv.cpu_supported() and decode_attention.cpu_supported()),
+    reason="the C++ GEMV and attention need AVX-512 VNNI",
+)
+POSITIONS = 40
+
+
+@pytest.fixture(scope="module")
+def gpt(tiny_ckpt):
+    model = checkpoint.load(tiny_ckpt)
+    prepare_model(model, parse_precision("int4"), num_slots=4)
+    return model.gpt
+
+
+def filled_cache(gpt, dtype):
+    """A cache whose first POSITIONS positions of every slot hold random keys and values."""
+    cfg = gpt.cfg
+    cache = gpt.new_cache(4, 64, dtype=dtype)
+    cache.zero_()
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(cfg.num_layers):
+        k = torch.randn(4, cfg.num_kv_heads, POSITIONS, cfg.head_dim, generator=gen)
+        cache.write(layer, (slice(None), slice(None), slice(0, POSITIONS)), k, torch.randn(k.shape, generator=gen))
+    return cache
+
+
+def clone_cache(gpt, cache):
+    other = gpt.new_cache(cache.num_slots, cache.max_len, dtype=cache.k.dtype)
+    for name, buf in cache.named_buffers():
+        getattr(other, name).copy_(buf)
+    return other
+
+
+def eager_decode(gpt, *args, **kwargs):
+    fused, gpt.fused_decode = gpt.fused_decode, None
+    try:
+        return gpt.decode(*args, **kwargs)
+    finally:
+        gpt.fused_decode = fused
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_the_step_is_gpt_decodes_to_the_bit(gpt, dtype):
+    assert gpt.fused_decode is not None
+    fused_cache = filled_cache(gpt, dtype)
+    eager_cache = clone_cache(gpt, fused_cache)
+    emb = torch.randn(3, gpt.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    slots, lengths = [2, 0, 3], [10, POSITIONS - 1, 25]
+    # Three rows padded to four: the padding row attends to nothing and writes nothing.
+    fused = gpt.decode(emb, fused_cache, slots, lengths, pad_rows_to=4)
+    eager = eager_decode(gpt, emb, eager_cache, slots, lengths, pad_rows_to=4)
+    assert fused.shape == (4, gpt.cfg.hidden_size)
+    torch.testing.assert_close(fused, eager, rtol=0, atol=0)
+    for name, buf in fused_cache.named_buffers():
+        torch.testing.assert_close(buf, getattr(eager_cache, name), rtol=0, atol=0, msg=name)
+
+
+@needs_ops
+def test_a_row_alone_is_the_row_in_a_batch(gpt):
+    emb = torch.randn(5, gpt.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    batch = gpt.decode(emb[:3], filled_cache(gpt, torch.bfloat16), [1, 2, 3], [12, 30, 5])
+    alone = gpt.decode(emb[1:2], filled_cache(gpt, torch.bfloat16), [2], [30])
+    torch.testing.assert_close(batch[1:2], alone, rtol=0, atol=0)
+
+
+@needs_ops
+def test_a_slot_out_of_range_is_an_error_not_a_write(gpt):
+    cache = filled_cache(gpt, torch.bfloat16)
+    cfg = gpt.cfg
+    f = gpt.fused_decode
+    h = torch.zeros(1, cfg.hidden_size)
+    cos = sin = torch.zeros(1, cfg.head_dim)
+    for slots, pos in (([4], [0]), ([0], [64]), ([-1], [0])):
+        with pytest.raises(RuntimeError, match="out of range"):
+            f.run(h, cos, sin, cache.k, cache.v, None, torch.tensor(slots), torch.tensor(pos))
+
+
+def test_without_the_cpp_gemv_the_torch_ops_run(tiny_ckpt, monkeypatch):
+    monkeypatch.setattr(int4_gemv, "available", lambda: False)  # as on a CPU without VNNI: dense weights
+    model = checkpoint.load(tiny_ckpt)
+    prepare_model(model, parse_precision("int4"), num_slots=4)
+    gpt = model.gpt
+    assert gpt.fused_decode is None
+    out = gpt.decode(torch.randn(2, gpt.cfg.hidden_size), filled_cache(gpt, torch.float32), [0, 1], [3, 7])
+    assert out.shape == (2, gpt.cfg.hidden_size) and torch.isfinite(out).all()
+
+
+@needs_ops
+def test_narrow_steps_keep_to_one_thread_beside_the_audio_worker(tiny_ckpt):
+    from chattts_serve.engine.config import EngineConfig
+    from chattts_serve.engine.engine import Engine
+    from chattts_serve.sampling_params import SamplingParams
+
+    params = SamplingParams(seed=3, max_new_tokens=16, refine_text=False)
+    codes = {}
+    for overlap in ("on", "off"):
+        config = EngineConfig.with_slots(2, precision="int4", audio_overlap=overlap)
+        engine = Engine.from_pretrained(tiny_ckpt, config=config)
+        assert engine.model.gpt.fused_decode.narrow_threads == (1 if overlap == "on" else 0)
+        codes[overlap] = engine.synthesize(["Hello there."], params)[0].codes
+    torch.testing.assert_close(codes["on"], codes["off"], rtol=0, atol=0)  # the thread count changes no bits
+
+
+@needs_ops
+def test_a_call_on_one_thread_leaves_the_callers_count(gpt):
+    from dataclasses import replace
+
+    cache, cfg = filled_cache(gpt, torch.bfloat16), gpt.cfg
+    one = replace(gpt.fused_decode, narrow_threads=1)
+    h, cos = torch.randn(1, cfg.hidden_size), torch.ones(1, cfg.head_dim)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        wide = gpt.fused_decode.run(h, cos, cos, cache.k, cache.v, None, torch.tensor([0]), torch.tensor([5]))
+        narrow = one.run(h, cos, cos, cache.k, cache.v, None, torch.tensor([0]), torch.tensor([5]))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(narrow, wide, rtol=0, atol=0)
