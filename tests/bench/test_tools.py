@@ -229,6 +229,19 @@ def test_profile_weight_bytes_per_mode(tiny_ckpt, precision, slots, per_weight):
     assert weight_bytes(e.model.gpt) == n * per_weight
 
 
+def test_profile_weight_bytes_of_int4_are_the_packed_streams(tiny_ckpt):
+    from chattts_serve.bench.profile import weight_bytes
+    from chattts_serve.engine.engine import Engine
+    from chattts_serve.kernels.quant import Int4GemvLinear
+
+    e = Engine.from_pretrained(tiny_ckpt, config=EngineConfig.with_slots(2, precision="int4"))
+    linears = [m for m in e.model.gpt.modules() if isinstance(m, Int4GemvLinear)]
+    weights = sum(m.in_features * m.out_features for m in linears)
+    assert linears and weight_bytes(e.model.gpt) == sum(m.packed.nbytes for m in linears)
+    if e.model.gpt.fused_decode is not None:  # the C++ layout: half a byte a weight, plus scales and padding
+        assert 0.5 * weights < weight_bytes(e.model.gpt) < 0.6 * weights
+
+
 def test_wait_ready_says_when_the_server_died_at_start_up():
     import subprocess
     import sys

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..engine.config import add_max_num_seqs_argument
+from ..kernels.int4_gemv import Int4GemvWeight
 from . import stats
 from .common import TEXTS, add_engine_flags, engine_config, fail, peak_memory_mb, set_threads
 from .ort_ops import op_breakdown, op_seconds
@@ -93,13 +94,17 @@ class StageTimer:
 
 
 def weight_bytes(gpt) -> int:
-    """Bytes of GPT projection weights one decode step reads (int8 modes: 1 byte per weight)."""
+    """Bytes of GPT projection weights one decode step reads (int8 modes: 1 byte per weight; int4: the
+    GEMV's packed stream, codes and scales)."""
     total = 0
     for m in gpt.modules():
         if hasattr(m, "in_features") and hasattr(m, "out_features"):
             w = getattr(m, "weight", None)
             if not isinstance(w, torch.Tensor):  # oneDNN-packed float weights, or fbgemm's int8 ones
                 w = getattr(m, "packed", None)
+            if isinstance(w, Int4GemvWeight):
+                total += w.nbytes
+                continue
             per = w.element_size() if isinstance(w, torch.Tensor) else 1
             total += m.in_features * m.out_features * per
     return total
