@@ -363,7 +363,7 @@ def _engine(tiny_ckpt, overlap: str, audio_dtype: str = "auto"):
     return Engine.from_pretrained(tiny_ckpt, device="cpu", config=config)
 
 
-@pytest.mark.parametrize("audio_dtype", ["fp32", "bf16", "ov-bf16"])
+@pytest.mark.parametrize("audio_dtype", ["fp32", "bf16", pytest.param("ov-bf16", marks=pytest.mark.slow)])
 def test_a_cpu_worker_gives_every_stream_and_text_the_inline_audio_bit_for_bit(tiny_ckpt, monkeypatch, audio_dtype):
     """Overlap on a CPU (the worker thread; exact-length windows, the CPU's default) against the inline decode:
     the same codes and the same audio to the bit, streaming (several streams at once, windows left in flight

@@ -50,7 +50,7 @@ def test_the_head_projection_is_the_output_matmul(model):
     assert name == matmuls[-1] and len(matmuls) == 2 * 2 + 2 * 2 + 1  # 2 blocks x 2 linears in each stack + head
 
 
-@pytest.mark.parametrize("kind", ["smooth", "dynamic"])
+@pytest.mark.parametrize("kind", ["smooth", pytest.param("dynamic", marks=pytest.mark.slow)])
 def test_an_int8_graph_gives_the_fp32_waveform_to_int8s_precision(model, kind):
     from chattts_serve.audio.cpu_graph import compile_graph, convert
     from chattts_serve.audio.quantize import calibration_hidden, quantize

@@ -164,6 +164,7 @@ def test_eval_fp32_against_itself_is_perfect_and_modes_are_bounded(tiny_ckpt, ca
     assert static["wav_snr_db"] is not None and "| int8-static |" in r["markdown"]
 
 
+@pytest.mark.slow
 def test_eval_reports_each_audio_dtype_on_fp32s_hidden_states(tiny_ckpt, capsys):
     pytest.importorskip("nncf")
     r = run_cli(

@@ -47,7 +47,7 @@ def run(engine, host_ahead: str, runner: RunnerConfig, slots: int = 3, core_hook
     }
 
 
-@pytest.mark.parametrize("runner", list(RUNNERS))
+@pytest.mark.parametrize("runner", ["rows", pytest.param("cuda-like", marks=pytest.mark.slow)])
 def test_one_step_ahead_gives_what_one_step_at_a_time_gives(engine, runner):
     _, at_once = run(engine, "off", RUNNERS[runner])
     _, ahead = run(engine, "on", RUNNERS[runner])

@@ -247,9 +247,10 @@ def fake_cuda(monkeypatch, runner: ModelRunner, behaviour: dict[tuple[int, int],
     "behaviour, bad_bucket",
     [
         ("good", (16, 256, False)),
-        ("empty", (16, 256, False)),  # slots up to 15, code rows only (the script reaches slot 13 first)
+        # slots up to 15, code rows only (the script reaches slot 13 first)
+        pytest.param("empty", (16, 256, False), marks=pytest.mark.slow),
         ("corrupt", (16, 256, False)),
-        ("corrupt", (24, 256, True)),  # all 24 slots, with text rows
+        pytest.param("corrupt", (24, 256, True), marks=pytest.mark.slow),  # all 24 slots, with text rows
     ],
 )
 def test_captured_step_graphs_are_checked_and_a_bad_one_never_changes_the_result(

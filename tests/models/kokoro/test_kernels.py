@@ -33,7 +33,10 @@ def _moded(root, mode: str):
     return model
 
 
-@pytest.fixture(scope="module", params=["ov-fp32", "ov-bf16", pytest.param("int8", marks=pytest.mark.slow)])
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("ov-fp32", marks=pytest.mark.slow), "ov-bf16", pytest.param("int8", marks=pytest.mark.slow)],
+)
 def mode(request, kokoro_tiny):
     pytest.importorskip("openvino")
     if request.param == "int8":

@@ -50,7 +50,7 @@ its 39 dB from fp32). With the text side on the caller's threads instead, F0 mov
 by 0.1."""
 
 
-@pytest.mark.parametrize("mode", list(THREAD_BOUND))
+@pytest.mark.parametrize("mode", ["fp32", pytest.param("ov-fp32", marks=pytest.mark.slow), "ov-bf16"])
 def test_a_rows_durations_and_f0_are_the_same_on_one_thread_or_two(kokoro_tiny, two_threads, mode):
     model = load(kokoro_tiny)
     model.text_threads = 1  # as the served model's, whenever it pools rows
