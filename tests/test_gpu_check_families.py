@@ -27,7 +27,7 @@ def gpu_check():
     del sys.modules[spec.name]
 
 
-@pytest.mark.parametrize("family", ["kokoro", "vits"])
+@pytest.mark.parametrize("family", [pytest.param("kokoro", marks=pytest.mark.slow), "vits"])
 def test_the_families_check_reports_graphs_and_both_runs(gpu_check, family, monkeypatch):
     from chattts_serve.models.kokoro import graphs as kokoro_graphs
     from chattts_serve.models.vits import graphs as vits_graphs

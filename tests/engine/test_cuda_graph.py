@@ -226,6 +226,7 @@ def test_engine_stats_count_eager_static_steps(tiny_ckpt):
 # ---------------------------------------------------------------- compile once, pinned buffers, SDPA log
 
 
+@pytest.mark.slow  # torch.compile
 @torch.inference_mode()
 def test_compiled_step_compiles_a_bounded_number_of_times_for_every_bucket(gpt):
     """Symbolic sizes: every (batch, ctx) bucket of a 48-slot cache runs on at most 3 compiled graphs

@@ -24,6 +24,7 @@ OFFICIAL_SIZES = {
 }
 
 
+@pytest.mark.slow  # builds the 82M-parameter model
 def test_full_size_parameter_count_is_the_official_one():
     from chattts_serve.models.kokoro.checkpoint import official_state_dicts
 
