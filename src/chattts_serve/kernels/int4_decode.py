@@ -52,7 +52,7 @@ class Int4Decode:
     """Threads for a step of at most ``NARROW_ROWS`` rows (0: torch's count). The runner sets 1 where the
     audio stage runs on the other core (``--audio-overlap``): two OpenMP teams on two cores stall each
     other at every barrier, and the GEMV has ~80 a step (one stream, Zen 5, 2 threads: RTF 0.69 with the
-    trunk on both cores, 0.54 with it on one; BENCHMARKS.md)."""
+    trunk's narrow steps on both cores, 0.46 with them on one; BENCHMARKS.md)."""
 
     @staticmethod
     def build(layers: list[Int4Layer], heads: int, kv_heads: int, eps: float) -> Int4Decode | None:

@@ -328,12 +328,15 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& norms, double
     TORCH_CHECK(pp[i] >= 0 && pp[i] < k.size(3), "position ", pp[i], " out of range");
   }
   // threads > 0: this call's parallel regions (the GEMV's, attention's) on that many threads, then the
-  // caller's count again (OpenMP's count is per thread: nothing else sees the change).
-  const int before = omp_get_max_threads();
+  // caller's count again (OpenMP's count is per thread: nothing else sees the change). The caller's count
+  // is read through torch, which first sets a new thread's count to torch's own (it would otherwise do so
+  // inside this call, and the restore would undo it).
   struct Restore {
     int n;
-    ~Restore() { omp_set_num_threads(n); }
-  } restore{before};
+    ~Restore() {
+      if (n > 0) omp_set_num_threads(n);
+    }
+  } restore{threads > 0 ? at::get_num_threads() : 0};
   if (threads > 0) omp_set_num_threads(static_cast<int>(threads));
   const int64_t width = (heads + 2 * kv_heads) * d, qk = (heads + kv_heads) * d;
   at::Tensor h = h_in.contiguous().clone();
