@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -31,11 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-
-def _snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    noise = float(((ref.double() - test.double()) ** 2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(float((ref.double() ** 2).sum()) / noise)
 
 
 def model_hidden(ckpt: str, steps: int, texts: list[str], cache: Path) -> list[torch.Tensor]:
@@ -67,6 +61,7 @@ def main() -> int:
     from chattts_serve.audio import cpu_graph, quantize
     from chattts_serve.audio.decode import _decode_batch
     from chattts_serve.bench.common import TEXTS
+    from chattts_serve.bench.stats import snr_db
     from chattts_serve.models.chattts.checkpoint import load
     from chattts_serve.models.chattts.vocos import istft, spectrum_of_projection
 
@@ -113,7 +108,7 @@ def main() -> int:
         spec = spectrum_of_projection(x)
         return istft(spec, head.istft.window, head.envelope(spec.shape[2]))
 
-    snr = {v: {k: round(_snr_db(refs[k], decode(r, h)), 2) for k, h in inputs.items()} for v, r in runs.items()}
+    snr = {v: {k: round(snr_db(refs[k], decode(r, h)), 2) for k, h in inputs.items()} for v, r in runs.items()}
     times = {v: [] for v in runs}
     h = inputs["model0"]
     for _ in range(args.rounds):
