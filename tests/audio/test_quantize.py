@@ -53,13 +53,13 @@ def test_the_head_projection_is_the_output_matmul(model):
 @pytest.mark.parametrize("kind", ["smooth", pytest.param("dynamic", marks=pytest.mark.slow)])
 def test_an_int8_graph_gives_the_fp32_waveform_to_int8s_precision(model, kind):
     from chattts_serve.audio.cpu_graph import compile_graph, convert
-    from chattts_serve.audio.quantize import calibration_hidden, quantize
+    from chattts_serve.audio.quantize import DYNAMIC_GROUP, calibration_hidden, quantize
     from chattts_serve.models.chattts.vocos import istft, spectrum_of_projection
 
     feeds = calibration_hidden(model, (24, 12))
     graph = quantize(convert(model), feeds, kind)
     assert any(op.get_type_name() in ("FakeQuantize", "Convert") for op in graph.get_ordered_ops())
-    extra = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 32} if kind == "dynamic" else None
+    extra = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": DYNAMIC_GROUP} if kind == "dynamic" else None
     run = compile_graph(graph, "bf16", 1, extra)
     h = torch.from_numpy(calibration_hidden(model, (17,), seed=1)[0])  # other hidden states than calibration's
     x = torch.from_numpy(np.asarray(run(h.numpy())))

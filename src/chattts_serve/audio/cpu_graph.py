@@ -91,14 +91,14 @@ class AudioGraph:
         self.runtime, self.model = runtime, model
         threads = threads or torch.get_num_threads()
         if runtime.startswith("ov-"):
-            graph, extra, precision = convert(model), None, "f32" if runtime == "ov-fp32" else "bf16"
+            graph, precision = convert(model), "f32" if runtime == "ov-fp32" else "bf16"
             if runtime == "ov-int8":
                 from ..cpu import probe
                 from .quantize import int8_graph
 
-                graph, extra = int8_graph(model, graph)
+                graph = int8_graph(model, graph)
                 precision = "bf16" if probe().bf16 else "f32"  # what int8 leaves out
-            self._run = compile_graph(graph, precision, threads, extra)
+            self._run = compile_graph(graph, precision, threads)
         else:
             import onnxruntime as ort
 

@@ -101,8 +101,6 @@ def _quantize(nncf: Any, graph: Any, feeds: list, kind: str, alpha: float) -> An
     return nncf.quantize(graph, nncf.Dataset(feeds), **kw)
 
 
-def int8_graph(model: Any, graph: Any) -> tuple[Any, dict[str, Any] | None]:
-    """``graph`` as ``--audio-dtype ov-int8`` runs it (``INT8_KIND``), and the plugin properties it compiles with."""
-    if INT8_KIND == "dynamic":
-        return quantize(graph, [], "dynamic"), {"DYNAMIC_QUANTIZATION_GROUP_SIZE": DYNAMIC_GROUP}
-    return quantize(graph, calibration_hidden(model), INT8_KIND, SMOOTH_ALPHA), None
+def int8_graph(model: Any, graph: Any) -> Any:
+    """``graph`` as ``--audio-dtype ov-int8`` runs it: ``INT8_KIND``, calibrated on the model's own hidden states."""
+    return quantize(graph, calibration_hidden(model), INT8_KIND, SMOOTH_ALPHA)
