@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import int4_gemv
 from .linear import on_rows, swap_linears_
 from .precisions import PRECISIONS
 
@@ -229,20 +230,17 @@ class Int4GemvLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, block: int = INT4_BLOCK, scale_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        from . import int4_gemv
-
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Narrower inputs (the tiny test model's 64) take the largest block that divides them.
         fits = [b for b in int4_gemv.BLOCKS if b <= block and linear.in_features % b == 0]
         if not fits:
             raise ValueError(f"int4 needs input features in multiples of 32; got {linear.in_features}")
-        self._gemv = int4_gemv
         self.packed = int4_gemv.pack(linear.weight, fits[-1], scale_dtype)
         self.bias = linear.bias
 
     @torch.compiler.disable  # a custom C++ op on an opaque packed stream: run eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._gemv.linear(x, self.packed)
+        y = int4_gemv.linear(x, self.packed)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype)
