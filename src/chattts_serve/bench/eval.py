@@ -31,20 +31,21 @@ import gc
 from dataclasses import replace
 from typing import Any
 
+from ..engine.config import KV_CACHE_DTYPES
 from ..kernels.precisions import PRECISIONS
 from . import stats
 from .common import TEXTS, run_tool, set_threads
 from .stats import snr_db as _snr_db
 
-# Every precision a CPU runs, against fp32 (fp16 is CUDA-only), and the bf16 and int8 KV caches under two of them.
-DEFAULT_MODES = (
-    *(p for p in PRECISIONS if p not in ("fp32", "fp16")),
-    *(f"{p}/kv-{kv}" for kv in ("bf16", "int8") for p in ("fp32", "int8-static")),
-)
 KV_SUFFIX = "/kv-"
 """``PRECISION/kv-bf16``, ``PRECISION/kv-int8``: that precision with a bf16 or int8 KV cache
 (``RunnerConfig.kv_cache_dtype``)."""
-KV_DTYPES = ("bf16", "int8")
+KV_DTYPES = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
+# Every precision a CPU runs, against fp32 (fp16 is CUDA-only), and each KV cache dtype under two of them.
+DEFAULT_MODES = (
+    *(p for p in PRECISIONS if p not in ("fp32", "fp16")),
+    *(f"{p}{KV_SUFFIX}{kv}" for kv in KV_DTYPES for p in ("fp32", "int8-static")),
+)
 
 
 def split_mode(mode: str) -> tuple[str, str]:
