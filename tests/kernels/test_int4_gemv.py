@@ -97,17 +97,17 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads():
     _kernel_or_skip()
     w = _weight(2304, 768, seed=6)  # 72 tiles: both threads get some
     packed = ig.pack(w, 128)
-    x = _x(8, 768, seed=7)
+    x = _x(19, 768, seed=7)  # three passes of at most 8 rows, in each thread's share of the tiles
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         batched = ig.linear(x, packed)
     finally:
         torch.set_num_threads(threads)
-    for row in range(8):
+    for row in range(19):
         assert torch.equal(ig.linear(x[row : row + 1], packed)[0], batched[row])
     for n in range(2, 8):  # every row count's code path
-        assert torch.equal(ig.linear(x[8 - n :], packed), batched[8 - n :])
+        assert torch.equal(ig.linear(x[19 - n :], packed), batched[19 - n :])
 
 
 def test_prefetch_distance_does_not_change_the_result(monkeypatch):

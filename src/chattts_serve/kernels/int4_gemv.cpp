@@ -205,15 +205,23 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& blob, int64_t out, i
   const float* xf = x.data_ptr<float>();
   quantize_rows(xf, rows, in, block, xq.data(), xs.data(), xc.data());
   const uint8_t* w = blob.data_ptr<uint8_t>();
-  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-    const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-    const Args A{xq.data() + r0 * in, xs.data() + r0 * blocks, xc.data() + r0 * blocks, in, blocks,
-                 y.data_ptr<float>() + r0 * out, out, prefetch};
-    const TileFn fn = pick(block, bf16_scales, n);
-    at::parallel_for(0, tiles, kGrain, [&](int64_t t0, int64_t t1) {
+  float* yp = y.data_ptr<float>();
+  // The scratch by pointer: inside the region, the name would be each worker thread's own (empty) copy.
+  const int8_t* xqp = xq.data();
+  const float* xsp = xs.data();
+  const int32_t* xcp = xc.data();
+  // One parallel region for all the passes of kMaxRows rows, each thread over its own tiles: a region
+  // a pass cost a wake-up and a barrier each (a 2048-row prompt: 256 of them), and those cost far more
+  // once another thread's OpenMP team exists (the audio worker's: libgomp then sleeps at once at every
+  // barrier when its threads outnumber the cores). A thread's tiles stay in its caches across passes.
+  at::parallel_for(0, tiles, kGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+      const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+      const Args A{xqp + r0 * in, xsp + r0 * blocks, xcp + r0 * blocks, in, blocks, yp + r0 * out, out, prefetch};
+      const TileFn fn = pick(block, bf16_scales, n);
       for (int64_t t = t0; t < t1; ++t) fn(w + t * tile_bytes, A, t * kTile);
-    });
-  }
+    }
+  });
   return y;
 }
 
