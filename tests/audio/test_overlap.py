@@ -388,6 +388,8 @@ def test_a_cpu_worker_gives_every_stream_and_text_the_inline_audio_bit_for_bit(t
     for mode in ("off", "on"):
         engine = _engine(tiny_ckpt, mode, audio_dtype)
         assert isinstance(engine.core.stage.decoder.streams, ThreadStreams if mode == "on" else InlineStreams)
+        if mode == "on":  # the plan's count for the worker (engine.plan: within the cores beside OpenMP)
+            assert engine.core.stage.decoder.streams.threads == engine.runner.plan.audio_threads
         stream[mode] = _stream_run(engine, texts)
         params = [SamplingParams(seed=3, refine_text=False, min_new_tokens=n, max_new_tokens=n) for n in (30, 45, 60)]
         offline[mode] = engine.synthesize(texts, params)

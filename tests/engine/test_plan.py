@@ -75,6 +75,23 @@ def test_a_cpu_overlaps_the_audio_by_default_when_the_engine_has_another_core(mo
     assert not resolve_plan(EngineConfig(), "cpu").audio_buckets  # exact-length windows: bit-exact audio
 
 
+def test_the_audio_worker_stays_within_the_cores_beside_an_openmp_trunk(monkeypatch):
+    """libgomp sleeps at every barrier once its threads outnumber the cores: beside a torch / int4 trunk the
+    worker takes the engine's thread count but no more than the cores it leaves (at least 1); beside ONNX
+    Runtime's trunk (its own pool) the engine's count."""
+    from chattts_serve.cpu import CpuInfo
+    from chattts_serve.engine import plan as plan_module
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    for cores, want in ((2, 1), (3, 1), (8, 2), (1, 1)):
+        info = CpuInfo(model="test", arch="x86_64", flags=frozenset(), cores=cores)
+        monkeypatch.setattr(plan_module, "probe", lambda info=info: info)
+        plan = resolve_plan(EngineConfig(), "cpu")
+        assert plan.audio_threads == want and f"overlap on on {want} thread(s)" in plan.describe()
+        assert resolve_plan(EngineConfig(precision="int4"), "cpu").audio_threads == want
+        assert resolve_plan(EngineConfig(precision="ort-int8"), "cpu").audio_threads == 2
+
+
 def test_explicit_values_pass_through():
     config = from_flat(
         decode="static",

@@ -226,10 +226,11 @@ class ThreadStreams(InlineStreams):
 
     Threads: torch's intra-op thread count is per calling thread under OpenMP (torch's CPU backend here:
     ``omp_set_num_threads`` sets the caller's own count; a new thread starts from the last count set anywhere),
-    so the worker sets its own, ``threads`` (default: the engine thread's at construction), and the engine
-    thread's stays as it was. ONNX Runtime and OpenVINO graphs run on their sessions' own pools
-    (``audio.cpu_graph``: their thread count was fixed when they were built). Each call on the worker runs under
-    ``torch.inference_mode``: grad mode and autocast are per thread, the engine thread's do not carry over."""
+    so the worker sets its own, ``threads`` (default: the engine thread's at construction; the engine passes the
+    plan's ``audio_threads``), and the engine thread's stays as it was. ONNX Runtime and OpenVINO
+    graphs run on their sessions' own pools (``audio.cpu_graph``: their thread count was fixed when they were
+    built). Each call on the worker runs under ``torch.inference_mode``: grad mode and autocast are per thread,
+    the engine thread's do not carry over."""
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = threads or torch.get_num_threads()
@@ -273,15 +274,17 @@ class AudioDecoder:
         buckets: bool,
         streams: Streams | None = None,
         max_in_flight: int = 2,
+        threads: int | None = None,
     ) -> None:
         """``dtype``: resolved (``engine.plan.ExecutionPlan.audio_dtype``). ``overlap``: collect at a later step
         (the decode runs on its own stream: CUDA's, or a CPU's worker thread). ``buckets``: pad windows to fixed
-        lengths. ``max_in_flight``: submissions not yet collected before the decoder is ``full``."""
+        lengths. ``max_in_flight``: submissions not yet collected before the decoder is ``full``. ``threads``: a CPU
+        worker's torch threads (``ExecutionPlan.audio_threads``; default the engine thread's)."""
         self.model, self.dtype, self.overlap, self.buckets = model, dtype, overlap, buckets
         self.device = device
         if streams is None:
             cuda = device.type == "cuda"
-            streams = CudaStreams(device) if cuda else ThreadStreams() if overlap else InlineStreams()
+            streams = CudaStreams(device) if cuda else ThreadStreams(threads) if overlap else InlineStreams()
         self.streams = streams
         self.stream = self.streams.new() if overlap else self.streams.current()
         self.max_in_flight = max(1, max_in_flight)

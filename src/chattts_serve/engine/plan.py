@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cpu import probe
 from ..kernels import decode_attention, flex_decode
 from ..kernels.quant import parse_precision
 from .config import AUDIO_GRAPH_DTYPES, EngineConfig
@@ -66,6 +67,8 @@ class ExecutionPlan:
     audio_buckets: bool
     audio_graphs: bool
     """Decoder + Vocos as CUDA graphs per window bucket (``audio.graphs``): CUDA with overlap and buckets."""
+    audio_threads: int = 1
+    """A CPU audio worker's torch threads (``audio.overlap.ThreadStreams``; see ``resolve_plan``)."""
     prefill_chunk: int = PREFILL_BLOCK
     """The decode path takes prompt chunks of multiples of this many positions (``PREFILL_BLOCK``), or 0: it
     does not. The engine's scheduler chunks with it where more than one slot is (``chunked_prefill``)."""
@@ -84,13 +87,15 @@ class ExecutionPlan:
 
     def describe(self) -> str:
         on = {True: "on", False: "off"}
+        worker = f" on {self.audio_threads} thread(s)" if self.audio_overlap and self.device == "cpu" else ""
         return (
             f"execution plan: {self.device}, precision {self.precision}, decode {self.decode}, "
             f"kv cache {_DTYPE_NAMES.get(self.kv_cache_dtype, str(self.kv_cache_dtype))}"
             f"{' + fp32 scales' if self.kv_cache_dtype == torch.int8 else ''}, "
             f"noise {self.sampling_noise}, cuda graphs {on[self.cuda_graphs]}, compile {on[self.compile]}, "
             f"attention {self.attention}, host ahead {on[self.host_ahead]}, audio {self.audio_dtype} "
-            f"(overlap {on[self.audio_overlap]}, buckets {on[self.audio_buckets]}, graphs {on[self.audio_graphs]}), "
+            f"(overlap {on[self.audio_overlap]}{worker}, buckets {on[self.audio_buckets]}, "
+            f"graphs {on[self.audio_graphs]}), "
             f"prefill chunks {self.prefill_chunk or 'off'}"
         )
 
@@ -152,6 +157,16 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
         config.audio_overlap == "auto" and (cuda or (device_type == "cpu" and torch.get_num_threads() >= 2))
     )
     buckets = config.audio_buckets == "on" or (config.audio_buckets == "auto" and cuda)
+    # The worker's torch threads. Beside a trunk on OpenMP (torch's ops, the int4 C++ step) no more than the
+    # cores the engine thread leaves (at least 1): libgomp counts the threads of every team in the process, and
+    # once they outnumber the cores its idle threads sleep at once at every barrier, so each of the trunk's
+    # parallel regions pays a wake-up for the rest of the process (int4, 32 rows, 2 cores: the step 30 ms with
+    # a 1-thread worker, 42-50 ms with 2). ONNX Runtime's trunk runs on its own pool: the worker keeps the
+    # engine's count there (ort-int8, 32 streams: 7.4x real time with 2 worker threads, 6.4x with 1).
+    engine_threads = torch.get_num_threads()
+    audio_threads = (
+        engine_threads if spec.onnx is not None else max(1, min(engine_threads, probe().cores - engine_threads))
+    )
     return ExecutionPlan(
         device=device_type,
         precision=config.precision,
@@ -168,5 +183,6 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
         audio_buckets=buckets,
         # Captured on the audio stream (overlap) over repeating shapes (buckets); "on" elsewhere: off.
         audio_graphs=cuda and overlap and buckets and config.audio_graphs != "off",
+        audio_threads=audio_threads,
         prefill_chunk=PREFILL_BLOCK if PREFILL_CHUNKS[decode] else 0,
     )

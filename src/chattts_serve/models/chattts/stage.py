@@ -94,6 +94,7 @@ class ChatTTSStage:
             self.audio_dtype,
             overlap=plan.audio_overlap,
             buckets=plan.audio_buckets,
+            threads=plan.audio_threads,
         )
         if plan.audio_graphs:  # captured now, never while serving
             graphs = AudioGraphs(model, self.decoder.stream, self.audio_dtype, stream_buckets(StreamPolicy()))
