@@ -333,6 +333,32 @@ def test_a_cpu_stream_decodes_on_its_worker_while_the_host_goes_on(model, monkey
     assert not _audio_threads()
 
 
+def test_a_submission_not_beside_the_step_decodes_on_the_engine_thread_after_the_worker(model, monkeypatch):
+    """``beside=False`` (the step before used every core): what the worker holds is collected first, in order,
+    then the windows decode on the calling thread, and all of it comes back from ``submit``, bit for bit the
+    audio the worker would give."""
+    streams = ThreadStreams(threads=1)
+    where: list[str] = []
+    real = decode_module._decode_batch
+
+    def recorded(*args):
+        where.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(decode_module, "_decode_batch", recorded)
+    dec = AudioDecoder(model, torch.device("cpu"), "fp32", overlap=True, buckets=False, streams=streams)
+    first, second = _entries(model, [6]), _entries(model, [9, 5])
+    assert dec.submit(first) == []
+    done = dec.submit(second, beside=False)
+    assert [got for got, _ in done] == [first, second] and dec.in_flight == 0
+    assert not any(dec.busy(w.stream) for _, _, w in first + second)
+    assert where[0].startswith("chattts-audio") and where[1:] == [threading.main_thread().name] * 2
+    want = decode_module.decode_windows(model, [w for _, _, w in first + second])
+    for a, b in zip(want, [x for _, audio in done for x in audio], strict=True):
+        np.testing.assert_array_equal(b, a)
+    dec.close()
+
+
 def test_an_error_on_the_worker_fails_its_submission_only(model, monkeypatch):
     from chattts_serve.audio import overlap as overlap_module
 

@@ -77,10 +77,14 @@ def test_staged_indices_cross_from_pinned_memory_in_one_copy(monkeypatch):
     assert calls.named("pinned") == [torch.device("cuda", 1)] * 2  # the two staging buffers, once
     copies = []
     real_copy = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, non_blocking=False: (
-        copies.append((src.data_ptr() in {h.data_ptr() for h in store._staging.hosts}, non_blocking)),
-        real_copy(t, src),
-    )[1])
+    monkeypatch.setattr(
+        torch.Tensor,
+        "copy_",
+        lambda t, src, non_blocking=False: (
+            copies.append((src.data_ptr() in {h.data_ptr() for h in store._staging.hosts}, non_blocking)),
+            real_copy(t, src),
+        )[1],
+    )
     for step in range(3):
         handles = [store.acquire(4)[0] for _ in range(2)]
         for i, h in enumerate(handles):
@@ -184,12 +188,12 @@ def test_engine_windows_read_the_runners_hidden_states(tiny_ckpt):
 
     checked = []
 
-    def checking_submit(entries):
+    def checking_submit(entries, **kw):
         for _, _, w in entries:
             want = torch.stack(produced[w.stream][w.start : w.end])
             assert torch.equal(w.stream.hidden[w.start : w.end], want)
             checked.append(w.final)
-        return submit(entries)
+        return submit(entries, **kw)
 
     core.stage.pipeline.update, core.stage.decoder.submit = recording_update, checking_submit
     for i in range(5):

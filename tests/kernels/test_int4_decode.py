@@ -130,3 +130,59 @@ def test_a_call_on_one_thread_leaves_the_callers_count(gpt):
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(narrow, wide, rtol=0, atol=0)
+
+
+@needs_ops
+def test_only_a_narrow_step_on_one_thread_leaves_a_core_to_the_audio(tiny_ckpt):
+    """The runner decodes audio beside a step only where the step keeps to one core (narrow, ``narrow_threads``);
+    a wider step, or a prompt, uses every thread and the audio waits for it (on the engine thread)."""
+    from chattts_serve.engine.config import EngineConfig
+    from chattts_serve.engine.engine import Engine
+    from chattts_serve.kernels.int4_decode import NARROW_ROWS
+
+    for overlap, narrow_beside in (("on", True), ("off", False)):
+        config = EngineConfig.with_slots(2, precision="int4", audio_overlap=overlap)
+        path = Engine.from_pretrained(tiny_ckpt, config=config).runner.decode_path
+        assert path.audio_beside(1) is narrow_beside and path.audio_beside(NARROW_ROWS) is narrow_beside
+        assert path.audio_beside(NARROW_ROWS + 1) is False
+
+
+@needs_ops
+def test_audio_after_a_wide_step_decodes_on_the_engine_thread_and_sounds_the_same(tiny_ckpt, monkeypatch):
+    """Ten texts of different lengths, int4 with overlap on: the windows finished beside the wide steps (more
+    than ``NARROW_ROWS`` rows) decode on the engine thread, the last ones on the audio worker, and the codes and
+    audio are overlap off's to the bit."""
+    import threading
+
+    import numpy as np
+
+    from chattts_serve.audio import decode as decode_module
+    from chattts_serve.engine.config import EngineConfig
+    from chattts_serve.engine.engine import Engine
+    from chattts_serve.sampling_params import SamplingParams
+
+    where: list[str] = []
+    real = decode_module._decode_batch
+
+    def recorded(*a):
+        where.append(threading.current_thread().name[:13])
+        return real(*a)
+
+    monkeypatch.setattr(decode_module, "_decode_batch", recorded)
+    texts = [f"Hello number {i}." for i in range(10)]
+    params = [
+        SamplingParams(seed=i, refine_text=False, min_new_tokens=20 + 6 * i, max_new_tokens=20 + 6 * i)
+        for i in range(10)
+    ]
+    results = {}
+    for overlap in ("off", "on"):
+        engine = Engine.from_pretrained(
+            tiny_ckpt, config=EngineConfig.with_slots(10, precision="int4", audio_overlap=overlap)
+        )
+        where.clear()
+        results[overlap] = engine.synthesize(texts, params)
+        engine.close()
+    assert "MainThread" in where and "chattts-audio" in where
+    for a, b in zip(results["on"], results["off"], strict=True):
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_array_equal(a.audio, b.audio)

@@ -77,6 +77,7 @@ class Streams(Protocol):
         """``work`` on ``stream``: its stream operations and kernels ordered on it, its value readable once
         the result has happened."""
         ...
+
     def close(self) -> None:
         """Let go of what ``new`` made (a worker thread: joined, after the work queued on it)."""
         ...
@@ -307,9 +308,13 @@ class AudioDecoder:
         windows for a later step instead of the host waiting for the oldest)."""
         return len(self._pending) >= self.max_in_flight
 
-    def submit(self, entries: list[Entry]) -> list[tuple[list[Entry], list[np.ndarray | Exception]]]:
+    def submit(
+        self, entries: list[Entry], beside: bool = True
+    ) -> list[tuple[list[Entry], list[np.ndarray | Exception]]]:
         """Queue the decode of ``entries`` (none of whose streams may be ``busy``; not while ``full``).
-        Returns nothing: the audio comes from ``collect`` (kept as a list for callers that add to it)."""
+        Returns nothing: the audio comes from ``collect`` (kept as a list for callers that add to it).
+        ``beside=False`` (overlap on a CPU, after a step that used every core): decode on the engine thread now,
+        after what is in flight, and return every submission's audio, this one's last."""
         if any(self.busy(w.stream) for _, _, w in entries):
             raise ValueError("a window of this stream is already being decoded")
         if entries and self.full:
@@ -318,6 +323,10 @@ class AudioDecoder:
         if not entries:
             return out
         s, stream = self.streams, self.stream
+        inline = self.overlap and not beside and isinstance(s, ThreadStreams)
+        if inline:  # the worker's submissions first: in order, and not two decodes on the cores at once
+            out += self.collect(wait=True)
+            stream = s.current()
         ready = s.record(s.current())  # after this step's hidden states were written
         windows = [w for _, _, w in entries]
 
@@ -335,6 +344,8 @@ class AudioDecoder:
 
         self._pending.append(_Pending(entries, s.run(stream, work)))
         self._busy.update(id(w.stream) for w in windows)
+        if inline:
+            out += self.collect(wait=True)
         return out
 
     def collect(self, wait: bool) -> list[tuple[list[Entry], list[np.ndarray | Exception]]]:

@@ -127,6 +127,11 @@ class DecodePath(Protocol):
 
     def counters(self) -> dict[str, int]: ...
 
+    def audio_beside(self, rows: int) -> bool:
+        """Whether the audio stage may run beside a step of ``rows`` rows (decode rows and prompt tokens) on a
+        CPU's audio worker, or should run on the engine thread after it: the step uses every core."""
+        ...
+
 
 def embed_last(parts: RunnerParts, step: DecodeStep) -> torch.Tensor:
     """The decode rows' input embeddings ``[n, hidden]``: each slot's last token (kept on the device)."""
@@ -159,6 +164,9 @@ class TrunkDecode:
 
     def counters(self) -> dict[str, int]:
         return {}
+
+    def audio_beside(self, rows: int) -> bool:
+        return True  # ONNX Runtime's pool, torch's eager ops: measured better overlapped at any width
 
     def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
         return torch_prefill(prefiller, chunks)

@@ -27,6 +27,10 @@ class RowsDecode(TrunkDecode):
             # The audio worker has the other core: narrow int4 steps keep to this one (kernels.int4_decode).
             self.gpt.fused_decode = replace(fused, narrow_threads=1)
 
+    def audio_beside(self, rows: int) -> bool:
+        fused = self.gpt.fused_decode
+        return fused is None or fused.shares_cores(rows)
+
     def trunk(self, emb: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         slots = [s.slot for s in step.seqs]
         lengths = [s.cache_len for s in step.seqs]

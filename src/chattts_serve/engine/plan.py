@@ -153,6 +153,8 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
     # own beside the engine thread's. torch's thread count is the engine's share of the machine (a replica of
     # several on one box gets 1): with 2 or more, auto overlaps (BENCHMARKS.md: 8 % off the ragged offline
     # wall, 4-12 % off one stream's RTF on 2 cores; no loss where the audio has nothing to overlap with).
+    # Windows made beside a step that uses every core (int4's wide steps: ``DecodePath.audio_beside``) are
+    # decoded after it on the engine thread instead.
     overlap = config.audio_overlap == "on" or (
         config.audio_overlap == "auto" and (cuda or (device_type == "cpu" and torch.get_num_threads() >= 2))
     )

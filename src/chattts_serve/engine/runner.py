@@ -253,6 +253,11 @@ class ModelRunner:
                 self._owner[slot] = None
                 self.sampler.release(slot)
 
+    def audio_beside(self, sched: SchedulerOutput) -> bool:
+        """Whether audio may be decoded beside a step like ``sched`` on a CPU's audio worker (the decode path's
+        call, at the step's width: its decode rows and prompt tokens)."""
+        return self.decode_path.audio_beside(len(sched.decode) + sum(c.length for c in sched.chunks()))
+
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run the step and read its tokens (``launch``, then ``collect``)."""
         return self.collect(self.launch(sched))

@@ -149,6 +149,9 @@ class StepGraph:
     def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
         return torch_prefill(prefiller, chunks)
 
+    def audio_beside(self, rows: int) -> bool:
+        return True  # a CUDA graph: the audio has a stream of its own
+
     def counters(self) -> dict[str, int]:
         return {
             "step_graph_replays": self.graph_replays,

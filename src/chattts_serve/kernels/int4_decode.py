@@ -54,6 +54,13 @@ class Int4Decode:
     other at every barrier, and the GEMV has ~80 a step (one stream, Zen 5, 2 threads: RTF 0.69 with the
     trunk's narrow steps on both cores, 0.46 with them on one; BENCHMARKS.md)."""
 
+    def shares_cores(self, rows: int) -> bool:
+        """Whether a step of ``rows`` leaves the other core to the audio worker: a narrow step kept to one
+        thread (``narrow_threads``). A wider one runs on every thread, and audio beside it would contend for
+        a core at each of its barriers (32 streams, 150 tokens, Zen 5: the step 29 ms alone, 51 ms with the
+        audio overlapped; BENCHMARKS.md)."""
+        return self.narrow_threads > 0 and rows <= NARROW_ROWS
+
     @staticmethod
     def build(layers: list[Int4Layer], heads: int, kv_heads: int, eps: float) -> Int4Decode | None:
         """None where the step cannot run here (no C++ GEMV: the weights are dense; or mixed layouts)."""

@@ -58,6 +58,9 @@ class ChatTTSStage:
         self.runs_ahead = plan.host_ahead
         """``launch`` and ``collect`` split every step, the next one queued between them (``engine.core``)."""
         self._failed: list[str] = []
+        self._audio_beside = True
+        """The last step left a core to the audio worker (``ModelRunner.audio_beside``); else the windows it made
+        are decoded on the engine thread, after it, with every core."""
         self._encoding: dict[str, tuple[torch.Tensor, Event] | None] = {}
         """Voice steps whose DVAE encode is queued: request id -> (codes' host buffer, its event), or None
         (too little audio: no sample)."""
@@ -143,11 +146,17 @@ class ChatTTSStage:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         self.runner.release(sched.finished)
-        return None if sched.is_empty else self.runner.execute(sched)
+        if sched.is_empty:
+            return None
+        self._audio_beside = self.runner.audio_beside(sched)
+        return self.runner.execute(sched)
 
     def launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
         self.runner.release(sched.finished)
-        return None if sched.is_empty else self.runner.launch(sched)
+        if sched.is_empty:
+            return None
+        self._audio_beside = self.runner.audio_beside(sched)
+        return self.runner.launch(sched)
 
     def collect(self, launched: LaunchedStep) -> RunnerOutput:
         return self.runner.collect(launched)
@@ -190,7 +199,7 @@ class ChatTTSStage:
             return
         windows = [e for e in self.pipeline.windows() if not self.decoder.busy(e[2].stream)]
         try:
-            done = self.decoder.submit(windows)
+            done = self.decoder.submit(windows, beside=self._audio_beside)
             if not self.decoder.overlap:
                 done += self.decoder.collect(wait=True)
         except Exception as exc:
