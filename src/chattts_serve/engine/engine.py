@@ -26,6 +26,7 @@ from tqdm import tqdm
 from .. import models
 from ..audio.policy import StreamPolicy
 from ..device import bind_thread
+from ..malloc import keep_big_blocks
 from ..models.chattts.config import DEFAULT_MODEL
 from ..models.family import BatchModel, FamilyModel, ModelFamily
 from ..sampling_params import SamplingParams
@@ -75,6 +76,8 @@ class Engine:
         bind_thread(device)  # this thread drives the engine offline: its current device is the engine's
         if device.type == "cuda":
             strict_fp32()  # fp32 means fp32: TF32 only inside a tf32 scope (chattts_serve.tf32)
+        else:
+            keep_big_blocks()  # big CPU tensors from the heap, not page-faulted in every call (chattts_serve.malloc)
         return cls(fam.load(fam.resolve(path_or_repo), device, config))
 
     @property
