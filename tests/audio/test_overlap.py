@@ -359,6 +359,29 @@ def test_a_submission_not_beside_the_step_decodes_on_the_engine_thread_after_the
     dec.close()
 
 
+def test_an_error_on_the_engine_thread_fails_that_submission_only(model, monkeypatch):
+    """A decode that fails on the engine thread (``beside=False``) fails its own windows, as on the worker; the
+    worker's earlier submission, collected first, keeps its audio."""
+    from chattts_serve.audio import overlap as overlap_module
+
+    real = overlap_module.decode_on_device
+
+    def broken(model, windows, *args, **kw):
+        if threading.current_thread() is threading.main_thread():
+            raise RuntimeError("engine thread broke")
+        return real(model, windows, *args, **kw)
+
+    monkeypatch.setattr(overlap_module, "decode_on_device", broken)
+    dec = AudioDecoder(model, torch.device("cpu"), "fp32", overlap=True, buckets=False, streams=ThreadStreams(1))
+    first, second = _entries(model, [7]), _entries(model, [5, 6])
+    assert dec.submit(first) == []
+    (got1, audio1), (got2, audio2) = dec.submit(second, beside=False)
+    assert got1 == first and audio1[0].shape == (512 * 7 - 256,)
+    assert got2 == second and [str(a) for a in audio2] == ["engine thread broke"] * 2
+    assert dec.in_flight == 0 and not any(dec.busy(w.stream) for _, _, w in first + second)
+    dec.close()
+
+
 def test_an_error_on_the_worker_fails_its_submission_only(model, monkeypatch):
     from chattts_serve.audio import overlap as overlap_module
 

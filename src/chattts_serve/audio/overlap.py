@@ -342,10 +342,15 @@ class AudioDecoder:
                 b.wav = None  # on the audio stream's pool: reused only by its later work, after the copy
             return batches, host
 
+        if inline:
+            try:
+                queued = s.run(stream, work)  # done when it returns
+            except Exception as exc:  # as on the worker: this submission fails, what was collected stands
+                logger.exception("audio decode failed")
+                return [*out, (entries, [exc] * len(entries))]
+            return [*out, self._take(_Pending(entries, queued), waited=True)]
         self._pending.append(_Pending(entries, s.run(stream, work)))
         self._busy.update(id(w.stream) for w in windows)
-        if inline:
-            out += self.collect(wait=True)
         return out
 
     def collect(self, wait: bool) -> list[tuple[list[Entry], list[np.ndarray | Exception]]]:
