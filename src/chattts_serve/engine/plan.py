@@ -155,8 +155,9 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
     # wall, 4-12 % off one stream's RTF on 2 cores; no loss where the audio has nothing to overlap with).
     # Windows made beside a step that uses every core (int4's wide steps: ``DecodePath.audio_beside``) are
     # decoded after it on the engine thread instead.
+    engine_threads = torch.get_num_threads()
     overlap = config.audio_overlap == "on" or (
-        config.audio_overlap == "auto" and (cuda or (device_type == "cpu" and torch.get_num_threads() >= 2))
+        config.audio_overlap == "auto" and (cuda or (device_type == "cpu" and engine_threads >= 2))
     )
     buckets = config.audio_buckets == "on" or (config.audio_buckets == "auto" and cuda)
     # The worker's torch threads. Beside a trunk on OpenMP (torch's ops, the int4 C++ step) no more than the
@@ -165,7 +166,6 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
     # parallel regions pays a wake-up for the rest of the process (int4, 32 rows, 2 cores: the step 30 ms with
     # a 1-thread worker, 42-50 ms with 2). ONNX Runtime's trunk runs on its own pool: the worker keeps the
     # engine's count there (ort-int8, 32 streams: 7.4x real time with 2 worker threads, 6.4x with 1).
-    engine_threads = torch.get_num_threads()
     audio_threads = (
         engine_threads if spec.onnx is not None else max(1, min(engine_threads, probe().cores - engine_threads))
     )
