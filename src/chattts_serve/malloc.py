@@ -6,9 +6,10 @@ is 50 MB of fp32; the audio stage's activations alike). glibc serves a block tha
 page-faulted in again, 4 KB at a time: filling a fresh 50 MB tensor took 11.7 ms against 1.9 ms for one
 from the heap (Zen 5 VM, 2 threads). ``keep_big_blocks`` raises the mmap threshold and the trim threshold
 to ``HEAP_BYTES``: blocks up to that size come from the heap and go back to it, and up to that much free
-memory stays mapped at the heap's top for the next step (32 texts x 150 tokens, int4, ov-int8 audio:
-11.2-12.5x real time without, 13.7-14.2x with; BENCHMARKS.md). Larger blocks (a big KV cache) are mapped
-as before, and a process keeps at most ``HEAP_BYTES`` of freed memory beyond its working set.
+memory stays mapped at the heap's top for the next step (32 texts x 150 tokens, int4, ov-int8 audio, 5
+interleaved pairs: 11.2-13.9x real time without, 13.7-15.5x with, median +12 %; BENCHMARKS.md). Larger
+blocks (a big KV cache) are mapped as before, and a process keeps at most ``HEAP_BYTES`` of freed memory
+beyond its working set.
 
 Where it applies: Linux with glibc (``mallopt``); elsewhere, or under another allocator (jemalloc or
 tcmalloc preloaded: they serve ``malloc`` themselves and glibc's settings go unused), nothing changes.
