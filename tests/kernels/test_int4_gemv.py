@@ -110,6 +110,24 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads():
         assert torch.equal(ig.linear(x[19 - n :], packed), batched[19 - n :])
 
 
+@pytest.mark.parametrize("rows", [63, 64, 256, 257])
+def test_wide_calls_give_each_row_its_one_row_result(rows):
+    # Around the C++ thresholds: x quantised on every thread from 64 rows, the weights in runs of tiles
+    # up to 256 rows and in one run above; on 2 threads, every row as it is alone.
+    _kernel_or_skip()
+    w = _weight(2304, 256, seed=11)  # 72 tiles: several runs in each thread's share
+    packed = ig.pack(w, 64, torch.bfloat16)
+    x = _x(rows, 256, seed=rows)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = ig.linear(x, packed)
+    finally:
+        torch.set_num_threads(threads)
+    alone = torch.cat([ig.linear(x[r : r + 1], packed) for r in range(rows)])
+    assert torch.equal(batched, alone)
+
+
 def test_prefetch_distance_does_not_change_the_result(monkeypatch):
     _kernel_or_skip()
     w = _weight(64, 512, seed=8)

@@ -49,6 +49,16 @@ namespace {
 constexpr int kTile = 32;    // output channels per tile: two vectors of 16 int32 lanes
 constexpr int kMaxRows = 8;  // rows per pass over the weights (their sums stay in registers)
 constexpr int64_t kGrain = 4;  // tiles per thread at least (a tile of 768 inputs is ~13 KB)
+// Calls of at most this many rows go over the weights in runs of kRunTiles tiles, every pass of rows over
+// one run before the next: the run's ~50 KB (768 inputs) stay in L2 across the passes instead of coming
+// back from L3 each pass, while x (<= 256 rows x in) stays in L2 too. Wider calls (prompts) keep one run
+// of all tiles: their x would no longer fit, and there the runs measured 5-10 % slower. Zen 5, 2 threads,
+// gate_up (6144 x 768): 32 rows 0.224 -> 0.193 ms, 256 rows 1.73 -> 1.47 ms (1 thread: +8-26 %).
+constexpr int64_t kRunRows = 256;
+constexpr int64_t kRunTiles = 4;
+// Calls of at least this many rows quantise x on every thread: down's 2048 x 3072 input took ~20 % of
+// its call on one (Zen 5, 2 threads: 7.75 -> 6.92 ms).
+constexpr int64_t kParallelQuantizeRows = 64;
 
 inline int32_t load32(const int8_t* p) {
   int32_t v;
@@ -203,23 +213,34 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& blob, int64_t out, i
   thread_local std::vector<int32_t> xc;
   xq.resize(rows * in), xs.resize(rows * blocks), xc.resize(rows * blocks);
   const float* xf = x.data_ptr<float>();
-  quantize_rows(xf, rows, in, block, xq.data(), xs.data(), xc.data());
+  // The scratch by pointer: inside a region, the name would be each worker thread's own (empty) copy.
+  int8_t* xqw = xq.data();
+  float* xsw = xs.data();
+  int32_t* xcw = xc.data();
+  if (rows >= kParallelQuantizeRows) {  // a row's codes do not depend on which thread makes them
+    at::parallel_for(0, rows, kMaxRows, [&](int64_t r0, int64_t r1) {
+      quantize_rows(xf + r0 * in, r1 - r0, in, block, xqw + r0 * in, xsw + r0 * blocks, xcw + r0 * blocks);
+    });
+  } else {
+    quantize_rows(xf, rows, in, block, xqw, xsw, xcw);
+  }
   const uint8_t* w = blob.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  // The scratch by pointer: inside the region, the name would be each worker thread's own (empty) copy.
-  const int8_t* xqp = xq.data();
-  const float* xsp = xs.data();
-  const int32_t* xcp = xc.data();
   // One parallel region for all the passes of kMaxRows rows, each thread over its own tiles: a region
   // a pass cost a wake-up and a barrier each (a 2048-row prompt: 256 of them), and those cost far more
   // once another thread's OpenMP team exists (the audio worker's: libgomp then sleeps at once at every
-  // barrier when its threads outnumber the cores). A thread's tiles stay in its caches across passes.
+  // barrier when its threads outnumber the cores). (Wide calls add one region to quantise x.)
+  // Each (row, tile) is the same call whatever the order, so the runs change no result.
+  const int64_t run = rows <= kRunRows ? kRunTiles : tiles;
   at::parallel_for(0, tiles, kGrain, [&](int64_t t0, int64_t t1) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-      const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
-      const Args A{xqp + r0 * in, xsp + r0 * blocks, xcp + r0 * blocks, in, blocks, yp + r0 * out, out, prefetch};
-      const TileFn fn = pick(block, bf16_scales, n);
-      for (int64_t t = t0; t < t1; ++t) fn(w + t * tile_bytes, A, t * kTile);
+    for (int64_t u0 = t0; u0 < t1; u0 += run) {
+      const int64_t u1 = std::min(t1, u0 + run);
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+        const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
+        const Args A{xqw + r0 * in, xsw + r0 * blocks, xcw + r0 * blocks, in, blocks, yp + r0 * out, out, prefetch};
+        const TileFn fn = pick(block, bf16_scales, n);
+        for (int64_t t = u0; t < u1; ++t) fn(w + t * tile_bytes, A, t * kTile);
+      }
     }
   });
   return y;
