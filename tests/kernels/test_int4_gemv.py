@@ -29,6 +29,15 @@ def _x(rows: int, inp: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, inp, generator=torch.Generator().manual_seed(seed))
 
 
+def _on_two_threads(run):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        return run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("block", ig.BLOCKS)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("out", "inp"), [(64, 256), (40, 384), (2504, 768), (17, 128)])  # odd tails
@@ -98,12 +107,7 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads():
     w = _weight(2304, 768, seed=6)  # 72 tiles: both threads get some
     packed = ig.pack(w, 128)
     x = _x(19, 768, seed=7)  # three passes of at most 8 rows, in each thread's share of the tiles
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        batched = ig.linear(x, packed)
-    finally:
-        torch.set_num_threads(threads)
+    batched = _on_two_threads(lambda: ig.linear(x, packed))
     for row in range(19):
         assert torch.equal(ig.linear(x[row : row + 1], packed)[0], batched[row])
     for n in range(2, 8):  # every row count's code path
@@ -118,12 +122,7 @@ def test_wide_calls_give_each_row_its_one_row_result(rows):
     w = _weight(2304, 256, seed=11)  # 72 tiles: several runs in each thread's share
     packed = ig.pack(w, 64, torch.bfloat16)
     x = _x(rows, 256, seed=rows)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        batched = ig.linear(x, packed)
-    finally:
-        torch.set_num_threads(threads)
+    batched = _on_two_threads(lambda: ig.linear(x, packed))
     alone = torch.cat([ig.linear(x[r : r + 1], packed) for r in range(rows)])
     assert torch.equal(batched, alone)
 
