@@ -11,7 +11,14 @@ from chattts_serve.kernels import kv_int8
 from chattts_serve.kernels.quant import parse_precision, record_absmax
 from chattts_serve.models.chattts import checkpoint, prefill
 from chattts_serve.models.chattts.config import GPTConfig
-from chattts_serve.models.chattts.gpt import Attention, KVCache, rope_cos_sin, rope_inv_freq, rotate_half
+from chattts_serve.models.chattts.gpt import (
+    INT4_MLP_ROW_BLOCK,
+    Attention,
+    KVCache,
+    rope_cos_sin,
+    rope_inv_freq,
+    rotate_half,
+)
 from chattts_serve.models.chattts.prefill import prefill_prompts
 from chattts_serve.models.chattts.prepare import ModelLayout, prepare_model
 
@@ -95,6 +102,29 @@ def _cache_pairs(a, b) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if a.quantized:
         pairs += [(a.k_scale, b.k_scale), (a.v_scale, b.v_scale)]
     return pairs
+
+
+def test_int4_mlp_in_row_blocks_changes_no_bit(tiny_ckpt):
+    model, layout = _prepared(tiny_ckpt, "int4", len(LENGTHS) + 1)
+    mlps = [layer.mlp for layer in model.gpt.layers]
+    if model.gpt.fused_decode is None:  # no C++ GEMV: the dense fallback's matmul keeps whole calls
+        assert all(m.row_block == 0 for m in mlps)
+        pytest.skip("the int4 GEMV does not run here (no AVX-512 VNNI or no compiler)")
+    assert all(m.row_block == INT4_MLP_ROW_BLOCK for m in mlps)
+    widths = []
+    swiglu = mlps[0]._swiglu
+    mlps[0]._swiglu = lambda x: (widths.append(x.shape[0]), swiglu(x))[1]
+    for m in mlps:
+        m.row_block = 16  # the 79 packed tokens in five blocks, the last one partial
+    _, blocked, blocked_cache, alone = _together_and_alone(model, layout)
+    assert widths[:5] == [16, 16, 16, 16, 15]
+    for m in mlps:
+        m.row_block = 0
+    _, whole, whole_cache, _ = _together_and_alone(model, layout)
+    for h, h_whole, (h_alone, _) in zip(blocked, whole, alone, strict=True):
+        assert torch.equal(h, h_whole) and torch.equal(h, h_alone)
+    for kv, kv_whole in _cache_pairs(blocked_cache, whole_cache):
+        assert torch.equal(kv, kv_whole)
 
 
 @pytest.mark.parametrize(

@@ -328,12 +328,21 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections_
+        self.row_block = 0
+        """Packed prompts ([rows, hidden]) wider than this run through the MLP this many rows at a time
+        (0: whole; set by ``use_int4_row_blocks_``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        rb = self.row_block
+        if rb and x.dim() == 2 and x.shape[0] > rb:
+            return torch.cat([self._swiglu(x[r : r + rb]) for r in range(0, x.shape[0], rb)])
+        return self._swiglu(x)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 Attend = Callable[[Attention, torch.Tensor], torch.Tensor]
@@ -482,6 +491,22 @@ def use_int4_decode_(gpt: GPT) -> bool:
     cfg = gpt.cfg
     gpt.fused_decode = Int4Decode.build(layers, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
     return gpt.fused_decode is not None
+
+
+INT4_MLP_ROW_BLOCK = 128
+"""Rows of a packed prompt per MLP pass on the int4 GEMV. Whole, a 2048-row call's gate/up output (50 MB)
+and SwiGLU's (25 MB) go out to memory and back; in blocks they stay in cache, and the GEMV's calls are
+mid-width ones (its tile runs). Zen 5, 2 threads, full size, 2048 rows: 23.5-25.0 ms whole, 19.3 ms in
+blocks of 128, 19.9-21.9 of 256, 24.8 of 512."""
+
+
+def use_int4_row_blocks_(gpt: GPT) -> None:
+    """``int4`` on the C++ GEMV (``use_int4_decode_`` built its step): run wide MLP calls in row blocks.
+    The GEMV's rows are independent of each other and SwiGLU is elementwise, so no bit changes; the dense
+    fallback (a BLAS matmul) is not row-independent and keeps whole calls."""
+    if gpt.fused_decode is not None:
+        for layer in gpt.layers:
+            layer.mlp.row_block = INT4_MLP_ROW_BLOCK
 
 
 def fuse_projections_(gpt: GPT) -> None:

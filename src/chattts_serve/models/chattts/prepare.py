@@ -21,7 +21,7 @@ import torch
 from ...kernels.linear import pack_linears_, packing_available
 from ...kernels.quant import PrecisionSpec, apply_precision_, check_supported
 from .checkpoint import LoadedModel
-from .gpt import fuse_projections_, use_int4_decode_
+from .gpt import fuse_projections_, use_int4_decode_, use_int4_row_blocks_
 from .onnx_auto import AutoTrunk, resolve_crossover
 from .onnx_trunk import OnnxTrunk
 
@@ -78,6 +78,7 @@ def prepare_model(
     apply_precision_(model.gpt, spec, device, absmax)
     if spec.int4 and use_int4_decode_(model.gpt):
         logger.info("int4: the decode step's layers run as one C++ call")
+        use_int4_row_blocks_(model.gpt)
     packed, pad_rows_to = False, 1
     dtype = model.gpt.norm.weight.dtype
     if num_slots > 1 and device.type == "cpu":
