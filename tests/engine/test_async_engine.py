@@ -11,7 +11,7 @@ import pytest
 
 from chattts_serve import Engine, SamplingParams
 from chattts_serve.audio.policy import StreamPolicy
-from chattts_serve.engine.async_engine import AsyncEngine, EngineDeadError
+from chattts_serve.engine.async_engine import AsyncEngine, EngineDeadError, EngineError
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.scheduler import QueueFullError, SchedulerConfig
 
@@ -225,3 +225,26 @@ def test_a_consumer_that_stops_reading_is_cut_off(tiny_ckpt):
         assert chunks[-1].finished and chunks[-1].finish_reason in ("stop", "length")
     finally:
         engine.shutdown()
+
+
+def test_a_step_that_fails_after_ending_a_request_fails_it_instead_of_leaving_it_waiting(aengine):
+    # The step makes the request's final output, then raises: the output is lost with the step, and the
+    # reset that follows no longer holds the request. Its client gets the error (not a stream that never
+    # ends), and the engine serves on.
+    step, raised = aengine.core.step, []
+
+    def step_then_fail():
+        outputs = step()
+        if any(out.finished for out in outputs) and not raised:
+            raised.append(True)
+            raise RuntimeError("after the outputs")
+        return outputs
+
+    aengine.core.step = step_then_fail
+    try:
+        with pytest.raises(EngineError, match="engine step failed"):
+            run(collect(aengine, TEXT, p(3, 20)), timeout=60)
+    finally:
+        aengine.core.step = step
+    assert raised
+    assert run(collect(aengine, TEXT, p(4, 20)))[-1].finished

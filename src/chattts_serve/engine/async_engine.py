@@ -168,6 +168,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending_adds = 0
+        self._in_core: set[str] = set()
+        """Requests added to the core whose final output is not yet delivered (the engine thread's only)."""
         self._lock = threading.Lock()
         self.dead_error: BaseException | None = None
 
@@ -359,10 +361,20 @@ class AsyncEngine:
             return self.core.step()
         except Exception:
             logger.exception("engine step failed; failing the requests in flight and resetting the engine")
-            return self.core.reset("engine step failed")
+            outputs = self.core.reset("engine step failed")
+            # A request the failed step had already ended is no longer in the core, so the reset gives it
+            # nothing: its final output was lost with the step, and without this its client waits forever.
+            ended = {out.request_id for out in outputs if out.finished}
+            for rid in self._in_core - ended:
+                self._in_core.discard(rid)
+                if (c := self._collectors.get(rid)) is not None:
+                    c.fail(EngineError("engine step failed"))
+            return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.finished:
+                self._in_core.discard(out.request_id)
             c = self._collectors.get(out.request_id)
             if c is None:
                 continue
@@ -402,6 +414,7 @@ class AsyncEngine:
                         self._pending_adds -= len(prepared.segments)
                     try:
                         self.core.add_request(rid, prepared, policy, priority)
+                        self._in_core.add(rid)
                     except Exception as exc:  # queue full after all, duplicate id, too long: this request only
                         if (c := self._collectors.get(rid)) is not None:
                             c.fail(exc)
