@@ -23,6 +23,10 @@ from . import decode_attention, int4_gemv
 NARROW_ROWS = 8
 """A step this narrow reads each weight once (the GEMV's rows per pass): bound by memory, not compute."""
 
+ROW_BLOCK = 128
+"""A wider call (packed prompts through ``run``) runs each matmul on this many rows at a time: x and the
+outputs stay in cache, and the GEMV takes its tile runs (no bit changes: rows are independent)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Int4Layer:
@@ -127,4 +131,5 @@ class Int4Decode:
             self.kv_heads,
             int4_gemv.prefetch_distance(),
             self.narrow_threads if h.shape[0] <= NARROW_ROWS else 0,
+            ROW_BLOCK,
         )

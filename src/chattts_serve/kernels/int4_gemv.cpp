@@ -59,6 +59,9 @@ constexpr int64_t kRunTiles = 4;
 // Calls of at least this many rows quantise x on every thread: down's 2048 x 3072 input took ~20 % of
 // its call on one (Zen 5, 2 threads: 7.75 -> 6.92 ms).
 constexpr int64_t kParallelQuantizeRows = 64;
+// decode_layers' own loops (rotary, cache writes, residual adds) split rows across threads past this many
+// rows a thread: a decode step's few rows stay on the calling thread (no region to open).
+constexpr int64_t kElementwiseRows = 64;
 
 inline int32_t load32(const int8_t* p) {
   int32_t v;
@@ -191,8 +194,10 @@ TileFn pick(int64_t block, bool bf16_scales, int rows) {
   }
 }
 
+// y = x @ W^T; `into`: write y there (rows x out, contiguous: a row block of a bigger buffer) and return an
+// empty tensor, instead of a new y.
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& blob, int64_t out, int64_t block, bool bf16_scales,
-                     int64_t prefetch) {
+                     int64_t prefetch, float* into = nullptr) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [rows, in]");
   TORCH_CHECK(blob.scalar_type() == at::kByte && blob.is_contiguous(), "the packed weight must be contiguous uint8");
   TORCH_CHECK(x.device().is_cpu() && blob.device().is_cpu(), "CPU tensors only");
@@ -205,7 +210,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& blob, int64_t out, i
   TORCH_CHECK(blob.numel() == tiles * tile_bytes, "packed weight of ", blob.numel(), " bytes, expected ",
               tiles * tile_bytes, " for [", out, ", ", in, "] in blocks of ", block);
   TORCH_CHECK(prefetch >= 0, "prefetch distance must be >= 0");
-  at::Tensor y = at::empty({rows, out}, x.options());
+  at::Tensor y = into ? at::Tensor() : at::empty({rows, out}, x.options());
   if (rows == 0) return y;
   // Per-call scratch, reused: a decode step makes ~80 of these calls.
   thread_local std::vector<int8_t> xq;
@@ -225,7 +230,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& blob, int64_t out, i
     quantize_rows(xf, rows, in, block, xqw, xsw, xcw);
   }
   const uint8_t* w = blob.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+  float* yp = into ? into : y.data_ptr<float>();
   // One parallel region for all the passes of kMaxRows rows, each thread over its own tiles: a region
   // a pass cost a wake-up and a barrier each (a 2048-row prompt: 256 of them), and those cost far more
   // once another thread's OpenMP team exists (the audio worker's: libgomp then sleeps at once at every
@@ -254,6 +259,10 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& blob, int64_t out, i
 // it is GPT.decode's to the bit: the norms and SiLU are the same ATen calls (without Python), rotary,
 // the cache writes and the residual adds the same fp32 operations in the same order (built with
 // -ffp-contract=off, so no multiply-add is fused where torch rounds twice).
+//
+// Packed prompts run through it too (prefill.py): a prompt's tokens are rows at consecutive positions of
+// one slot. Every row's key and value are written before any row attends, so each token attends over its
+// prompt's keys up to itself: causal prefill, each token's result the one a decode step would give it.
 
 // x*cos + rotate_half(x)*sin on each of `vectors` head vectors of d, in place.
 void rotate(float* x, const float* cos, const float* sin, int64_t vectors, int64_t d) {
@@ -285,12 +294,12 @@ void store(const float* x, int8_t* out, float* scale, int64_t d) {
 template <class T>
 void write_cache(const float* qkv, int64_t width, int64_t k_off, int64_t v_off, const at::Tensor& k,
                  const at::Tensor& v, const c10::optional<at::Tensor>& ks, const c10::optional<at::Tensor>& vs,
-                 const int64_t* slots, const int64_t* pos, int64_t n, int64_t kv_heads, int64_t d) {
+                 const int64_t* slots, const int64_t* pos, int64_t r0, int64_t r1, int64_t kv_heads, int64_t d) {
   T* kp = k.data_ptr<T>();
   T* vp = v.data_ptr<T>();
   float* ksp = ks ? ks->data_ptr<float>() : nullptr;
   float* vsp = vs ? vs->data_ptr<float>() : nullptr;
-  for (int64_t r = 0; r < n; ++r) {
+  for (int64_t r = r0; r < r1; ++r) {
     for (int64_t h = 0; h < kv_heads; ++h) {
       const int64_t s = slots[r], t = pos[r];
       const float* src = qkv + r * width;
@@ -322,14 +331,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // h [m, hidden] fp32 (rows >= n are padding: their attention output is zero, nothing is written for them);
 // norms [layers, 2, hidden]; blobs: per layer the packed qkv, o, gate_up and down weights; blocks: their
 // four block sizes; cos, sin [m, head_dim]; k, v [layers, slots, kv_heads, positions, head_dim] bf16 or
-// int8 (+ scales [layers, slots, kv_heads, positions]); slots, pos [n]. Returns h after every layer
-// (before the final norm).
+// int8 (+ scales [layers, slots, kv_heads, positions]); slots, pos [n]; block_rows: rows per matmul call
+// (0: all). Returns h after every layer (before the final norm).
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& norms, double eps, at::TensorList blobs,
                          at::IntArrayRef blocks, bool bf16_scales, int64_t intermediate, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& k, const at::Tensor& v,
                          const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                          const at::Tensor& slots, const at::Tensor& pos, int64_t heads, int64_t kv_heads,
-                         int64_t prefetch, int64_t threads) {
+                         int64_t prefetch, int64_t threads, int64_t block_rows) {
   TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat, "h must be fp32 [rows, hidden]");
   const int64_t m = h_in.size(0), hidden = h_in.size(1), layers = norms.size(0);
   const int64_t d = k.size(4), n = slots.numel();
@@ -368,44 +377,76 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& norms, double
   } restore{threads > 0 ? at::get_num_threads() : 0};
   if (threads > 0) omp_set_num_threads(static_cast<int>(threads));
   const int64_t width = (heads + 2 * kv_heads) * d, qk = (heads + kv_heads) * d;
+  // Row blocks: a wide call (packed prompts) runs each GEMV on at most `block_rows` rows at a time, so its
+  // x and outputs stay in cache and the GEMV takes its tile runs; a row's arithmetic is the same either way.
+  const int64_t rb = block_rows > 0 ? std::min(block_rows, m) : m;
   at::Tensor h = h_in.contiguous().clone();
+  at::Tensor qkv = at::empty({m, width}, h.options());
   at::Tensor attn_in = at::zeros({m, heads * d}, h.options());
-  at::Tensor act = at::empty({m, intermediate}, h.options());
+  at::Tensor o = at::empty({rb, hidden}, h.options());
+  at::Tensor gu = at::empty({rb, 2 * intermediate}, h.options());
+  at::Tensor act = at::empty({rb, intermediate}, h.options());
+  at::Tensor dn = at::empty({rb, hidden}, h.options());
   float* hp = h.data_ptr<float>();
+  float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
   const at::Tensor sl_n = sl.slice(0, 0, n), ps_n = ps.slice(0, 0, n);
+  // h[r0:r1] += y[0:r1-r0] (rows on every thread past a decode step's width: no row depends on another's).
+  const auto add_rows = [&](const at::Tensor& y, int64_t r0, int64_t r1) {
+    const float* yp = y.data_ptr<float>() - r0 * hidden;
+    at::parallel_for(r0, r1, kElementwiseRows, [&](int64_t a, int64_t b) {
+      for (int64_t i = a * hidden; i < b * hidden; ++i) hp[i] = hp[i] + yp[i];
+    });
+  };
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor nl = norms.select(0, l);
-    // attention
-    at::Tensor x = at::rms_norm(h, {hidden}, nl.select(0, 0), eps);
-    at::Tensor qkv = int4_gemv(x, blobs[4 * l], width, blocks[0], bf16_scales, prefetch);
-    float* qp = qkv.data_ptr<float>();
-    for (int64_t r = 0; r < m; ++r) rotate(qp + r * width, cp + r * d, snp + r * d, heads + kv_heads, d);
+    // attention: every row's q, k, v (rotated), then every real row's key and value into the cache, then
+    // each row over its slot's keys up to its position (so a prompt's tokens see each other causally)
+    for (int64_t r0 = 0; r0 < m; r0 += rb) {
+      const int64_t r1 = std::min(m, r0 + rb);
+      const at::Tensor x = at::rms_norm(h.slice(0, r0, r1), {hidden}, nl.select(0, 0), eps);
+      int4_gemv(x, blobs[4 * l], width, blocks[0], bf16_scales, prefetch, qp + r0 * width);
+      at::parallel_for(r0, r1, kElementwiseRows, [&](int64_t a, int64_t b) {
+        for (int64_t r = a; r < b; ++r) rotate(qp + r * width, cp + r * d, snp + r * d, heads + kv_heads, d);
+      });
+    }
     const at::Tensor kl = k.select(0, l), vl = v.select(0, l);
     const c10::optional<at::Tensor> ksl = int8 ? c10::optional<at::Tensor>(k_scale->select(0, l)) : c10::nullopt;
     const c10::optional<at::Tensor> vsl = int8 ? c10::optional<at::Tensor>(v_scale->select(0, l)) : c10::nullopt;
-    if (int8)
-      write_cache<int8_t>(qp, width, heads * d, qk, kl, vl, ksl, vsl, sp, pp, n, kv_heads, d);
-    else
-      write_cache<at::BFloat16>(qp, width, heads * d, qk, kl, vl, ksl, vsl, sp, pp, n, kv_heads, d);
+    at::parallel_for(0, n, kElementwiseRows, [&](int64_t a, int64_t b) {  // rows write disjoint positions
+      if (int8)
+        write_cache<int8_t>(qp, width, heads * d, qk, kl, vl, ksl, vsl, sp, pp, a, b, kv_heads, d);
+      else
+        write_cache<at::BFloat16>(qp, width, heads * d, qk, kl, vl, ksl, vsl, sp, pp, a, b, kv_heads, d);
+    });
     if (n > 0) {
       const at::Tensor q = qkv.slice(0, 0, n).slice(1, 0, heads * d).view({n, heads, d});
       const at::Tensor out = attend(q, kl, vl, ksl, vsl, sl_n, ps_n, 1.0 / std::sqrt(static_cast<double>(d)));
       attn_in.slice(0, 0, n).copy_(out.view({n, heads * d}));
     }
-    at::Tensor o = int4_gemv(attn_in, blobs[4 * l + 1], hidden, blocks[1], bf16_scales, prefetch);
-    const float* op = o.data_ptr<float>();
-    for (int64_t i = 0; i < m * hidden; ++i) hp[i] = hp[i] + op[i];
-    // MLP
-    x = at::rms_norm(h, {hidden}, nl.select(0, 1), eps);
-    at::Tensor gu = int4_gemv(x, blobs[4 * l + 2], 2 * intermediate, blocks[2], bf16_scales, prefetch);
-    at::mul_out(act, at::silu(gu.slice(1, 0, intermediate)), gu.slice(1, intermediate, 2 * intermediate));
-    at::Tensor dn = int4_gemv(act, blobs[4 * l + 3], hidden, blocks[3], bf16_scales, prefetch);
-    const float* dp = dn.data_ptr<float>();
-    for (int64_t i = 0; i < m * hidden; ++i) hp[i] = hp[i] + dp[i];
+    // o projection and MLP, a block of rows at a time
+    for (int64_t r0 = 0; r0 < m; r0 += rb) {
+      const int64_t r1 = std::min(m, r0 + rb), rows = r1 - r0;
+      const at::Tensor ob = o.slice(0, 0, rows), gub = gu.slice(0, 0, rows), dnb = dn.slice(0, 0, rows);
+      at::Tensor actb = act.slice(0, 0, rows);
+      int4_gemv(attn_in.slice(0, r0, r1), blobs[4 * l + 1], hidden, blocks[1], bf16_scales, prefetch,
+                ob.data_ptr<float>());
+      add_rows(ob, r0, r1);
+      const at::Tensor x = at::rms_norm(h.slice(0, r0, r1), {hidden}, nl.select(0, 1), eps);
+      int4_gemv(x, blobs[4 * l + 2], 2 * intermediate, blocks[2], bf16_scales, prefetch, gub.data_ptr<float>());
+      at::mul_out(actb, at::silu(gub.slice(1, 0, intermediate)), gub.slice(1, intermediate, 2 * intermediate));
+      int4_gemv(actb, blobs[4 * l + 3], hidden, blocks[3], bf16_scales, prefetch, dnb.data_ptr<float>());
+      add_rows(dnb, r0, r1);
+    }
   }
   return h;
+}
+
+// The registered op: a new y.
+at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& blob, int64_t out, int64_t block, bool bf16_scales,
+                   int64_t prefetch) {
+  return int4_gemv(x, blob, out, block, bf16_scales, prefetch);
 }
 
 }  // namespace
@@ -415,7 +456,7 @@ TORCH_LIBRARY(chattts_int4_gemv, m) {
   m.def(
       "decode_layers(Tensor h, Tensor norms, float eps, Tensor[] blobs, int[] blocks, bool bf16_scales, "
       "int intermediate, Tensor cos, Tensor sin, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, "
-      "Tensor slots, Tensor pos, int heads, int kv_heads, int prefetch, int threads) -> Tensor");
-  m.impl("gemv", c10::DispatchKey::CPU, &int4_gemv);
+      "Tensor slots, Tensor pos, int heads, int kv_heads, int prefetch, int threads, int block_rows) -> Tensor");
+  m.impl("gemv", c10::DispatchKey::CPU, &gemv_op);
   m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
 }
