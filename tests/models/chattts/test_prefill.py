@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chattts_serve.kernels import kv_int8
+from chattts_serve.kernels import int4_decode, kv_int8
 from chattts_serve.kernels.quant import parse_precision, record_absmax
 from chattts_serve.models.chattts import checkpoint, prefill
 from chattts_serve.models.chattts.config import GPTConfig
@@ -102,6 +102,56 @@ def _cache_pairs(a, b) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if a.quantized:
         pairs += [(a.k_scale, b.k_scale), (a.v_scale, b.v_scale)]
     return pairs
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_int4_prefill_is_its_decode_step_fed_token_by_token(tiny_ckpt, kv_dtype, monkeypatch):
+    """int4 over a bf16/int8 cache prefills through its C++ decode step: every token's hidden state and key are
+    the ones decode steps fed the prompts one token at a time give, to the bit, whether the packed tokens run in
+    row blocks (16: the 79 tokens in five) or in one (on two threads), and chunked at a cut no block aligns with."""
+    model, _ = _prepared(tiny_ckpt, "int4", len(LENGTHS) + 1)
+    gpt, prompts = model.gpt, _prompts(model)
+    if gpt.fused_decode is None:
+        pytest.skip("the int4 C++ step does not run here (no AVX-512 VNNI or no compiler)")
+
+    def packed() -> tuple[list[torch.Tensor], KVCache]:
+        cache = _cache(gpt, kv_dtype)
+        return prefill_prompts(gpt, torch.cat(prompts), cache, SLOTS, LENGTHS).split(LENGTHS), cache
+
+    with torch.inference_mode():
+        monkeypatch.setattr(int4_decode, "ROW_BLOCK", 16)
+        blocked, blocked_cache = packed()
+        stepped_cache, stepped = _cache(gpt, kv_dtype), [[] for _ in prompts]
+        for t in range(max(LENGTHS)):  # step t: token t of every prompt that long, at position t
+            live = [b for b, n in enumerate(LENGTHS) if n > t]
+            emb = torch.stack([prompts[b][t] for b in live])
+            for b, h in zip(live, gpt.decode(emb, stepped_cache, [SLOTS[b] for b in live], [t] * len(live))):
+                stepped[b].append(h)
+        cut, chunk_cache = 7, _cache(gpt, kv_dtype)
+        first = prefill_prompts(gpt, torch.cat([p[:cut] for p in prompts]), chunk_cache, SLOTS, [min(cut, n) for n in LENGTHS])
+        rest = [b for b, n in enumerate(LENGTHS) if n > cut]
+        lens = [LENGTHS[b] - cut for b in rest]
+        later = prefill_prompts(
+            gpt, torch.cat([prompts[b][cut:] for b in rest]), chunk_cache, [SLOTS[b] for b in rest], lens, 1, [cut] * len(rest)
+        )
+        monkeypatch.setattr(int4_decode, "ROW_BLOCK", 128)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            whole, whole_cache = packed()
+        finally:
+            torch.set_num_threads(threads)
+    chunked = dict(zip(range(len(LENGTHS)), first.split([min(cut, n) for n in LENGTHS]), strict=True))
+    for b, part in zip(rest, later.split(lens), strict=True):
+        chunked[b] = torch.cat([chunked[b], part])
+    for b, n in enumerate(LENGTHS):
+        for other in (torch.stack(stepped[b]), whole[b], chunked[b]):
+            assert torch.equal(blocked[b], other), (b, n)
+    for cache in (stepped_cache, whole_cache, chunk_cache):
+        for kv, kv_blocked in _cache_pairs(cache, blocked_cache):
+            assert torch.equal(kv, kv_blocked)  # slot by slot: each prompt's positions, then untouched SENTINELs
+    slot, n = SLOTS[0], LENGTHS[0]
+    assert (blocked_cache.k[:, slot, :, n:] == SENTINEL).all() and (blocked_cache.k[:, slot, :, :n] != SENTINEL).any()
 
 
 def test_int4_mlp_in_row_blocks_changes_no_bit(tiny_ckpt):
