@@ -129,14 +129,16 @@ def teacher_forced(engine, ids: list[int], codes) -> tuple[Any, Any]:
 
 
 def _stepwise_hidden(engine, emb, n: int, t: int):
-    """``_onnx_hidden`` for the torch trunk: prefill, then ``GPT.decode`` steps, in the engine's cache dtype."""
+    """``_onnx_hidden`` for the torch trunk: the engine's prefill (``prefill_prompts``: int4 runs it on its C++ step),
+    then ``GPT.decode`` steps, in the engine's cache dtype."""
     import torch
+
+    from ..models.chattts.prefill import prefill_prompts
 
     gpt = engine.model.gpt
     dtype = gpt.norm.weight.dtype
     cache = gpt.new_cache(1, n + t, dtype=engine.plan.kv_cache_dtype)
-    slot = torch.zeros(1, dtype=torch.long, device=emb.device)
-    hs = [gpt(emb[:, :n].to(dtype), torch.arange(n, device=emb.device)[None], cache, slot, 0, None)[0]]
+    hs = [prefill_prompts(gpt, emb[0, :n].to(dtype), cache, [0], [n], engine.layout.pad_rows_to)[-1]]
     for pos in range(n, n + t - 1):
         hs.append(gpt.decode(emb[:, pos].to(dtype), cache, [0], [pos], engine.layout.pad_rows_to)[0])
     return torch.stack(hs).float()
