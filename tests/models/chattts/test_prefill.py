@@ -238,6 +238,8 @@ def test_bad_prefill_arguments_are_refused(tiny_ckpt):
             prefill_prompts(gpt, torch.zeros(3, hidden), cache, [0, 1], [3, 0])
         with pytest.raises(ValueError, match="sum to 5 but embeds has 3 rows"):
             prefill_prompts(gpt, torch.zeros(3, hidden), cache, [0, 1], [3, 2])
+        with pytest.raises(ValueError, match=r"its own slot; got \[1, 1\]"):
+            prefill_prompts(gpt, torch.zeros(3, hidden), cache, [1, 1], [1, 2])
         with pytest.raises(ValueError, match="prompt of 9 positions exceeds cache 8"):
             prefill_prompts(gpt, torch.zeros(9, hidden), cache, [0], [9])
 

@@ -57,6 +57,8 @@ def prefill_prompts(
         raise ValueError(f"prefill needs one length >= 1 per slot; got slots {slots}, lengths {lengths}")
     if min(starts) < 0:
         raise ValueError(f"prefill starts must be >= 0; got {starts}")
+    if len(set(slots)) != len(slots):  # two prompts in one slot would write each other's positions
+        raise ValueError(f"each prompt of a prefill call needs its own slot; got {slots}")
     if sum(lengths) != embeds.shape[0]:
         raise ValueError(f"prompt lengths sum to {sum(lengths)} but embeds has {embeds.shape[0]} rows")
     ends = [s + n for s, n in zip(starts, lengths, strict=True)]
