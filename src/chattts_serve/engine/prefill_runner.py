@@ -6,21 +6,23 @@ after the keys the earlier ones left in the slot; the heads run on a prompt's la
 Trunk. How the prompts go through the trunk is the decode path's (``DecodePath.prefill``: one of the two
 functions here, or a new backend's own). Torch modes (``torch_prefill``): the prompts go through the trunk
 together, packed one after another (``models.chattts.prefill``: the projections on all their tokens at once,
-attention prompt by prompt; ``int4`` on its C++ step: every token a row of the step), in calls of at most ``max_prefill_tokens`` tokens; a prompt's result is the one
-it gets alone wherever the layout keeps matmul rows independent (every mode but int8-dynamic; see
-``models.chattts.prepare``). ``ort-*`` modes (``onnx_prefill``): the prompts of sequences in consecutive slots
-go in one ONNX Runtime call, right-padded to the longest (``query_seqlens`` tells the op each row's length).
-Either way a burst of 32 admissions is one call, not 32, each of which would stream all the weights once.
+attention prompt by prompt; ``int4`` on its C++ step: every token a row of the step), in calls of at most
+``max_prefill_tokens`` tokens; a prompt's result is the one it gets alone wherever the layout keeps matmul
+rows independent (every mode but int8-dynamic; see ``models.chattts.prepare``). ``ort-*`` modes
+(``onnx_prefill``): the prompts of sequences in consecutive slots go in one ONNX Runtime call, right-padded to
+the longest (``query_seqlens`` tells the op each row's length). Either way a burst of 32 admissions is one
+call, not 32, each of which would stream all the weights once.
 
-Chunks. A chunked prompt's hidden states and keys are bit-identical to its one-shot prefill's: the torch
-modes run its attention in query blocks of ``block`` positions counted from 0, one SDPA call each, and the
-scheduler cuts chunks at multiples of ``block``, so a chunked prompt makes exactly the attention calls its
-one-shot prefill makes (SDPA's CPU kernel blocks its sums by the call's shape, so one call over a chunk
-would differ from the one-shot call in the last bits); its matmul rows are independent wherever a prompt's
-result is (above). ``int4`` on its C++ step computes each token alone: any cut gives the same bits. With ``block`` 0 (one slot, the reference-exact layout: nothing decodes beside a prompt,
-so nothing is chunked) a prompt's attention is the one call the reference makes. ONNX Runtime's
-GroupQueryAttention appends a chunk after the cached positions (``query_seqlens``) and computes each query
-row alone: the same bits as one call (``tests/engine/test_chunked_prefill.py``).
+Chunks. A chunked prompt's hidden states and keys are bit-identical to its one-shot prefill's: the torch modes
+run its attention in query blocks of ``block`` positions counted from 0, one SDPA call each, and the scheduler
+cuts chunks at multiples of ``block``, so a chunked prompt makes exactly the attention calls its one-shot
+prefill makes (SDPA's CPU kernel blocks its sums by the call's shape, so one call over a chunk would differ
+from the one-shot call in the last bits); its matmul rows are independent wherever a prompt's result is
+(above). ``int4`` on its C++ step computes each token alone: any cut gives the same bits. With ``block`` 0
+(one slot, the reference-exact layout: nothing decodes beside a prompt, so nothing is chunked) a prompt's
+attention is the one call the reference makes. ONNX Runtime's GroupQueryAttention appends a chunk after the
+cached positions (``query_seqlens``) and computes each query row alone: the same bits as one call
+(``tests/engine/test_chunked_prefill.py``).
 
 Heads. The reference runs every prompt position through the heads and keeps the last. Where a row's
 logits do not depend on the other rows of the matmul (oneDNN-packed heads: the CPU layouts of more
