@@ -125,14 +125,24 @@ def test_int4_prefill_is_its_decode_step_fed_token_by_token(tiny_ckpt, kv_dtype,
         for t in range(max(LENGTHS)):  # step t: token t of every prompt that long, at position t
             live = [b for b, n in enumerate(LENGTHS) if n > t]
             emb = torch.stack([prompts[b][t] for b in live])
-            for b, h in zip(live, gpt.decode(emb, stepped_cache, [SLOTS[b] for b in live], [t] * len(live))):
+            for b, h in zip(
+                live, gpt.decode(emb, stepped_cache, [SLOTS[b] for b in live], [t] * len(live)), strict=True
+            ):
                 stepped[b].append(h)
         cut, chunk_cache = 7, _cache(gpt, kv_dtype)
-        first = prefill_prompts(gpt, torch.cat([p[:cut] for p in prompts]), chunk_cache, SLOTS, [min(cut, n) for n in LENGTHS])
+        first = prefill_prompts(
+            gpt, torch.cat([p[:cut] for p in prompts]), chunk_cache, SLOTS, [min(cut, n) for n in LENGTHS]
+        )
         rest = [b for b, n in enumerate(LENGTHS) if n > cut]
         lens = [LENGTHS[b] - cut for b in rest]
         later = prefill_prompts(
-            gpt, torch.cat([prompts[b][cut:] for b in rest]), chunk_cache, [SLOTS[b] for b in rest], lens, 1, [cut] * len(rest)
+            gpt,
+            torch.cat([prompts[b][cut:] for b in rest]),
+            chunk_cache,
+            [SLOTS[b] for b in rest],
+            lens,
+            1,
+            [cut] * len(rest),
         )
         monkeypatch.setattr(int4_decode, "ROW_BLOCK", 128)
         threads = torch.get_num_threads()
