@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from chattts_serve import malloc
 
@@ -66,3 +67,30 @@ def test_a_bad_mode_is_refused(monkeypatch):
             malloc.keep_big_blocks()
     finally:
         malloc.keep_big_blocks.cache_clear()
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping holding ``addr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+@pytest.mark.parametrize("mode", ["auto", "system"])
+def test_a_streamed_buffer_is_advised_for_huge_pages_unless_told_otherwise(monkeypatch, mode):
+    monkeypatch.setenv(malloc.MODE_ENV, mode)
+    t = malloc.huge_pages(5 << 20)
+    assert t.dtype == torch.uint8 and t.shape == (5 << 20,)
+    t.fill_(3)  # writable, and all of it there
+    assert int(t[-1]) == 3
+    flags = _vm_flags(t.data_ptr())
+    assert ("hg" in flags) == (mode == "auto"), flags  # advised whether or not the kernel has huge pages free
+    assert malloc.huge_pages(0).numel() == 0

@@ -14,6 +14,12 @@ beyond its working set.
 Where it applies: Linux with glibc (``mallopt``); elsewhere, or under another allocator (jemalloc or
 tcmalloc preloaded: they serve ``malloc`` themselves and glibc's settings go unused), nothing changes.
 ``CHATTTS_MALLOC=system`` leaves glibc's defaults. The engine calls it once, at start-up on a CPU.
+
+Memory a step streams through every time (the int4 decode step's 97 MB of packed weights) gets its own
+mapping advised for transparent huge pages (``huge_pages``): read in 4 KB pages, a one-row step takes ~24 000
+TLB misses; on 2 MB pages the same step ran 5-9 % faster (Zen 5, 1 thread: 3.79-3.97 -> 3.54-3.63 ms). Linux
+only (``madvise``; the kernel's ``transparent_hugepage`` setting must be "madvise" or "always"); elsewhere, or
+with ``CHATTTS_MALLOC=system``, a plain tensor.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import os
 import sys
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +42,18 @@ HEAP_BYTES = 512 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
+def _mode() -> str:
+    mode = os.environ.get(MODE_ENV, "auto")
+    if mode not in ("auto", "system"):
+        raise ValueError(f"{MODE_ENV} must be 'auto' or 'system', got {mode!r}")
+    return mode
+
+
 @functools.cache
 def keep_big_blocks() -> bool:
     """Once per process: glibc's thresholds raised to ``HEAP_BYTES`` (see the module docstring). Returns
     whether they were (False: not Linux glibc, or ``CHATTTS_MALLOC=system``)."""
-    mode = os.environ.get(MODE_ENV, "auto")
-    if mode not in ("auto", "system"):
-        raise ValueError(f"{MODE_ENV} must be 'auto' or 'system', got {mode!r}")
-    if mode == "system" or not sys.platform.startswith("linux"):
+    if _mode() == "system" or not sys.platform.startswith("linux"):
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
@@ -51,3 +64,17 @@ def keep_big_blocks() -> bool:
     if not done:
         logger.warning("glibc's mallopt refused the heap thresholds: big CPU tensors are mapped fresh each time")
     return done
+
+
+def huge_pages(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uint8 (uninitialised) in a mapping of their own, advised for transparent huge pages
+    (module docstring); a plain ``torch.empty`` where that cannot be done. The tensor keeps the mapping alive."""
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+    if nbytes <= 0 or advise is None or _mode() == "system":
+        return torch.empty(nbytes, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(advise)  # before the first touch: pages are faulted in huge where the kernel can
+    except OSError as e:  # a kernel built without transparent huge pages
+        logger.debug("madvise(MADV_HUGEPAGE) refused (%s): 4 KB pages", e)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
