@@ -69,6 +69,25 @@ def test_the_step_is_gpt_decodes_to_the_bit(gpt, dtype):
 
 
 @needs_ops
+def test_the_steps_weights_are_one_stream_held_once(gpt):
+    """Every layer's packed weights lie in one buffer in the order the step reads them (qkv, o, gate/up,
+    down, layer after layer), and the linears use those same bytes: no second copy."""
+    linears = [
+        m
+        for layer in gpt.layers
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
+    blobs = gpt.fused_decode.blobs
+    assert len(blobs) == len(linears)
+    base = blobs[0].untyped_storage().data_ptr()
+    at = blobs[0].data_ptr()
+    for lin, blob in zip(linears, blobs, strict=True):
+        assert blob.untyped_storage().data_ptr() == base and blob.data_ptr() == at
+        assert lin.packed.blob.data_ptr() == blob.data_ptr()
+        at += blob.numel()
+
+
+@needs_ops
 def test_a_row_alone_is_the_row_in_a_batch(gpt):
     emb = torch.randn(5, gpt.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     batch = gpt.decode(emb[:3], filled_cache(gpt, torch.bfloat16), [1, 2, 3], [12, 30, 5])

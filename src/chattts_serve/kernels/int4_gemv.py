@@ -23,12 +23,14 @@ import functools
 import os
 import threading
 import warnings
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .. import malloc
 from . import cpp_build
 from .linear import on_rows
 
@@ -87,6 +89,21 @@ class Int4GemvWeight:
     def nbytes(self) -> int:
         t = self.dense if self.dense is not None else self.blob
         return t.numel() * t.element_size()
+
+
+def one_stream(weights: Sequence[Int4GemvWeight]) -> list[Int4GemvWeight]:
+    """The same weights, their packed streams copied in this order into one buffer on huge pages
+    (``malloc.huge_pages``): the decode step reads them front to back every step. The copies replace the
+    originals (keep only what this returns), so nothing is held twice."""
+    if any(w.dense is not None for w in weights):
+        return list(weights)
+    buffer = malloc.huge_pages(sum(w.blob.numel() for w in weights))
+    out, at = [], 0
+    for w in weights:
+        n = w.blob.numel()
+        out.append(replace(w, blob=buffer[at : at + n].copy_(w.blob)))
+        at += n
+    return out
 
 
 def quantize(

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import decode_attention, flex_decode, kv_int8
+from ...kernels import decode_attention, flex_decode, int4_gemv, kv_int8
 from ...kernels.int4_decode import Int4Decode, Int4Layer
 from ...kernels.quant import Int4GemvLinear
 from .config import GPTConfig
@@ -480,14 +480,19 @@ def _concat(*linears: nn.Linear) -> nn.Linear:
 def use_int4_decode_(gpt: GPT) -> bool:
     """``int4`` (fused projections on ``kernels.int4_gemv``): run the decode step's layers as one C++ call
     (``kernels.int4_decode``) where it can; False where it cannot (the torch ops run, as before)."""
-    layers = []
+    linears = []
     for layer in gpt.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(lin, Int4GemvLinear) and lin.bias is None for lin in linears):
-            return False
-        weights = [lin.packed for lin in linears]
-        layers.append(Int4Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *weights))
+        linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    if not all(isinstance(lin, Int4GemvLinear) and lin.bias is None for lin in linears):
+        return False
+    # The step reads every layer's weights in this order each step: one stream on huge pages, held once.
+    for lin, packed in zip(linears, int4_gemv.one_stream([lin.packed for lin in linears]), strict=True):
+        lin.packed = packed
+    layers = [
+        Int4Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(lin.packed for lin in four))
+        for layer, four in zip(gpt.layers, (linears[i : i + 4] for i in range(0, len(linears), 4)), strict=True)
+    ]
     cfg = gpt.cfg
     gpt.fused_decode = Int4Decode.build(layers, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
     return gpt.fused_decode is not None
