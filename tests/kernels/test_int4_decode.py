@@ -69,6 +69,21 @@ def test_the_step_is_gpt_decodes_to_the_bit(gpt, dtype):
 
 
 @needs_ops
+@pytest.mark.parametrize("hidden", [64, 768])
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_the_steps_norm_is_torchs_to_the_bit(gpt, hidden, rows):
+    """The step's RMSNorm (ATen's row sums, the rest in C++) gives ``F.rms_norm``'s bits, over magnitudes
+    from 1e-3 to 1e3 (the torch ops ``GPT.decode`` runs)."""
+    gen = torch.Generator().manual_seed(hidden + rows)
+    w = torch.randn(hidden, generator=gen)
+    for _ in range(20):
+        scale = 10.0 ** torch.randint(-3, 4, (rows, 1), generator=gen)
+        x = torch.randn(rows, hidden, generator=gen) * scale
+        got = torch.ops.chattts_int4_gemv.rms_norm(x, w, 1e-5)
+        torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (hidden,), w, 1e-5), rtol=0, atol=0)
+
+
+@needs_ops
 def test_the_steps_weights_are_one_stream_held_once(gpt):
     """Every layer's packed weights lie in one buffer in the order the step reads them (qkv, o, gate/up,
     down, layer after layer), and the linears use those same bytes: no second copy."""
