@@ -447,12 +447,28 @@ class GPT(nn.Module):
         pos = torch.tensor(lengths + [0] * (rows - bsz), device=h.device)
         cos, sin = rope_cos_sin(pos, self.inv_freq, h.dtype)
         where = (torch.tensor(slots, device=h.device), pos[:bsz])
-        if self.fused_decode is not None and self.fused_decode.applies(cache.k):
-            scales = None if cache.k_scale is None else (cache.k_scale, cache.v_scale)
-            h = self.fused_decode.run(h, cos, sin, cache.k, cache.v, scales, *where)
-            return self.norm(h)
+        fused = self.fused_rows(h, cos, sin, cache, where)
+        if fused is not None:
+            return self.norm(fused)
         cos, sin = cos[:, None, None], sin[:, None, None]  # shaped once for every layer
         return self.norm(self.run_layers(h, lambda attn, x: attn.decode(x, cos, sin, cache, slots, lengths, where)))
+
+    def fused_rows(
+        self,
+        h: torch.Tensor,  # [rows, hidden]; rows past len(where[0]) are padding
+        cos: torch.Tensor,  # [rows, head_dim]
+        sin: torch.Tensor,
+        cache: KVCache,
+        where: tuple[torch.Tensor, torch.Tensor],  # each real row's slot and position
+    ) -> torch.Tensor | None:
+        """``int4``'s C++ step (``fused_decode``) over rows each at its own slot and position, keys and values
+        written into ``cache``: the residual stream after every layer (before the final norm). None where the
+        step does not run: no step, or a cache its attention cannot read (the caller runs the torch ops)."""
+        fused = self.fused_decode
+        if fused is None or not fused.applies(cache.k):
+            return None
+        scales = None if cache.k_scale is None else (cache.k_scale, cache.v_scale)
+        return fused.run(h, cos, sin, cache.k, cache.v, scales, *where)
 
     def decode_static(
         self, embeds: torch.Tensor, cache: KVCache, positions: torch.Tensor, ctx: int, attention: str = "sdpa"
@@ -480,10 +496,11 @@ def _concat(*linears: nn.Linear) -> nn.Linear:
 def use_int4_decode_(gpt: GPT) -> bool:
     """``int4`` (fused projections on ``kernels.int4_gemv``): run the decode step's layers as one C++ call
     (``kernels.int4_decode``) where it can; False where it cannot (the torch ops run, as before)."""
-    linears = []
-    for layer in gpt.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    per_layer = [
+        (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        for layer in gpt.layers
+    ]
+    linears = [lin for four in per_layer for lin in four]
     if not all(isinstance(lin, Int4GemvLinear) and lin.bias is None for lin in linears):
         return False
     # The step reads every layer's weights in this order each step: one stream on huge pages, held once.
@@ -491,7 +508,7 @@ def use_int4_decode_(gpt: GPT) -> bool:
         lin.packed = packed
     layers = [
         Int4Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(lin.packed for lin in four))
-        for layer, four in zip(gpt.layers, (linears[i : i + 4] for i in range(0, len(linears), 4)), strict=True)
+        for layer, four in zip(gpt.layers, per_layer, strict=True)
     ]
     cfg = gpt.cfg
     gpt.fused_decode = Int4Decode.build(layers, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)

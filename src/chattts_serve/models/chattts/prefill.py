@@ -18,7 +18,7 @@ chunks at multiples of ``block`` makes exactly the attention calls its one-shot 
 matmul rows independent (above) its hidden states and keys are bit-identical. ``block`` 0 keeps one call
 per prompt: the reference's.
 
-``int4`` on its C++ decode step (``GPT.fused_decode``, over a bf16 or int8 cache) prefills through that step:
+``int4`` on its C++ decode step (``GPT.fused_rows``, over a bf16 or int8 cache) prefills through that step:
 the packed tokens are its rows, each at its own slot and position. The step writes every row's key and value
 before any row attends, and a row attends over its slot's keys up to its own position: causal attention, one
 query at a time, with the decode kernel's arithmetic. So a token's hidden state and key are the ones a decode
@@ -75,12 +75,11 @@ def prefill_prompts(
     pos, slot_of = pinned_copy(pos, h.device), pinned_copy(slot_of, h.device)
     cos, sin = rope_cos_sin(pos, gpt.inv_freq, h.dtype)
     where = (slot_of, pos[:n_tok])
-    fused = gpt.fused_decode
-    if fused is not None and fused.applies(cache.k):
-        # int4 on the C++ step (``kernels.int4_decode``): every token is a decode row at its own position, all
-        # keys written before any row attends, so each attends causally over its prompt's keys up to itself.
-        scales = None if cache.k_scale is None else (cache.k_scale, cache.v_scale)
-        return gpt.norm(fused.run(h, cos, sin, cache.k, cache.v, scales, *where)[:n_tok])
+    # int4 on the C++ step (``GPT.fused_rows``): every token is a decode row at its own position, all keys
+    # written before any row attends, so each attends causally over its prompt's keys up to itself.
+    fused = gpt.fused_rows(h, cos, sin, cache, where)
+    if fused is not None:
+        return gpt.norm(fused[:n_tok])
     cos, sin = cos[:, None], sin[:, None]  # [rows, 1, head_dim]: shaped once for every layer
     h = gpt.run_layers(h, lambda attn, x: _attend(attn, x, cos, sin, cache, slots, lengths, starts, block, where))
     return gpt.norm(h[:n_tok])
