@@ -256,9 +256,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& blob, int64_t out, i
 // stream in ~4 ms, and the ~15 torch ops a layer makes around its four matmuls (norms, rotary, cache
 // writes, SwiGLU, residuals; ~5 ms a step of dispatch and Python) are here plain loops over one row.
 // Each row's arithmetic depends on its own values only (batch- and thread-invariant, as the GEMV), and
-// it is GPT.decode's to the bit: SiLU is the same ATen call (without Python), the norms ATen's row sums and its fp32 arithmetic, rotary,
-// the cache writes and the residual adds the same fp32 operations in the same order (built with
-// -ffp-contract=off, so no multiply-add is fused where torch rounds twice).
+// it is GPT.decode's to the bit: SiLU is the same ATen call (without Python), the norms ATen's row sums
+// and its fp32 arithmetic, rotary, the cache writes and the residual adds the same fp32 operations in the
+// same order (built with -ffp-contract=off, so no multiply-add is fused where torch rounds twice).
 //
 // Packed prompts run through it too (prefill.py): a prompt's tokens are rows at consecutive positions of
 // one slot. Every row's key and value are written before any row attends, so each token attends over its
@@ -470,7 +470,8 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& norms, double
 
 // The registered norm (the step's, for its test against at::rms_norm).
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [rows, hidden]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be contiguous fp32 [rows, hidden]");
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(),
               "w must be contiguous fp32 [hidden]");
   return rms_norm(x, w, eps);
