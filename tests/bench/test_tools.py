@@ -141,6 +141,33 @@ def test_profile_stages_add_up(tiny_ckpt, tmp_path, capsys):
     assert {"prefill", "decode", "sampling", "vocoder"} <= names
 
 
+def test_profile_reads_its_floor_between_the_timed_steps(tiny_ckpt, capsys, monkeypatch):
+    """The floor is read during the timed pass, its reads kept out of the wall time and the first chunk,
+    and the step right after each read (caches emptied by it) kept out of the step's time."""
+    from chattts_serve.bench import profile
+
+    clock = {"offset": 0.0}
+    real = profile.time.perf_counter
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: real() + clock["offset"])
+    reads: list[int] = []
+
+    def read(self):  # each read "takes" 1000 s of the fake clock
+        reads.append(len(self.seconds))
+        clock["offset"] += 1000.0
+        self.seconds.append(1000.0)
+        return 1000.0
+
+    monkeypatch.setattr(profile.FloorProbe, "read", read)
+    r = run_cli(capsys, "profile", "--model", str(tiny_ckpt), "--threads", "1", "--steps", "20", "--format", "pcm")
+    assert r["floor_reads"] == len(reads) >= 2  # 20 steps: a read every 2
+    assert r["weight_read_floor_ms"] == 1e6 and r["floor_read_range_ms"] == [1e6, 1e6]
+    assert r["wall_s"] < 1000 and r["first_chunk_s"] < 1000
+    assert r["stages"]["other"]["s"] < 1000
+    decode_calls = r["stages"]["decode"]["calls"]
+    assert r["decode_steps_timed"] == decode_calls - len(reads)
+    assert r["decode_ms_per_step"] < 1e6
+
+
 def test_eval_fp32_against_itself_is_perfect_and_modes_are_bounded(tiny_ckpt, capsys):
     r = run_cli(
         capsys,

@@ -10,6 +10,8 @@ Floors: ``decode_floor_ms`` is what one decode step costs at this box's measured
 read every weight and every cached key and value it attends to exactly once and computed nothing
 (``floor_ratio`` = floor / measured step); ``rtf_floor`` is that floor as a real-time factor the way
 ``rtf`` is one (wall per second of audio of all streams together; times ``streams`` for one stream's).
+The bandwidth is measured during the timed pass itself (``FloorProbe``): on a shared host it moves by
+up to 2x between minutes, so a floor read before or after the pass could not judge the step.
 ``--trace PATH`` writes the torch.profiler trace (open it in chrome://tracing or
 https://ui.perfetto.dev). ``--ops`` (ort-* precisions) runs the same requests once more under ONNX
 Runtime's profiler and splits the trunk's decode step by op type (``ort_ops``): the matmuls against the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .. import malloc
 from ..engine.config import add_max_num_seqs_argument
 from ..kernels.int4_gemv import Int4GemvWeight
 from . import stats
@@ -110,19 +114,41 @@ def weight_bytes(gpt) -> int:
     return total
 
 
-def read_floor_s(nbytes: int, device, repeats: int = 5) -> float:
-    """Median time to stream ``nbytes`` from memory once (a sum over a buffer that size): the time a
-    decode step cannot beat when it reads every weight once and nothing stays in cache."""
-    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    times = []
-    for _ in range(repeats + 1):
-        if buf.is_cuda:
-            torch.cuda.synchronize(device)
+class FloorProbe:
+    """Times streaming ``nbytes`` from memory once (a sum over a buffer that size, on torch's threads):
+    the time a decode step cannot beat when it reads every weight once and nothing stays in cache.
+
+    ``read`` runs between the timed pass's steps, so the floor is this box's bandwidth in the same
+    seconds as the steps it judges. On a CPU the buffer is on huge pages where the kernel allows (as
+    the int4 step's weights are: ``malloc.huge_pages``), so no page walks make the floor easier to beat."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        n = max(1, nbytes // 4)
+        if device.type == "cpu":
+            self.buf = malloc.huge_pages(4 * n).view(torch.float32)
+            self.buf.fill_(1.0)  # fault every page in now, not in the first read
+        else:
+            self.buf = torch.ones(n, dtype=torch.float32, device=device)
+        self.device = device
+        self.seconds: list[float] = []
+
+    def read(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        buf.sum().item()
-        times.append(time.perf_counter() - t0)
-    del buf
-    return sorted(times[1:])[repeats // 2]
+        self.buf.sum().item()
+        dt = time.perf_counter() - t0
+        self.seconds.append(dt)
+        return dt
+
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def probe_interval(steps: int) -> int:
+    """Engine steps between floor reads: ~16 a pass, never two steps in a row (the step after a read
+    finds the caches emptied by it and is left out of the step's time)."""
+    return max(2, steps // 16)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -161,30 +187,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def params(i: int) -> SamplingParams:
         return SamplingParams(seed=1 + i, min_new_tokens=args.steps, max_new_tokens=args.steps, refine_text=args.refine)
 
-    def one_pass() -> tuple[float, float | None, int, dict[str, list]]:
+    trunk = engine.layout.trunk  # ort-* modes: the weights live in the ONNX export
+    # ort-auto: the export a decode step of this many rows reads (the other one's bytes sit idle).
+    nbytes = trunk.for_rows(args.streams).weight_bytes if trunk is not None else weight_bytes(engine.model.gpt)
+    probe = FloorProbe(nbytes, dev)
+    every = probe_interval(args.steps)
+    # The timed pass's decode steps: seconds and cached positions read, of steps not right after a read.
+    step_s: list[float] = []
+    kv_positions: list[int] = []
+
+    def one_pass(timed: bool = False) -> tuple[float, float | None, int, dict[str, list]]:
         audio: dict[str, list] = defaultdict(list)
-        steps, first = 0, None
+        steps, first, probed, after_probe = 0, None, 0.0, False
         t0 = time.perf_counter()
         for i in range(args.streams):
             core.add_request(f"profile-{i}", core.prepare(args.text, params(i)), StreamPolicy())
         while core.has_unfinished():
             # Cached positions the step's attention reads: what it must stream besides the weights.
-            kv_positions[0] += sum(s.cache_len for s in core.scheduler.running if s.tokens)
+            positions = sum(s.cache_len for s in core.scheduler.running if s.tokens)
+            decode_calls, decode_s = timer.calls["decode"], timer.seconds["decode"]
             outs = core.step()
             steps += 1
+            if timed and timer.calls["decode"] > decode_calls and not after_probe:
+                step_s.append(timer.seconds["decode"] - decode_s)
+                kv_positions.append(positions)
+            after_probe = False
             for out in outs:
                 if len(out.audio) and first is None:
-                    first = time.perf_counter() - t0
+                    first = time.perf_counter() - t0 - probed
                 audio[out.request_id].append(out.audio)
+            if timed and steps % every == 0 and core.has_unfinished():
+                probed += probe.read()
+                after_probe = True
         for chunks in audio.values():
             response.encode(np.concatenate(chunks), args.format, model_rate=engine.sample_rate)
-        return time.perf_counter() - t0, first, steps, audio
+        return time.perf_counter() - t0 - probed, first, steps, audio
 
     # The timed pass runs without torch.profiler (its per-op bookkeeping would inflate every stage);
     # its numbers are taken now, before --trace adds a second, profiled pass.
-    kv_positions = [0]
-    wall, first, steps, audio = one_pass()
-    kv_positions_per_step = kv_positions[0] / max(1, timer.calls["decode"])
+    wall, first, steps, audio = one_pass(timed=True)
+    if not probe.seconds:  # a pass too short to read between its steps
+        for _ in range(3):
+            probe.read()
     staged = sum(timer.seconds.values())
     breakdown = {
         s: {
@@ -195,7 +239,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for s in STAGES
     }
     breakdown["other"] = {"s": round(wall - staged, 4), "share": round((wall - staged) / wall, 4), "calls": steps}
-    decode_ms = 1000 * timer.seconds["decode"] / max(1, timer.calls["decode"])
+    # The step's time and what it reads, over the steps the floor reads left alone (mean, as the floor's
+    # KV term is a mean of positions).
+    decode_ms = 1000 * sum(step_s) / max(1, len(step_s))
+    kv_positions_per_step = sum(kv_positions) / max(1, len(kv_positions))
     top = None
     if args.trace:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -204,10 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prof.export_chrome_trace(args.trace)
         top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / engine.sample_rate
-    trunk = engine.layout.trunk  # ort-* modes: the weights live in the ONNX export
-    # ort-auto: the export a decode step of this many rows reads (the other one's bytes sit idle).
-    nbytes = trunk.for_rows(args.streams).weight_bytes if trunk is not None else weight_bytes(engine.model.gpt)
-    weight_floor_ms = 1000 * read_floor_s(nbytes, dev)
+    weight_floor_ms = 1000 * probe.median_s()
     # The decode step's memory floor: its weights plus the keys and values it reads, at the bandwidth
     # just measured; real time for a stream is one step per 21.3 ms (46.875 steps per audio second).
     kv_bytes = kv_positions_per_step * engine.runner.kv_bytes_per_position
@@ -240,6 +284,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_ms_per_step": round(decode_ms, 2),
         "weight_mb": round(nbytes / 1e6, 1),
         "weight_read_floor_ms": round(weight_floor_ms, 4),
+        "floor_reads": len(probe.seconds),
+        "floor_read_range_ms": [round(1000 * min(probe.seconds), 4), round(1000 * max(probe.seconds), 4)],
+        "decode_steps_timed": len(step_s),
         "kv_read_mb_per_step": round(kv_bytes / 1e6, 1),
         "decode_floor_ms": round(step_floor_ms, 3),
         "floor_ratio": round(step_floor_ms / decode_ms, 3) if decode_ms else None,
