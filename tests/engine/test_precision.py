@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from torch import nn
 
 from chattts_serve.engine.calibrate import calibrate
 from chattts_serve.engine.config import EngineConfig
 from chattts_serve.engine.engine import Engine
+from chattts_serve.kernels.linear import packing_available
 from chattts_serve.kernels.quant import StaticInt8Linear
 from chattts_serve.models.chattts import checkpoint
 from chattts_serve.models.chattts.tokenizer import Tokenizer
@@ -38,6 +40,11 @@ def test_batch_invariance_where_promised(engine):
     batched = engine.synthesize(TEXTS, PARAMS)[1]
     alone = engine.synthesize(TEXTS[1:2], PARAMS)[0]
     np.testing.assert_array_equal(batched.codes, alone.codes)
+
+
+def test_int4_runs_its_code_heads_in_bf16_the_others_in_fp32(engine):
+    bf16 = engine.precision.name == "int4" and packing_available(torch.device("cpu"), torch.bfloat16)
+    assert engine.model.embed.code_heads_dtype == (torch.bfloat16 if bf16 else torch.float32)
 
 
 def test_precision_is_reported_and_fp16_refused_on_cpu(tiny_ckpt):

@@ -37,7 +37,8 @@ dequantising GEMM at wide calls is in BENCHMARKS.md. The kernel takes fp32 activ
 to int8 per row and block of 128 itself. Its KV cache is bf16 where the C++ decode attention runs (an
 AVX-512 CPU: ``kernels.decode_attention``): half the cache's bytes, as ``int8-static --kv-cache-dtype bf16``.
 Its decode step runs every layer in one C++ call (``kernels.int4_decode``: the same bits as the torch ops,
-without their ~5 ms a step of dispatch and Python). Without AVX-512 VNNI or a compiler the weights run
+without their ~5 ms a step of dispatch and Python). Its code heads run as one bf16 matrix
+(``models.chattts.prepare``, ``Embed.pack_heads``). Without AVX-512 VNNI or a compiler the weights run
 dequantised in fp32 (``int4_gemv.pack``; one warning).
 
 The ``ort-*`` modes leave the torch trunk alone: ``models.chattts.prepare`` exports it to ONNX (cached) and the

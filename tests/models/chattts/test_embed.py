@@ -1,10 +1,11 @@
-"""models/chattts/embed.py: weight-norm folding, prompt embedding and head row order."""
+"""models/chattts/embed.py: weight-norm folding, prompt embedding, head row order and the bf16 code heads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from chattts_serve.kernels.linear import packing_available
 from chattts_serve.models.chattts.config import GPTConfig
 from chattts_serve.models.chattts.embed import Embed, fold_weight_norm
 from tests.support.host_syncs import host_syncs
@@ -96,3 +97,32 @@ def test_embed_prompt_reads_nothing_back_from_the_device():
         out, syncs = host_syncs(lambda: e.embed_prompt(ids, text_mask))
     assert not syncs, syncs
     assert torch.equal(out[0, 0], e.emb_text.weight[ids[0, 0, 0]])
+
+
+BF16_PACKING = packing_available(torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.skipif(not BF16_PACKING, reason="oneDNN packs no bf16 weights on this CPU")
+def test_bf16_code_heads_keep_the_row_order_and_each_rows_bits():
+    e = make_embed(5)
+    torch.manual_seed(6)
+    hidden = torch.randn(5, CFG.hidden_size)
+    with torch.no_grad():
+        exact = e.code_logits(hidden)
+        e.pack_heads(code_dtype=torch.bfloat16)
+        assert e.heads_packed and e.code_heads_dtype == torch.bfloat16
+        logits = e.code_logits(hidden)
+        alone = [e.code_logits(hidden[b : b + 1]) for b in range(5)]
+    assert logits.shape == exact.shape and logits.dtype == torch.float32
+    # bf16 weights and inputs: within bf16's rounding of the fp32 logits, row b * num_vq + q as before
+    torch.testing.assert_close(logits, exact, rtol=0.03, atol=0.05)
+    assert not torch.equal(logits, exact)
+    for b in range(5):  # a row's logits do not depend on the rows beside it (the engine's batch invariance)
+        assert torch.equal(alone[b], logits[b * CFG.num_vq : (b + 1) * CFG.num_vq])
+
+
+def test_code_heads_pack_in_fp32_or_bf16_only():
+    e = make_embed(0)
+    assert e.code_heads_dtype == torch.float32
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        e.pack_heads(code_dtype=torch.float16)
