@@ -137,6 +137,12 @@ def test_profile_stages_add_up(tiny_ckpt, tmp_path, capsys):
     # The step floor adds the cache it reads: 2 streams x at least their prompts, every layer's k and v.
     assert r["kv_read_mb_per_step"] > 0 and r["decode_floor_ms"] > r["weight_read_floor_ms"]
     assert r["rtf_floor"] == pytest.approx(r["decode_floor_ms"] / r["real_time_step_ms"] / 2, abs=2e-3)
+    # The trunk is timed inside the step (the eager rows path) and judged against its own floor: the step's
+    # floor less the code heads' bytes.
+    assert 0 < r["trunk_ms_per_step"] < r["decode_ms_per_step"]
+    assert r["weight_read_floor_ms"] < r["trunk_floor_ms"] < r["decode_floor_ms"]
+    assert r["trunk_floor_ratio"] == pytest.approx(r["trunk_floor_ms"] / r["trunk_ms_per_step"], abs=2e-3)
+    assert r["trunk_ms_p50"] > 0
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"prefill", "decode", "sampling", "vocoder"} <= names
 

@@ -7,8 +7,10 @@ sampling) through its ``stage_timer``; the others are timed by wrapping the one 
 does each, on this engine instance only. Every stage carries a ``torch.profiler.record_function`` label
 so the trace shows the same names; on CUDA each stage synchronises first, so its time is its own.
 Floors: ``decode_floor_ms`` is what one decode step costs at this box's measured memory bandwidth if it
-read every weight and every cached key and value it attends to exactly once and computed nothing
-(``floor_ratio`` = floor / measured step); ``rtf_floor`` is that floor as a real-time factor the way
+read every weight (the trunk's and the code heads') and every cached key and value it attends to exactly
+once and computed nothing (``floor_ratio`` = floor / measured step); ``trunk_floor_ratio`` is the same for
+the trunk alone (its weights and the cache against ``trunk_ms_per_step``, where the decode path calls the
+trunk once a step: the eager paths); ``rtf_floor`` is that floor as a real-time factor the way
 ``rtf`` is one (wall per second of audio of all streams together; times ``streams`` for one stream's).
 The bandwidth is measured during the timed pass itself (``FloorProbe``): on a shared host it moves by
 up to 2x between minutes, so a floor read before or after the pass could not judge the step.
@@ -35,6 +37,7 @@ import torch
 
 from .. import malloc
 from ..engine.config import add_max_num_seqs_argument
+from ..engine.decode_path import TrunkDecode
 from ..kernels.int4_gemv import Int4GemvWeight
 from . import stats
 from .common import TEXTS, add_engine_flags, engine_config, fail, peak_memory_mb, set_threads
@@ -195,6 +198,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The timed pass's decode steps: seconds and cached positions read, of steps not right after a read.
     step_s: list[float] = []
     kv_positions: list[int] = []
+    # The trunk's share of a step (the eager paths call it once a step; the graph paths replay it whole).
+    trunk_s: list[float] = []
+    trunk_clock = [0.0]
+    path = engine.runner.decode_path
+    if isinstance(path, TrunkDecode):
+        run_trunk = path.trunk
+
+        def timed_trunk(emb: torch.Tensor, step: Any) -> torch.Tensor:
+            sync()
+            t0 = time.perf_counter()
+            out = run_trunk(emb, step)
+            sync()
+            trunk_clock[0] += time.perf_counter() - t0
+            return out
+
+        path.trunk = timed_trunk  # type: ignore[method-assign]
 
     def one_pass(timed: bool = False) -> tuple[float, float | None, int, dict[str, list]]:
         audio: dict[str, list] = defaultdict(list)
@@ -205,12 +224,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         while core.has_unfinished():
             # Cached positions the step's attention reads: what it must stream besides the weights.
             positions = sum(s.cache_len for s in core.scheduler.running if s.tokens)
-            decode_calls, decode_s = timer.calls["decode"], timer.seconds["decode"]
+            decode_calls, decode_s, trunk_before = timer.calls["decode"], timer.seconds["decode"], trunk_clock[0]
             outs = core.step()
             steps += 1
             if timed and timer.calls["decode"] > decode_calls and not after_probe:
                 step_s.append(timer.seconds["decode"] - decode_s)
                 kv_positions.append(positions)
+                if trunk_clock[0] > trunk_before:
+                    trunk_s.append(trunk_clock[0] - trunk_before)
             after_probe = False
             for out in outs:
                 if len(out.audio) and first is None:
@@ -256,7 +277,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # just measured; real time for a stream is one step per 21.3 ms (46.875 steps per audio second).
     kv_bytes = kv_positions_per_step * engine.runner.kv_bytes_per_position
     kv_floor_ms = weight_floor_ms * kv_bytes / nbytes
-    step_floor_ms = weight_floor_ms + kv_floor_ms
+    trunk_floor_ms = weight_floor_ms + kv_floor_ms
+    # The step also reads the code heads (bf16 in the int4 mode, fp32 otherwise; models.chattts.embed).
+    embed = engine.model.embed
+    head_bytes = embed.head_code.numel() * (2 if embed.code_heads_dtype == torch.bfloat16 else 4)
+    step_floor_ms = trunk_floor_ms + weight_floor_ms * head_bytes / nbytes
+    trunk_ms = 1000 * sum(trunk_s) / len(trunk_s) if trunk_s else None
     ort_ops = None
     if args.ops:
         with tempfile.TemporaryDirectory() as tmp:
@@ -290,6 +316,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv_read_mb_per_step": round(kv_bytes / 1e6, 1),
         "decode_floor_ms": round(step_floor_ms, 3),
         "floor_ratio": round(step_floor_ms / decode_ms, 3) if decode_ms else None,
+        "trunk_ms_per_step": round(trunk_ms, 3) if trunk_ms else None,
+        "trunk_ms_p50": round(1000 * statistics.median(trunk_s), 3) if trunk_s else None,
+        "trunk_floor_ms": round(trunk_floor_ms, 3),
+        "trunk_floor_ratio": round(trunk_floor_ms / trunk_ms, 3) if trunk_ms else None,
         "real_time_step_ms": round(1000 / TOKENS_PER_SECOND, 2),
         "rtf_floor": round(step_floor_ms / (1000 / TOKENS_PER_SECOND) / args.streams, 3),
         "stages": breakdown,
