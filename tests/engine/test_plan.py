@@ -130,13 +130,15 @@ def test_int8_kv_cache_is_a_cpu_torch_mode():
         resolve_plan(EngineConfig(precision="ort-int8", runner=RunnerConfig(kv_cache_dtype="int8")), "cpu")
 
 
-def test_int4_takes_a_bf16_cache_where_the_cpp_attention_runs(monkeypatch):
+def test_int4_takes_an_int8_cache_where_the_cpp_attention_runs(monkeypatch):
     from chattts_serve.kernels import decode_attention
 
     monkeypatch.setattr(decode_attention, "cpu_supported", lambda: True)
-    assert resolve_plan(EngineConfig(precision="int4"), "cpu").kv_cache_dtype == torch.bfloat16
+    assert resolve_plan(EngineConfig(precision="int4"), "cpu").kv_cache_dtype == torch.int8
+    bf16 = EngineConfig(precision="int4", runner=RunnerConfig(kv_cache_dtype="bf16"))
+    assert resolve_plan(bf16, "cpu").kv_cache_dtype == torch.bfloat16  # asked for: kept
     assert resolve_plan(EngineConfig(precision="int8-static"), "cpu").kv_cache_dtype == torch.float32
-    monkeypatch.setattr(decode_attention, "cpu_supported", lambda: False)  # AVX2: torch's bf16 SDPA is slower
+    monkeypatch.setattr(decode_attention, "cpu_supported", lambda: False)  # AVX2: torch's SDPA over it is slower
     assert resolve_plan(EngineConfig(precision="int4"), "cpu").kv_cache_dtype == torch.float32
 
 

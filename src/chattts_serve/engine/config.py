@@ -181,7 +181,7 @@ _HELP = {
     "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
     "ort_auto_crossover": "ort-auto: trunk calls of this many rows or more run int8, narrower ones 4-bit "
     "(0: from a table by CPU)",
-    "kv_cache_dtype": "KV cache dtype: auto (the trunk's; int4: bf16 on AVX-512 CPUs), bf16 (half the bytes; "
+    "kv_cache_dtype": "KV cache dtype: auto (the trunk's; int4: int8 on AVX-512 CPUs), bf16 (half the bytes; "
     "attention in bf16) or int8 (int8 vectors with an fp32 scale each, 0.27 of fp32's bytes; attention in fp32; "
     "CPU); torch precisions",
     "sampling_noise": "sampling noise: generator (one torch.Generator per sequence, reference-identical; CPU "

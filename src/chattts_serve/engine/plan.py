@@ -141,8 +141,8 @@ def resolve_plan(config: EngineConfig, device_type: str) -> ExecutionPlan:
         raise ValueError(f"kv_cache_dtype int8 runs on the CPU only; on {device_type} use bf16")
     kv_dtype = _KV_DTYPES.get(rc.kv_cache_dtype, spec.trunk_dtype)
     if rc.kv_cache_dtype == "auto" and spec.cpu_kv_dtype is not None and device_type == "cpu":
-        # (int4) half the cache's bytes where the C++ decode attention reads them at its rate; elsewhere a
-        # bf16 cache would run torch's slower bf16 SDPA.
+        # (int4: int8) a fraction of the cache's bytes where the C++ decode attention reads them; elsewhere
+        # such a cache would run torch's far slower SDPA over dequantised rows.
         if decode_attention.cpu_supported():
             kv_dtype = spec.cpu_kv_dtype
     # The static step on CUDA: FlexAttention where its probe runs (``CHATTTS_CUDA_ATTENTION`` may force

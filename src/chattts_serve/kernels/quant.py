@@ -34,8 +34,10 @@ AVX-512 VNNI kernel that reads 4-bit weights at ~0.7 of the memory's rate at 1-8
 kernel and packed weights, one pass over the weights per 8 rows: the same arithmetic for a row at any
 width (batch-invariant, prefill included) and no second copy of the weights; what it costs against a
 dequantising GEMM at wide calls is in BENCHMARKS.md. The kernel takes fp32 activations and quantises them
-to int8 per row and block of 128 itself. Its KV cache is bf16 where the C++ decode attention runs (an
-AVX-512 CPU: ``kernels.decode_attention``): half the cache's bytes, as ``int8-static --kv-cache-dtype bf16``.
+to int8 per row and block of 128 itself. Its KV cache is int8 (one fp32 scale a vector: ``kernels.kv_int8``)
+where the C++ decode attention runs (an AVX-512 CPU: ``kernels.decode_attention``): 0.53 of a bf16 cache's
+bytes at no cost ``eval`` resolves (int4/kv-int8 against int4/kv-bf16: top-1 0.8619 and 0.8613, KL 0.00432
+both), 6-15 % more 32-stream throughput on the Zen 5 (BENCHMARKS.md, ninth session).
 Its decode step runs every layer in one C++ call (``kernels.int4_decode``: the same bits as the torch ops,
 without their ~5 ms a step of dispatch and Python). Its code heads run as one bf16 matrix
 (``models.chattts.prepare``, ``Embed.pack_heads``). Without AVX-512 VNNI or a compiler the weights run
@@ -89,7 +91,7 @@ _MODES = {  # name -> (trunk dtype, int8 kind, ONNX weights[, int4 GEMV, CPU KV 
     "int8": (torch.bfloat16, "weight", None),
     "int8-dynamic": (torch.float32, "dynamic", None),
     "int8-static": (torch.float32, "static", None),
-    "int4": (torch.float32, "none", None, True, torch.bfloat16),
+    "int4": (torch.float32, "none", None, True, torch.int8),
     "ort-fp32": (torch.float32, "none", "fp32"),
     "ort-int8": (torch.float32, "none", "int8"),
     "ort-int4": (torch.float32, "none", "int4"),
