@@ -307,12 +307,31 @@ void store(const float* x, at::BFloat16* out, float*, int64_t d) {
 }
 
 // ... or into an int8 cache with its fp32 scale (kv_int8.quantize: absmax / 127, round half to even).
+// Sixteen lanes at a time where d allows (a prompt's prefill writes ~1.5 M of these vectors; one at a time they
+// cost ~0.15 s of a 32-prompt burst), the same operations either way: a true division, round half to even,
+// and a NaN dropped from the max and clamped to -127 (vmaxps returns its second operand on a NaN, as
+// std::max(a, NaN) returns a).
 void store(const float* x, int8_t* out, float* scale, int64_t d) {
   float amax = 0.0f;
-  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  if (d % 16 == 0) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), m);
+    amax = _mm512_reduce_max_ps(m);
+  } else {
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  }
   const float s = amax / 127.0f;
   const float div = std::max(s, std::numeric_limits<float>::min());
-  for (int64_t i = 0; i < d; ++i) out[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] / div))));
+  if (d % 16 == 0) {
+    const __m512 vdiv = _mm512_set1_ps(div), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vdiv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 c = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
+    }
+  } else {
+    for (int64_t i = 0; i < d; ++i) out[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] / div))));
+  }
   *scale = s;
 }
 
