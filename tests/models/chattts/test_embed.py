@@ -66,10 +66,15 @@ def test_embed_prompt_without_text_is_code_sum():
         torch.testing.assert_close(out, e.embed_codes(ids))
 
 
+def embed_and_hidden(seed: int, rows: int) -> tuple[Embed, torch.Tensor]:
+    """Random heads and ``rows`` random hidden states."""
+    e = make_embed(seed)
+    torch.manual_seed(seed + 1)
+    return e, torch.randn(rows, CFG.hidden_size)
+
+
 def test_code_logits_row_order_is_b_times_4_plus_q():
-    e = make_embed(3)
-    torch.manual_seed(4)
-    hidden = torch.randn(3, CFG.hidden_size)
+    e, hidden = embed_and_hidden(3, 3)
     with torch.no_grad():
         logits = e.code_logits(hidden)
     assert logits.shape == (3 * CFG.num_vq, CFG.num_audio_tokens)
@@ -104,9 +109,7 @@ BF16_PACKING = packing_available(torch.device("cpu"), torch.bfloat16)
 
 @pytest.mark.skipif(not BF16_PACKING, reason="oneDNN packs no bf16 weights on this CPU")
 def test_bf16_code_heads_keep_the_row_order_and_each_rows_bits():
-    e = make_embed(5)
-    torch.manual_seed(6)
-    hidden = torch.randn(5, CFG.hidden_size)
+    e, hidden = embed_and_hidden(5, 5)
     with torch.no_grad():
         exact = e.code_logits(hidden)
         e.pack_heads(code_dtype=torch.bfloat16)
