@@ -88,12 +88,12 @@ def prepare_model(
             packed = True
         elif dtype == torch.float32:
             pad_rows_to = 4
-        if packing_available(device, torch.float32):
-            model.embed.pack_heads()
+    # The int4 mode's code heads in bf16 at any slot count (embed.py: half the step's other bytes, at a
+    # quality cost eval does not resolve); batch-invariant as the fp32 packing. Packed once either way.
     if spec.int4 and packing_available(device, torch.bfloat16):
-        # The int4 mode's code heads in bf16 at any slot count (embed.py: half the step's other bytes, at a
-        # quality cost eval does not resolve); batch-invariant as the fp32 packing.
         model.embed.pack_heads(code_dtype=torch.bfloat16)
+    elif num_slots > 1 and device.type == "cpu" and packing_available(device, torch.float32):
+        model.embed.pack_heads()
     layout = ModelLayout(spec, packed, pad_rows_to)
     logger.info("model prepared: %s", layout)
     return layout
