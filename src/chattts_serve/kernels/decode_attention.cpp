@@ -210,6 +210,13 @@ struct Span {
   int64_t n = 0;
 };
 
+// Item (slot, kv head g, positions [p0, p1))'s span.
+template <class T>
+Span<T> span(const Layout<T>& L, int64_t slot, int64_t g, int64_t p0, int64_t p1) {
+  return {L.k + slot * L.k_slot + g * L.k_head + p0 * L.k_pos, L.v + slot * L.v_slot + g * L.v_head + p0 * L.v_pos,
+          p1 - p0};
+}
+
 // Positions [a, b) of a span into L1 (past its end: nothing).
 template <int D, class T>
 inline void prefetch(const Layout<T>& L, const Span<T>& s, int64_t a, int64_t b) {
@@ -238,10 +245,10 @@ template <int D, class R, class T>
 void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_t p0, int64_t p1, float* part,
                 const Span<T>& next) {
   constexpr bool kScaled = std::is_same_v<T, int8_t>;
-  const int64_t n = p1 - p0;
-  const T* k0 = L.k + slot * L.k_slot + g * L.k_head + p0 * L.k_pos;
-  const T* v0 = L.v + slot * L.v_slot + g * L.v_head + p0 * L.v_pos;
-  const Span<T> cur{k0, v0, n};
+  const Span<T> cur = span(L, slot, g, p0, p1);
+  const int64_t n = cur.n;
+  const T* k0 = cur.k;
+  const T* v0 = cur.v;
   const float* ks0 = nullptr;
   const float* vs0 = nullptr;
   if constexpr (kScaled) {
@@ -329,8 +336,7 @@ void run(const Layout<T>& L, const int64_t* slots, const int64_t* last, int64_t 
           const int64_t nr = it + 1 < first[row + 1] ? row : row + 1;
           int64_t ng, np0, np1;
           locate(it + 1, nr, ng, np0, np1);
-          next = {L.k + slots[nr] * L.k_slot + ng * L.k_head + np0 * L.k_pos,
-                  L.v + slots[nr] * L.v_slot + ng * L.v_head + np0 * L.v_pos, np1 - np0};
+          next = span(L, slots[nr], ng, np0, np1);
         }
         chunk_item<D, R, T>(L, row, slots[row], g, p0, p1, parts.data() + it * part_size, next);
       }
