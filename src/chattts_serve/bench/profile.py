@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trunk_floor_ms = weight_floor_ms + kv_floor_ms
     # The step also reads the code heads (bf16 in the int4 mode, fp32 otherwise; models.chattts.embed).
     embed = engine.model.embed
-    head_bytes = embed.head_code.numel() * (2 if embed.code_heads_dtype == torch.bfloat16 else 4)
+    head_bytes = embed.head_code.numel() * embed.code_heads_dtype.itemsize
     step_floor_ms = trunk_floor_ms + weight_floor_ms * head_bytes / nbytes
     trunk_ms = 1000 * sum(trunk_s) / len(trunk_s) if trunk_s else None
     ort_ops = None
