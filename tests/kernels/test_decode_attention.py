@@ -87,6 +87,22 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads(cache):
         assert torch.equal(alone[0], batched[row])
 
 
+@pytest.mark.parametrize("cache", ["bf16", "int8"])
+def test_a_query_viewed_in_wider_rows_is_read_in_place_and_scaled_as_torch_would(cache):
+    """The decode step's query is a view of its q/k/v rows (row stride 3 x heads x head_dim): read where it
+    is, it gives the bits of its contiguous copy; scaled as it is loaded, the bits of ``q * scale``."""
+    _kernel_or_skip()
+    k, v, scales = (*_cache(8, 12, 700, 64, seed=5), None) if cache == "bf16" else _int8_cache(8, 12, 700, 64, seed=5)
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(5, 3 * 12 * 64, generator=g)
+    q = qkv[:, : 12 * 64].view(5, 12, 64)  # not contiguous
+    slots, last = torch.tensor([0, 3, 3, 7, 1]), torch.tensor([699, 40, 511, 512, 0])  # one and two chunks
+    scale = 64**-0.5 * 1.1  # not a power of two: the product rounds
+    out = da.attend(q, k, v, slots, last, scale, scales)
+    assert torch.equal(out, da.attend(q.contiguous(), k, v, slots, last, scale, scales))
+    assert torch.equal(out, da.attend(q * scale, k, v, slots, last, 1.0, scales))
+
+
 def test_bad_inputs_are_refused():
     _kernel_or_skip()
     k, v = _cache(2, 2, 10, 32)

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -191,12 +192,14 @@ struct Row8 {
 
 template <class T>
 struct Layout {
-  const float* q;  // [rows, heads, D], contiguous, already scaled
+  const float* q;  // [rows, heads, D], each row's heads contiguous; times `scale` as it is loaded
   const T* k;
   const T* v;
   int64_t k_slot, k_head, k_pos;  // strides (elements) of the cache views; head_dim is contiguous
   int64_t v_slot, v_head, v_pos;
   int64_t heads, rep;
+  int64_t q_row = 0;  // q's row stride (elements)
+  float scale = 1.0f;
   // int8 only (else null): one scale per vector, [slots, kv_heads, positions] with positions contiguous.
   const float* ks = nullptr;
   const float* vs = nullptr;
@@ -247,6 +250,27 @@ inline void prefetch_scales(const Span<T>& s, int64_t a, int64_t b) {
   _mm_prefetch(reinterpret_cast<const char*>(s.vs + last), _MM_HINT_T0);
 }
 
+// A (row, query head)'s output from its chunks' parts (max score, sum of exp, weighted value sum; `stride`
+// floats apart), in chunk order: rescaled to the largest max, summed, then divided.
+template <int D>
+inline void combine(const float* base, int64_t chunks, int64_t stride, float* o) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) m = std::max(m, base[c * stride]);
+  float total = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = base + c * stride;
+    const float f = std::exp(p[0] - m);
+    const __m512 w = _mm512_set1_ps(f);
+    total += f * p[1];
+    for (int j = 0; j < D; j += 16) {
+      const __m512 prev = c == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + j);
+      _mm512_storeu_ps(o + j, _mm512_fmadd_ps(w, _mm512_loadu_ps(p + 2 + j), prev));
+    }
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / total);
+  for (int j = 0; j < D; j += 16) _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), inv));
+}
+
 // One item: row `row` (cache slot `slot`), kv head `g`, positions [p0, p1). Writes for each of the
 // kv head's `rep` query heads the chunk's max score, its sum of exp and its weighted value sum
 // (D floats) at part + r * (D + 2).
@@ -260,10 +284,12 @@ inline void prefetch_scales(const Span<T>& s, int64_t a, int64_t b) {
 // An int8 cache (R = Row8): scores times the keys' scales, and the weights that multiply the values times
 // the values' scales (the softmax's sum takes the weights alone).
 // `next`: the item this thread takes after this one (empty if unknown), whose first positions are
-// prefetched while this one computes.
+// prefetched while this one computes. `final`: where the kv head's query heads' outputs go when this item
+// is its row's only chunk (else null): the item combines its one part itself (`combine`, as `run` would),
+// so a prompt's thousands of rows are not combined one after another on one thread.
 template <int D, class R, class T>
 void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_t p0, int64_t p1, float* part,
-                const Span<T>& next) {
+                const Span<T>& next, float* final) {
   constexpr bool kScaled = std::is_same_v<T, int8_t>;
   const Span<T> cur = span(L, slot, g, p0, p1);
   const int64_t n = cur.n;
@@ -275,7 +301,8 @@ void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_
   alignas(64) float e[16];
   for (int64_t r = 0; r < L.rep; ++r) {
     R q, out, odd_out;  // odd_out: the odd positions' sum, a second chain of FMAs
-    q.load_split(L.q + (row * L.heads + g * L.rep + r) * D);
+    q.load_split(L.q + row * L.q_row + (g * L.rep + r) * D);
+    q.scale(_mm512_set1_ps(L.scale));  // the one rounding of q * scale, as a scaled copy would have it
     out.zero(), odd_out.zero();
     float m = -std::numeric_limits<float>::infinity();
     __m512 sum = _mm512_setzero_ps();
@@ -325,10 +352,12 @@ void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_
       if (i < cnt) out.add_scaled(_mm512_set1_ps(e[i]), v0 + (p + i) * L.v_pos);
     }
     out.add(odd_out);
-    float* dst = part + r * (D + 2);
+    alignas(64) float one[D + 2];
+    float* dst = final ? one : part + r * (D + 2);
     dst[0] = m;
     dst[1] = _mm512_reduce_add_ps(sum);
     out.store_joined(dst + 2);
+    if (final) combine<D>(one, 1, 0, final + r * D);
   }
 }
 
@@ -339,7 +368,8 @@ void run(const Layout<T>& L, const int64_t* slots, const int64_t* last, int64_t 
   for (int64_t i = 0; i < rows; ++i) first[i + 1] = first[i] + kv_heads * ((last[i] + kChunk) / kChunk);
   const int64_t items = first[rows];
   const int64_t part_size = L.rep * (D + 2);
-  std::vector<float> parts(items * part_size);
+  // Written by the items of rows with more than one chunk only (and read by them only): not zeroed.
+  std::unique_ptr<float[]> parts(new float[items * part_size]);
 
   // Threads take blocks of items from a shared counter rather than fixed halves: on a busy machine a
   // thread that loses its core for a while does not hold the others at the end (and ragged rows
@@ -365,40 +395,28 @@ void run(const Layout<T>& L, const int64_t* slots, const int64_t* last, int64_t 
           locate(it + 1, nr, ng, np0, np1);
           next = span(L, slots[nr], ng, np0, np1);
         }
-        chunk_item<D, R, T>(L, row, slots[row], g, p0, p1, parts.data() + it * part_size, next);
+        const bool alone = last[row] < kChunk;  // the row's only chunk
+        chunk_item<D, R, T>(L, row, slots[row], g, p0, p1, parts.get() + it * part_size, next,
+                            alone ? out + (row * L.heads + g * L.rep) * D : nullptr);
       }
     }
   });
 
-  // Combine each (row, query head)'s chunks in chunk order: rescale to the largest max, then divide.
-  // On this thread: a few FLOPs per value, less than what a second parallel region costs to start
-  // (on a busy machine, up to a scheduler time slice while the other thread waits for a core).
+  // Combine the chunks of each (row, query head) with more than one (the others combined themselves),
+  // on this thread: a few FLOPs per value, less than what a second parallel region costs to start (on a
+  // busy machine, up to a scheduler time slice while the other thread waits for a core).
   for (int64_t rh = 0; rh < rows * L.heads; ++rh) {
     const int64_t row = rh / L.heads, h = rh % L.heads, g = h / L.rep, r = h % L.rep;
     const int64_t chunks = (last[row] + kChunk) / kChunk;
-    const float* base = parts.data() + (first[row] + g * chunks) * part_size + r * (D + 2);
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < chunks; ++c) m = std::max(m, base[c * part_size]);
-    float total = 0.0f;
-    float* o = out + rh * D;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float* p = base + c * part_size;
-      const float f = std::exp(p[0] - m);
-      const __m512 w = _mm512_set1_ps(f);
-      total += f * p[1];
-      for (int j = 0; j < D; j += 16) {
-        const __m512 prev = c == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + j);
-        _mm512_storeu_ps(o + j, _mm512_fmadd_ps(w, _mm512_loadu_ps(p + 2 + j), prev));
-      }
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / total);
-    for (int j = 0; j < D; j += 16) _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), inv));
+    if (chunks == 1) continue;
+    combine<D>(parts.get() + (first[row] + g * chunks) * part_size + r * (D + 2), chunks, part_size, out + rh * D);
   }
 }
 
-// The checks both ops share; returns the query pre-scaled and contiguous.
+// The checks both ops share; returns the query with each row's heads contiguous (the decode step's q is
+// a view of its q/k/v rows: taken as it is, no copy).
 at::Tensor check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
-                 const at::Tensor& last, double scale) {
+                 const at::Tensor& last) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be float32 [rows, heads, head_dim]");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(), "k and v must be [slots, kv_heads, positions, head_dim]");
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && q.device().is_cpu(), "CPU tensors only");
@@ -416,7 +434,7 @@ at::Tensor check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     TORCH_CHECK(sp[i] >= 0 && sp[i] < k.size(0), "slot ", sp[i], " out of range");
     TORCH_CHECK(lp[i] >= 0 && lp[i] < k.size(2), "last position ", lp[i], " out of range");
   }
-  return (q * scale).contiguous();
+  return q.stride(2) == 1 && q.stride(1) == d ? q : q.contiguous();
 }
 
 template <template <int> class R, class T>
@@ -445,10 +463,11 @@ at::Tensor dispatch(const Layout<T>& L, const at::Tensor& q, const at::Tensor& k
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
                             const at::Tensor& last, double scale) {
   TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16, "k and v must be bfloat16");
-  const at::Tensor qs = check(q, k, v, slots, last, scale);
-  const Layout<at::BFloat16> L{qs.data_ptr<float>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(),
-                               k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                               q.size(1), q.size(1) / k.size(1)};
+  const at::Tensor qs = check(q, k, v, slots, last);
+  Layout<at::BFloat16> L{qs.data_ptr<float>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(),
+                         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                         q.size(1), q.size(1) / k.size(1)};
+  L.q_row = qs.stride(0), L.scale = static_cast<float>(scale);  // ATen's q * scale: a float times float(scale)
   return dispatch<Row, at::BFloat16>(L, qs, k, slots, last);
 }
 
@@ -462,10 +481,11 @@ at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const
               "scales must be [slots, kv_heads, positions] of k and v");
   TORCH_CHECK(k_scale.stride(2) == 1 && v_scale.stride(2) == 1, "positions must be contiguous in the scales");
   TORCH_CHECK(k_scale.device().is_cpu() && v_scale.device().is_cpu(), "CPU tensors only");
-  const at::Tensor qs = check(q, k, v, slots, last, scale);
+  const at::Tensor qs = check(q, k, v, slots, last);
   Layout<int8_t> L{qs.data_ptr<float>(), k.data_ptr<int8_t>(), v.data_ptr<int8_t>(),
                    k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                    q.size(1), q.size(1) / k.size(1)};
+  L.q_row = qs.stride(0), L.scale = static_cast<float>(scale);
   L.ks = k_scale.data_ptr<float>(), L.vs = v_scale.data_ptr<float>();
   L.ks_slot = k_scale.stride(0), L.ks_head = k_scale.stride(1);
   L.vs_slot = v_scale.stride(0), L.vs_head = v_scale.stride(1);
