@@ -103,6 +103,27 @@ def test_a_query_viewed_in_wider_rows_is_read_in_place_and_scaled_as_torch_would
     assert torch.equal(out, da.attend(q * scale, k, v, slots, last, 1.0, scales))
 
 
+@pytest.mark.parametrize("cache", ["bf16", "int8"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(12, 12, 64), (8, 2, 32), (6, 3, 48)])
+def test_a_prompts_rows_share_their_keys_and_keep_their_bits(cache, heads, kv_heads, head_dim):
+    """A prefill's rows: one slot's tokens at consecutive positions attend in groups that widen each block of
+    keys and values once. Each row gets the bits it gets alone, and the attention a float64 oracle gives;
+    around them, rows of other slots, a prompt that runs past the 512-position chunk (those rows go one by
+    one) and a prompt of one token."""
+    _kernel_or_skip()
+    make = _cache if cache == "bf16" else _int8_cache
+    k, v, scales = (*make(4, kv_heads, 600, head_dim, seed=7), None) if cache == "bf16" else make(4, kv_heads, 600, head_dim, seed=7)
+    runs = [(2, 0, 37), (0, 3, 1), (3, 490, 40), (1, 100, 13)]  # (slot, first position, tokens)
+    slots = torch.tensor([slot for slot, _, n in runs for _ in range(n)])
+    last = torch.tensor([p for _, first, n in runs for p in range(first, first + n)])
+    q = torch.randn(len(last), heads, head_dim, generator=torch.Generator().manual_seed(8))
+    out = da.attend(q, k, v, slots, last, head_dim**-0.5, scales)
+    for row in range(len(last)):
+        alone = da.attend(q[row : row + 1], k, v, slots[row : row + 1], last[row : row + 1], head_dim**-0.5, scales)
+        assert torch.equal(out[row], alone[0]), row
+    torch.testing.assert_close(out, da.reference(q, k, v, slots, last, head_dim**-0.5, scales), atol=ATOL, rtol=0)
+
+
 def test_bad_inputs_are_refused():
     _kernel_or_skip()
     k, v = _cache(2, 2, 10, 32)

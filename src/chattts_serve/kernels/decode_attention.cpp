@@ -9,6 +9,8 @@
 // its keys and values together with an online softmax local to the chunk; the chunks of a row and head
 // are then combined in order. The chunk size is a constant, so a row's result never depends on the
 // number of threads or on which other rows run in the same step (the engine's batch invariance).
+// A prefill's rows (one slot's tokens at consecutive positions) go in groups that widen each block of
+// keys and values to fp32 once for all of them (group_item), each row with the same arithmetic.
 //
 // Built at first use by torch.utils.cpp_extension with AVX-512 flags; only loaded on CPUs that have it.
 
@@ -34,7 +36,7 @@
 namespace {
 
 constexpr int64_t kChunk = 512;  // positions per work item (128 KB of keys and values at head_dim 64)
-constexpr int64_t kBlock = 4;    // items a thread takes at once (consecutive chunks of one row and head)
+constexpr int64_t kBlock = 4;    // items a thread takes at once (consecutive: a row's chunks and heads)
 // Positions ahead whose keys and values an item's first query head prefetches. The cache comes back from
 // memory every step (the weights' stream evicts it), in runs of a few KB per (row, head): too short for the
 // hardware prefetcher, so the loop waited on each block's misses. Zen 5, an int8 cache, cold: a 32-row step's
@@ -146,6 +148,32 @@ struct Row {
     }
     if constexpr (kTail) tail = _mm512_fmadd_ps(s, load_bf16(p + 32 * W), tail);
   }
+  // The bf16 row at p widened once into D floats as the two above read it (per pair: even, odd; then the
+  // tail), and the same two over that copy: the same products and sums, so the same bits.
+  static void widen(const at::BFloat16* p, float* x) {
+    for (int w = 0; w < W; ++w) {
+      const __m512i k = _mm512_loadu_si512(p + 32 * w);
+      _mm512_storeu_ps(x + 32 * w, even_bf16(k));
+      _mm512_storeu_ps(x + 32 * w + 16, odd_bf16(k));
+    }
+    if constexpr (kTail) _mm512_storeu_ps(x + 32 * W, load_bf16(p + 32 * W));
+  }
+  __m512 dot_lanes(const float* x) const {
+    __m512 acc = _mm512_setzero_ps();
+    for (int w = 0; w < W; ++w) {
+      acc = _mm512_fmadd_ps(even[w], _mm512_loadu_ps(x + 32 * w), acc);
+      acc = _mm512_fmadd_ps(odd[w], _mm512_loadu_ps(x + 32 * w + 16), acc);
+    }
+    if constexpr (kTail) acc = _mm512_fmadd_ps(tail, _mm512_loadu_ps(x + 32 * W), acc);
+    return acc;
+  }
+  void add_scaled(__m512 s, const float* x) {
+    for (int w = 0; w < W; ++w) {
+      even[w] = _mm512_fmadd_ps(s, _mm512_loadu_ps(x + 32 * w), even[w]);
+      odd[w] = _mm512_fmadd_ps(s, _mm512_loadu_ps(x + 32 * w + 16), odd[w]);
+    }
+    if constexpr (kTail) tail = _mm512_fmadd_ps(s, _mm512_loadu_ps(x + 32 * W), tail);
+  }
 };
 
 // 16 int8 -> 16 fp32 (exact).
@@ -187,6 +215,23 @@ struct Row8 {
   }
   void add_scaled(__m512 s, const int8_t* p) {  // this += s * (int8 row at p)
     for (int w = 0; w < W; ++w) x[w] = _mm512_fmadd_ps(s, load_int8(p + 16 * w), x[w]);
+  }
+  // The int8 row at p widened once into D floats, and the same two over that copy (as Row's).
+  static void widen(const int8_t* p, float* y) {
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(y + 16 * w, load_int8(p + 16 * w));
+  }
+  __m512 dot_lanes(const float* y) const {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    int w = 0;
+    for (; w + 2 <= W; w += 2) {
+      a = _mm512_fmadd_ps(x[w], _mm512_loadu_ps(y + 16 * w), a);
+      b = _mm512_fmadd_ps(x[w + 1], _mm512_loadu_ps(y + 16 * w + 16), b);
+    }
+    if (w < W) a = _mm512_fmadd_ps(x[w], _mm512_loadu_ps(y + 16 * w), a);
+    return _mm512_add_ps(a, b);
+  }
+  void add_scaled(__m512 s, const float* y) {
+    for (int w = 0; w < W; ++w) x[w] = _mm512_fmadd_ps(s, _mm512_loadu_ps(y + 16 * w), x[w]);
   }
 };
 
@@ -271,18 +316,75 @@ inline void combine(const float* base, int64_t chunks, int64_t stride, float* o)
   for (int j = 0; j < D; j += 16) _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_loadu_ps(o + j), inv));
 }
 
+// One query head's online softmax over a span's positions, a block of at most 16 at a time: the block's
+// dots (times the keys' scales for an int8 cache), its max, what was summed rescaled when the max grows,
+// then its weights times the values (times the values' scales; the softmax's sum takes the weights
+// alone) added in. `dot_at(q, i)` gives the lanes of the block's key i's dot with q, `add_at(acc, w, i)`
+// adds w times its value i: read from the cache (chunk_item) or from a block widened once for a group of
+// rows (group_item). Either way the same products and sums in the same order: the same bits.
+template <class R, bool kScaled>
+struct Online {
+  R q, out, odd_out;  // odd_out: the odd positions' sum, a second chain of FMAs
+  float m;
+  __m512 sum;
+
+  void start(const float* qp, float scale) {
+    q.load_split(qp);
+    q.scale(_mm512_set1_ps(scale));  // the one rounding of q * scale, as a scaled copy would have it
+    out.zero(), odd_out.zero();
+    m = -std::numeric_limits<float>::infinity();
+    sum = _mm512_setzero_ps();
+  }
+  // `ks`, `vs`: the block's key and value scales (int8), else unused.
+  template <class Dot, class Add>
+  inline void block(int cnt, const float* ks, const float* vs, Dot dot_at, Add add_at) {
+    const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
+    __m512 lanes[16];
+    for (int i = 0; i < 16; ++i) lanes[i] = i < cnt ? dot_at(q, i) : _mm512_setzero_ps();
+    __m512 dots = sum16(lanes);
+    if constexpr (kScaled) dots = _mm512_mul_ps(dots, _mm512_maskz_loadu_ps(live, ks));
+    const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, dots);
+    const float block_max = _mm512_reduce_max_ps(scores);
+    if (block_max > m) {  // rescale what was summed under the old max (m = -inf: nothing yet, factor 0)
+      const __m512 factor = exp_nonpositive(_mm512_set1_ps(m - block_max));
+      out.scale(factor), odd_out.scale(factor);
+      sum = _mm512_mul_ps(sum, factor);
+      m = block_max;
+    }
+    const __m512 w = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(m)));  // masked lanes: 0
+    sum = _mm512_add_ps(sum, w);
+    alignas(64) float e[16];
+    if constexpr (kScaled) {
+      _mm512_store_ps(e, _mm512_mul_ps(w, _mm512_maskz_loadu_ps(live, vs)));
+    } else {
+      _mm512_store_ps(e, w);
+    }
+    int i = 0;
+    for (; i + 2 <= cnt; i += 2) {
+      add_at(out, _mm512_set1_ps(e[i]), i);
+      add_at(odd_out, _mm512_set1_ps(e[i + 1]), i + 1);
+    }
+    if (i < cnt) add_at(out, _mm512_set1_ps(e[i]), i);
+  }
+  // The part: max score, sum of exp, weighted value sum (D floats).
+  void finish(float* dst) {
+    out.add(odd_out);
+    dst[0] = m;
+    dst[1] = _mm512_reduce_add_ps(sum);
+    out.store_joined(dst + 2);
+  }
+};
+
 // One item: row `row` (cache slot `slot`), kv head `g`, positions [p0, p1). Writes for each of the
 // kv head's `rep` query heads the chunk's max score, its sum of exp and its weighted value sum
 // (D floats) at part + r * (D + 2).
 //
 // Keys and values are read in the same loop, 16 positions at a time, with the softmax kept online
-// (a running max; the sums rescaled when it grows): two streams in flight at once read the slot
-// layout's runs of a few tens of KB markedly faster than one pass over keys then one over values.
-// Query heads of a kv head run one after another over the same chunk: its keys and values (kChunk *
-// D * 2 bytes each) come from memory once and then from cache.
+// (Online): two streams in flight at once read the slot layout's runs of a few tens of KB markedly
+// faster than one pass over keys then one over values. Query heads of a kv head run one after another
+// over the same chunk: its keys and values (kChunk * D * 2 bytes each) come from memory once and then
+// from cache.
 //
-// An int8 cache (R = Row8): scores times the keys' scales, and the weights that multiply the values times
-// the values' scales (the softmax's sum takes the weights alone).
 // `next`: the item this thread takes after this one (empty if unknown), whose first positions are
 // prefetched while this one computes. `final`: where the kv head's query heads' outputs go when this item
 // is its row's only chunk (else null): the item combines its one part itself (`combine`, as `run` would),
@@ -297,15 +399,9 @@ void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_
   const T* v0 = cur.v;
   const float* ks0 = cur.ks;
   const float* vs0 = cur.vs;
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  alignas(64) float e[16];
   for (int64_t r = 0; r < L.rep; ++r) {
-    R q, out, odd_out;  // odd_out: the odd positions' sum, a second chain of FMAs
-    q.load_split(L.q + row * L.q_row + (g * L.rep + r) * D);
-    q.scale(_mm512_set1_ps(L.scale));  // the one rounding of q * scale, as a scaled copy would have it
-    out.zero(), odd_out.zero();
-    float m = -std::numeric_limits<float>::infinity();
-    __m512 sum = _mm512_setzero_ps();
+    Online<R, kScaled> s;
+    s.start(L.q + row * L.q_row + (g * L.rep + r) * D, L.scale);
     if (r == 0) {  // the kv head's other query heads find the chunk in cache
       prefetch<D>(L, cur, 0, kAhead);
       prefetch<D>(L, next, 0, kAhead);
@@ -323,50 +419,95 @@ void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_
           _mm_prefetch(reinterpret_cast<const char*>(vs0 + p + kAhead), _MM_HINT_T0);
         }
       }
-      const int cnt = static_cast<int>(std::min<int64_t>(16, n - p));
-      const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
-      __m512 lanes[16];
-      for (int i = 0; i < 16; ++i) lanes[i] = i < cnt ? q.dot_lanes(k0 + (p + i) * L.k_pos) : _mm512_setzero_ps();
-      __m512 dots = sum16(lanes);
-      if constexpr (kScaled) dots = _mm512_mul_ps(dots, _mm512_maskz_loadu_ps(live, ks0 + p));
-      const __m512 scores = _mm512_mask_mov_ps(neg_inf, live, dots);
-      const float block_max = _mm512_reduce_max_ps(scores);
-      if (block_max > m) {  // rescale what was summed under the old max (m = -inf: nothing yet, factor 0)
-        const __m512 factor = exp_nonpositive(_mm512_set1_ps(m - block_max));
-        out.scale(factor), odd_out.scale(factor);
-        sum = _mm512_mul_ps(sum, factor);
-        m = block_max;
-      }
-      const __m512 w = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(m)));  // masked lanes: 0
-      sum = _mm512_add_ps(sum, w);
-      if constexpr (kScaled) {
-        _mm512_store_ps(e, _mm512_mul_ps(w, _mm512_maskz_loadu_ps(live, vs0 + p)));
-      } else {
-        _mm512_store_ps(e, w);
-      }
-      int i = 0;
-      for (; i + 2 <= cnt; i += 2) {
-        out.add_scaled(_mm512_set1_ps(e[i]), v0 + (p + i) * L.v_pos);
-        odd_out.add_scaled(_mm512_set1_ps(e[i + 1]), v0 + (p + i + 1) * L.v_pos);
-      }
-      if (i < cnt) out.add_scaled(_mm512_set1_ps(e[i]), v0 + (p + i) * L.v_pos);
+      s.block(
+          static_cast<int>(std::min<int64_t>(16, n - p)), kScaled ? ks0 + p : nullptr, kScaled ? vs0 + p : nullptr,
+          [&](const R& q, int i) { return q.dot_lanes(k0 + (p + i) * L.k_pos); },
+          [&](R& acc, __m512 w, int i) { acc.add_scaled(w, v0 + (p + i) * L.v_pos); });
     }
-    out.add(odd_out);
     alignas(64) float one[D + 2];
     float* dst = final ? one : part + r * (D + 2);
-    dst[0] = m;
-    dst[1] = _mm512_reduce_add_ps(sum);
-    out.store_joined(dst + 2);
+    s.finish(dst);
     if (final) combine<D>(one, 1, 0, final + r * D);
   }
 }
 
+constexpr int64_t kGroup = 8;  // rows of one prompt that share a widened block (group_item)
+
+// Rows row0 .. row0 + G - 1 (G <= kGroup) of one slot at consecutive positions, each its only chunk: a
+// prompt's tokens in a prefill, row i attending over positions 0 .. last[row0] + i. Each block of 16
+// positions is widened to fp32 once (keys and values) and read by every row of the group that reaches
+// it, instead of each row converting the same keys and values again; each row's arithmetic is
+// chunk_item's (Online), so its bits are the ones it gets alone. Writes the rows' outputs (combined as
+// a one-chunk row's) into out.
+template <int D, class R, class T>
+void group_item(const Layout<T>& L, int64_t row0, int64_t G, int64_t slot, int64_t g, const int64_t* last,
+                const Span<T>& next, float* out) {
+  constexpr bool kScaled = std::is_same_v<T, int8_t>;
+  const Span<T> cur = span(L, slot, g, 0, last[row0 + G - 1] + 1);  // the longest row's positions
+  alignas(64) float kf[16 * D], vf[16 * D];
+  Online<R, kScaled> s[kGroup];
+  for (int64_t r = 0; r < L.rep; ++r) {
+    for (int64_t i = 0; i < G; ++i) s[i].start(L.q + (row0 + i) * L.q_row + (g * L.rep + r) * D, L.scale);
+    if (r == 0) {
+      prefetch<D>(L, cur, 0, kAhead);
+      prefetch<D>(L, next, 0, kAhead);
+      prefetch_scales(cur, 0, kAhead);
+      prefetch_scales(next, 0, kAhead);
+    }
+    for (int64_t p = 0; p < cur.n; p += 16) {
+      if (r == 0) prefetch<D>(L, cur, p + kAhead, p + kAhead + 16), prefetch_scales(cur, p + kAhead, p + kAhead + 16);
+      const int64_t width = std::min<int64_t>(16, cur.n - p);
+      for (int64_t j = 0; j < width; ++j) {
+        R::widen(cur.k + (p + j) * L.k_pos, kf + j * D);
+        R::widen(cur.v + (p + j) * L.v_pos, vf + j * D);
+      }
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t n = last[row0 + i] + 1;
+        if (p >= n) continue;  // this row ends before the block
+        s[i].block(
+            static_cast<int>(std::min<int64_t>(16, n - p)), kScaled ? cur.ks + p : nullptr,
+            kScaled ? cur.vs + p : nullptr, [&](const R& q, int j) { return q.dot_lanes(kf + j * D); },
+            [&](R& acc, __m512 w, int j) { acc.add_scaled(w, vf + j * D); });
+      }
+    }
+    for (int64_t i = 0; i < G; ++i) {
+      alignas(64) float one[D + 2];
+      s[i].finish(one);
+      combine<D>(one, 1, 0, out + ((row0 + i) * L.heads + g * L.rep + r) * D);
+    }
+  }
+}
+
+// Rows in units: a group of up to kGroup rows of one slot at consecutive positions under kChunk (a
+// prompt's tokens: group_item, one item per kv head), else one row (chunk_item, one item per kv head and
+// chunk). unit[u] is unit u's first row (unit[units] = rows).
+inline std::vector<int64_t> units_of(const int64_t* slots, const int64_t* last, int64_t rows) {
+  std::vector<int64_t> unit;
+  for (int64_t r = 0; r < rows;) {
+    unit.push_back(r);
+    int64_t G = 1;
+    if (last[r] < kChunk)
+      while (G < kGroup && r + G < rows && slots[r + G] == slots[r] && last[r + G] == last[r] + G &&
+             last[r + G] < kChunk)
+        ++G;
+    r += G;
+  }
+  unit.push_back(rows);
+  return unit;
+}
+
 template <int D, class R, class T>
 void run(const Layout<T>& L, const int64_t* slots, const int64_t* last, int64_t rows, int64_t kv_heads, float* out) {
-  // Items in (row, kv head, chunk) order; first[row] is the row's first item.
-  std::vector<int64_t> first(rows + 1, 0);
-  for (int64_t i = 0; i < rows; ++i) first[i + 1] = first[i] + kv_heads * ((last[i] + kChunk) / kChunk);
-  const int64_t items = first[rows];
+  const std::vector<int64_t> unit = units_of(slots, last, rows);
+  const int64_t units = static_cast<int64_t>(unit.size()) - 1;
+  // A unit's items: per kv head, its chunks (a group: one). first[u]: unit u's first item, in (unit, kv
+  // head, chunk) order.
+  const auto chunks_of = [&](int64_t u) {
+    return unit[u + 1] - unit[u] > 1 ? int64_t{1} : (last[unit[u]] + kChunk) / kChunk;
+  };
+  std::vector<int64_t> first(units + 1, 0);
+  for (int64_t u = 0; u < units; ++u) first[u + 1] = first[u] + kv_heads * chunks_of(u);
+  const int64_t items = first[units];
   const int64_t part_size = L.rep * (D + 2);
   // Written by the items of rows with more than one chunk only (and read by them only): not zeroed.
   std::unique_ptr<float[]> parts(new float[items * part_size]);
@@ -378,38 +519,47 @@ void run(const Layout<T>& L, const int64_t* slots, const int64_t* last, int64_t 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     for (int64_t begin; (begin = next.fetch_add(kBlock)) < items;) {
       const int64_t end = std::min(items, begin + kBlock);
-      int64_t row = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-      // Item `it` of row `r`: its kv head and positions.
-      const auto locate = [&](int64_t it, int64_t r, int64_t& g, int64_t& p0, int64_t& p1) {
-        const int64_t chunks = (last[r] + kChunk) / kChunk, local = it - first[r];
-        g = local / chunks, p0 = local % chunks * kChunk, p1 = std::min(last[r] + 1, p0 + kChunk);
+      int64_t u = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+      // Item `it` of unit `v`: its kv head and positions (a group's: its longest row's).
+      const auto locate = [&](int64_t it, int64_t v, int64_t& g, int64_t& p0, int64_t& p1) {
+        const int64_t chunks = chunks_of(v), local = it - first[v], tail = last[unit[v + 1] - 1];
+        g = local / chunks, p0 = local % chunks * kChunk, p1 = std::min(tail + 1, p0 + kChunk);
       };
       for (int64_t it = begin; it < end; ++it) {
-        while (it >= first[row + 1]) ++row;
+        while (it >= first[u + 1]) ++u;
         int64_t g, p0, p1;
-        locate(it, row, g, p0, p1);
+        locate(it, u, g, p0, p1);
         Span<T> next;
-        if (it + 1 < end) {  // the block's next item (a row's items are consecutive: it is this row's or the next's)
-          const int64_t nr = it + 1 < first[row + 1] ? row : row + 1;
+        if (it + 1 < end) {  // the block's next item (a unit's items are consecutive: this unit's or the next's)
+          const int64_t nu = it + 1 < first[u + 1] ? u : u + 1;
           int64_t ng, np0, np1;
-          locate(it + 1, nr, ng, np0, np1);
-          next = span(L, slots[nr], ng, np0, np1);
+          locate(it + 1, nu, ng, np0, np1);
+          next = span(L, slots[unit[nu]], ng, np0, np1);
         }
-        const bool alone = last[row] < kChunk;  // the row's only chunk
-        chunk_item<D, R, T>(L, row, slots[row], g, p0, p1, parts.get() + it * part_size, next,
-                            alone ? out + (row * L.heads + g * L.rep) * D : nullptr);
+        const int64_t row = unit[u], G = unit[u + 1] - row;
+        if (G > 1) {
+          group_item<D, R, T>(L, row, G, slots[row], g, last, next, out);
+        } else {
+          const bool alone = last[row] < kChunk;  // the row's only chunk
+          chunk_item<D, R, T>(L, row, slots[row], g, p0, p1, parts.get() + it * part_size, next,
+                              alone ? out + (row * L.heads + g * L.rep) * D : nullptr);
+        }
       }
     }
   });
 
   // Combine the chunks of each (row, query head) with more than one (the others combined themselves),
   // on this thread: a few FLOPs per value, less than what a second parallel region costs to start (on a
-  // busy machine, up to a scheduler time slice while the other thread waits for a core).
-  for (int64_t rh = 0; rh < rows * L.heads; ++rh) {
-    const int64_t row = rh / L.heads, h = rh % L.heads, g = h / L.rep, r = h % L.rep;
-    const int64_t chunks = (last[row] + kChunk) / kChunk;
+  // busy machine, up to a scheduler time slice while the other thread waits for a core). Such a row is
+  // a unit of its own.
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t chunks = chunks_of(u), row = unit[u];
     if (chunks == 1) continue;
-    combine<D>(parts.get() + (first[row] + g * chunks) * part_size + r * (D + 2), chunks, part_size, out + rh * D);
+    for (int64_t h = 0; h < L.heads; ++h) {
+      const int64_t g = h / L.rep, r = h % L.rep;
+      combine<D>(parts.get() + (first[u] + g * chunks) * part_size + r * (D + 2), chunks, part_size,
+                 out + (row * L.heads + h) * D);
+    }
   }
 }
 
