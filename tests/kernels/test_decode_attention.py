@@ -111,8 +111,10 @@ def test_a_prompts_rows_share_their_keys_and_keep_their_bits(cache, heads, kv_he
     around them, rows of other slots, a prompt that runs past the 512-position chunk (those rows go one by
     one) and a prompt of one token."""
     _kernel_or_skip()
-    make = _cache if cache == "bf16" else _int8_cache
-    k, v, scales = (*make(4, kv_heads, 600, head_dim, seed=7), None) if cache == "bf16" else make(4, kv_heads, 600, head_dim, seed=7)
+    if cache == "bf16":
+        k, v, scales = (*_cache(4, kv_heads, 600, head_dim, seed=7), None)
+    else:
+        k, v, scales = _int8_cache(4, kv_heads, 600, head_dim, seed=7)
     runs = [(2, 0, 37), (0, 3, 1), (3, 490, 40), (1, 100, 13)]  # (slot, first position, tokens)
     slots = torch.tensor([slot for slot, _, n in runs for _ in range(n)])
     last = torch.tensor([p for _, first, n in runs for p in range(first, first + n)])
