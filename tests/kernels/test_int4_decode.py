@@ -149,6 +149,28 @@ def test_narrow_steps_keep_to_one_thread_beside_the_audio_worker(tiny_ckpt):
 
 
 @needs_ops
+@pytest.mark.parametrize("rows", [1, 130])  # a decode step; a prefill's packed tokens (row blocks, parallel norm)
+def test_the_step_applies_the_final_norm_with_torchs_bits(gpt, rows):
+    """``run(normed=True)``: the model's final norm inside the step, ``gpt.norm``'s bits; it needs the weight."""
+    from dataclasses import replace
+
+    cache, cfg = filled_cache(gpt, torch.int8), gpt.cfg
+    assert gpt.fused_decode.final_norm is not None and gpt.fused_decode.applies(cache.k)  # (loads the attention op)
+    gen = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, cfg.hidden_size, generator=gen)
+    cos, sin = torch.randn(rows, cfg.head_dim, generator=gen), torch.randn(rows, cfg.head_dim, generator=gen)
+    slots = torch.randint(0, 4, (rows,), generator=gen)
+    pos = torch.randint(POSITIONS, 64, (rows,), generator=gen)
+    if rows > 1:
+        slots, pos = torch.arange(rows) % 4, torch.arange(rows) // 4  # four prompts of ~33 tokens, interleaved
+    args = (h, cos, sin, cache.k, cache.v, (cache.k_scale, cache.v_scale), slots, pos)
+    normed = gpt.fused_decode.run(*args, normed=True)
+    torch.testing.assert_close(normed, gpt.norm(gpt.fused_decode.run(*args)), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="final_norm"):
+        replace(gpt.fused_decode, final_norm=None).run(*args, normed=True)
+
+
+@needs_ops
 def test_a_call_on_one_thread_leaves_the_callers_count(gpt):
     from dataclasses import replace
 

@@ -378,13 +378,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // norms [layers, 2, hidden]; blobs: per layer the packed qkv, o, gate_up and down weights; blocks: their
 // four block sizes; cos, sin [m, head_dim]; k, v [layers, slots, kv_heads, positions, head_dim] bf16 or
 // int8 (+ scales [layers, slots, kv_heads, positions]); slots, pos [n]; block_rows: rows per matmul call
-// (0: all). Returns h after every layer (before the final norm).
+// (0: all); final_norm: the model's final RMSNorm weight [hidden], or none. Returns h after every layer,
+// through the final norm when it is given (the step's rms_norm: F.rms_norm's bits, one call less a step).
 at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& norms, double eps, at::TensorList blobs,
                          at::IntArrayRef blocks, bool bf16_scales, int64_t intermediate, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& k, const at::Tensor& v,
                          const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                          const at::Tensor& slots, const at::Tensor& pos, int64_t heads, int64_t kv_heads,
-                         int64_t prefetch, int64_t threads, int64_t block_rows) {
+                         int64_t prefetch, int64_t threads, int64_t block_rows,
+                         const c10::optional<at::Tensor>& final_norm) {
   TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat, "h must be fp32 [rows, hidden]");
   const int64_t m = h_in.size(0), hidden = h_in.size(1), layers = norms.size(0);
   const int64_t d = k.size(4), n = slots.numel();
@@ -488,6 +490,12 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& norms, double
       add_rows(dnb, r0, r1);
     }
   }
+  if (final_norm) {
+    TORCH_CHECK(final_norm->dim() == 1 && final_norm->size(0) == hidden && final_norm->scalar_type() == at::kFloat &&
+                    final_norm->is_contiguous(),
+                "final_norm must be contiguous fp32 [hidden]");
+    return rms_norm(h, *final_norm, eps);
+  }
   return h;
 }
 
@@ -513,7 +521,8 @@ TORCH_LIBRARY(chattts_int4_gemv, m) {
   m.def(
       "decode_layers(Tensor h, Tensor norms, float eps, Tensor[] blobs, int[] blocks, bool bf16_scales, "
       "int intermediate, Tensor cos, Tensor sin, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, "
-      "Tensor slots, Tensor pos, int heads, int kv_heads, int prefetch, int threads, int block_rows) -> Tensor");
+      "Tensor slots, Tensor pos, int heads, int kv_heads, int prefetch, int threads, int block_rows, "
+      "Tensor? final_norm=None) -> Tensor");
   m.impl("gemv", c10::DispatchKey::CPU, &gemv_op);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm_op);

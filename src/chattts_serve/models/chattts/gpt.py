@@ -449,7 +449,7 @@ class GPT(nn.Module):
         where = (torch.tensor(slots, device=h.device), pos[:bsz])
         fused = self.fused_rows(h, cos, sin, cache, where)
         if fused is not None:
-            return self.norm(fused)
+            return fused
         cos, sin = cos[:, None, None], sin[:, None, None]  # shaped once for every layer
         return self.norm(self.run_layers(h, lambda attn, x: attn.decode(x, cos, sin, cache, slots, lengths, where)))
 
@@ -462,13 +462,16 @@ class GPT(nn.Module):
         where: tuple[torch.Tensor, torch.Tensor],  # each real row's slot and position
     ) -> torch.Tensor | None:
         """``int4``'s C++ step (``fused_decode``) over rows each at its own slot and position, keys and values
-        written into ``cache``: the residual stream after every layer (before the final norm). None where the
-        step does not run: no step, or a cache its attention cannot read (the caller runs the torch ops)."""
+        written into ``cache``: final-norm hidden states (the step applies the norm where it holds its weight,
+        with ``self.norm``'s bits). None where the step does not run: no step, or a cache its attention cannot
+        read (the caller runs the torch ops)."""
         fused = self.fused_decode
         if fused is None or not fused.applies(cache.k):
             return None
         scales = None if cache.k_scale is None else (cache.k_scale, cache.v_scale)
-        return fused.run(h, cos, sin, cache.k, cache.v, scales, *where)
+        if fused.final_norm is not None:
+            return fused.run(h, cos, sin, cache.k, cache.v, scales, *where, normed=True)
+        return self.norm(fused.run(h, cos, sin, cache.k, cache.v, scales, *where))
 
     def decode_static(
         self, embeds: torch.Tensor, cache: KVCache, positions: torch.Tensor, ctx: int, attention: str = "sdpa"
@@ -511,7 +514,7 @@ def use_int4_decode_(gpt: GPT) -> bool:
         for layer, four in zip(gpt.layers, per_layer, strict=True)
     ]
     cfg = gpt.cfg
-    gpt.fused_decode = Int4Decode.build(layers, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
+    gpt.fused_decode = Int4Decode.build(layers, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, gpt.norm.weight)
     return gpt.fused_decode is not None
 
 

@@ -79,7 +79,7 @@ def prefill_prompts(
     # written before any row attends, so each attends causally over its prompt's keys up to itself.
     fused = gpt.fused_rows(h, cos, sin, cache, where)
     if fused is not None:
-        return gpt.norm(fused[:n_tok])
+        return fused[:n_tok]
     cos, sin = cos[:, None], sin[:, None]  # [rows, 1, head_dim]: shaped once for every layer
     h = gpt.run_layers(h, lambda attn, x: _attend(attn, x, cos, sin, cache, slots, lengths, starts, block, where))
     return gpt.norm(h[:n_tok])
