@@ -196,16 +196,21 @@ struct Row8 {
   void store_joined(float* p) const {
     for (int w = 0; w < W; ++w) _mm512_storeu_ps(p + 16 * w, x[w]);
   }
-  // Two chains of FMAs (even and odd vectors), as the bf16 row's even/odd halves.
-  __m512 dot_lanes(const int8_t* p) const {
+  // Two chains of FMAs (even and odd vectors), as the bf16 row's even/odd halves; `at(w)`: the other row's
+  // vector w in fp32.
+  template <class At>
+  __m512 dot_lanes_with(At at) const {
     __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
     int w = 0;
     for (; w + 2 <= W; w += 2) {
-      a = _mm512_fmadd_ps(x[w], load_int8(p + 16 * w), a);
-      b = _mm512_fmadd_ps(x[w + 1], load_int8(p + 16 * w + 16), b);
+      a = _mm512_fmadd_ps(x[w], at(w), a);
+      b = _mm512_fmadd_ps(x[w + 1], at(w + 1), b);
     }
-    if (w < W) a = _mm512_fmadd_ps(x[w], load_int8(p + 16 * w), a);
+    if (w < W) a = _mm512_fmadd_ps(x[w], at(w), a);
     return _mm512_add_ps(a, b);
+  }
+  __m512 dot_lanes(const int8_t* p) const {
+    return dot_lanes_with([p](int w) { return load_int8(p + 16 * w); });
   }
   void add(const Row8& o) {
     for (int w = 0; w < W; ++w) x[w] = _mm512_add_ps(x[w], o.x[w]);
@@ -221,14 +226,7 @@ struct Row8 {
     for (int w = 0; w < W; ++w) _mm512_storeu_ps(y + 16 * w, load_int8(p + 16 * w));
   }
   __m512 dot_lanes(const float* y) const {
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    int w = 0;
-    for (; w + 2 <= W; w += 2) {
-      a = _mm512_fmadd_ps(x[w], _mm512_loadu_ps(y + 16 * w), a);
-      b = _mm512_fmadd_ps(x[w + 1], _mm512_loadu_ps(y + 16 * w + 16), b);
-    }
-    if (w < W) a = _mm512_fmadd_ps(x[w], _mm512_loadu_ps(y + 16 * w), a);
-    return _mm512_add_ps(a, b);
+    return dot_lanes_with([y](int w) { return _mm512_loadu_ps(y + 16 * w); });
   }
   void add_scaled(__m512 s, const float* y) {
     for (int w = 0; w < W; ++w) x[w] = _mm512_fmadd_ps(s, _mm512_loadu_ps(y + 16 * w), x[w]);
