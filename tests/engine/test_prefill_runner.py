@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chattts_serve.engine.prefill_runner import whole
+from chattts_serve.kernels import decode_attention, int4_gemv
 
 from .test_runner_prefill import SLOTS, _model, _runner, _sequences
 
@@ -22,15 +23,29 @@ def _per_prompt_heads(model, trunk: dict, seqs) -> dict[str, torch.Tensor]:
     return {k: torch.cat(v) for k, v in out.items() if v}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+INT4 = pytest.param(
+    "int4",
+    marks=pytest.mark.skipif(
+        not (int4_gemv.cpu_supported() and decode_attention.cpu_supported()), reason="the C++ int4 step needs VNNI"
+    ),
+)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", INT4])
 def test_last_row_heads_are_bit_identical_to_all_positions(tiny_ckpt, precision):
+    """Also the trunk: ``run`` asks for each prompt's last row only (int4's step then runs its last layer past
+    the cache writes on those rows alone), and gets the rows and cache of every position's run."""
     model, layout = _model(tiny_ckpt, precision, 6)
-    runner = _runner(model, layout, 6)
+    runner, every = _runner(model, layout, 6), _runner(model, layout, 6)
     assert runner.prefiller.last_rows_heads  # packed heads on this CPU layout
     seqs = _sequences(model, SLOTS)
     with torch.inference_mode():
-        trunk = _runner(model, layout, 6).prefiller.trunk_outputs(seqs)
+        trunk = every.prefiller.trunk_outputs(seqs)
         got = runner.prefiller.run(whole(seqs))
+    for name, buf in every.cache.named_buffers():  # keys, values (and an int8 cache's scales) of every position
+        for s in seqs:
+            written = (slice(None), s.slot, slice(None), slice(None, s.prompt_len))
+            assert torch.equal(getattr(runner.cache, name)[written], buf[written]), name
     want = _per_prompt_heads(model, trunk, seqs)
     assert set(got) == set(want) == {"code", "text"}
     for kind, p in got.items():

@@ -143,9 +143,9 @@ def test_prefill_calls_hold_at_most_max_prefill_tokens(tiny_ckpt, monkeypatch):
         whole = _runner(model, layout, 6).prefiller.trunk_outputs(seqs)
     calls: list[list[int]] = []
 
-    def counting(gpt, emb, cache, slots, lens, pad_rows_to=1, starts=None, block=0):
+    def counting(gpt, emb, cache, slots, lens, pad_rows_to=1, starts=None, block=0, out_rows=None):
         calls.append(list(lens))
-        return prefill_prompts(gpt, emb, cache, slots, lens, pad_rows_to, starts, block)
+        return prefill_prompts(gpt, emb, cache, slots, lens, pad_rows_to, starts, block, out_rows)
 
     monkeypatch.setattr(prefill_runner_module, "prefill_prompts", counting)
     runner = _runner(model, layout, 6, max_prefill_tokens=45)
@@ -178,9 +178,9 @@ def test_engine_requests_admitted_together_equal_each_alone(tiny_engine, monkeyp
     ]
     calls: list[int] = []
 
-    def counting(gpt, emb, cache, slots, lens, pad_rows_to=1, starts=None, block=0):
+    def counting(gpt, emb, cache, slots, lens, pad_rows_to=1, starts=None, block=0, out_rows=None):
         calls.append(len(lens))
-        return prefill_prompts(gpt, emb, cache, slots, lens, pad_rows_to, starts, block)
+        return prefill_prompts(gpt, emb, cache, slots, lens, pad_rows_to, starts, block, out_rows)
 
     monkeypatch.setattr(prefill_runner_module, "prefill_prompts", counting)
     together = tiny_engine.synthesize(texts, params)

@@ -171,6 +171,36 @@ def test_the_step_applies_the_final_norm_with_torchs_bits(gpt, rows):
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_kept_rows_are_theirs_of_the_whole_call_and_every_key_is_written(gpt, dtype):
+    """``run(keep=...)`` (a prefill wanting each prompt's last row): the kept rows' outputs, in keep's order, are
+    their rows of the call without it, to the bit, and the cache holds every row's keys and values as it does."""
+    cache, cfg = filled_cache(gpt, dtype), gpt.cfg
+    rows = 131  # 130 real rows (four prompts of ~33 tokens, interleaved) and a padding row
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(rows, cfg.hidden_size, generator=gen)
+    cos, sin = torch.randn(rows, cfg.head_dim, generator=gen), torch.randn(rows, cfg.head_dim, generator=gen)
+    slots, pos = torch.arange(rows - 1) % 4, torch.arange(rows - 1) // 4
+    scales = (cache.k_scale, cache.v_scale) if dtype == torch.int8 else None
+    whole_cache, kept_cache = clone_cache(gpt, cache), clone_cache(gpt, cache)
+    keep = torch.tensor([129, 126, 127, 128, 3, 64])  # each prompt's last row, two more, out of order
+    step = gpt.fused_decode
+
+    def run(c, **kw):
+        s = (c.k_scale, c.v_scale) if scales is not None else None
+        return step.run(h, cos, sin, c.k, c.v, s, slots, pos, normed=True, **kw)
+
+    whole, kept = run(whole_cache), run(kept_cache, keep=keep)
+    assert kept.shape == (len(keep), cfg.hidden_size)
+    torch.testing.assert_close(kept, whole[keep], rtol=0, atol=0)
+    for name, buf in whole_cache.named_buffers():
+        assert torch.equal(getattr(kept_cache, name), buf), name
+    assert run(clone_cache(gpt, cache), keep=torch.tensor([], dtype=torch.long)).shape == (0, cfg.hidden_size)
+    with pytest.raises(RuntimeError, match="not a real row"):
+        run(clone_cache(gpt, cache), keep=torch.tensor([130]))  # the padding row
+
+
+@needs_ops
 def test_a_call_on_one_thread_leaves_the_callers_count(gpt):
     from dataclasses import replace
 

@@ -22,8 +22,8 @@ class OnnxDecode(TrunkDecode):
         assert parts.layout.trunk is not None, "the onnx path needs an ort-* layout"
         self.session = parts.layout.trunk
 
-    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
-        return onnx_prefill(prefiller, chunks)
+    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk], last_only: bool = False) -> Pieces:
+        return onnx_prefill(prefiller, chunks, last_only)
 
     def trunk(self, emb: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         slots = [s.slot for s in step.seqs]

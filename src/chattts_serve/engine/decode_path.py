@@ -120,9 +120,10 @@ class DecodePath(Protocol):
 
     def decode(self, step: DecodeStep) -> Decoded: ...
 
-    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
+    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk], last_only: bool = False) -> Pieces:
         """The prompt chunks (slots assigned) through the trunk into their slots, each after the positions
-        its prompt's earlier chunks wrote (``PrefillChunk.start``)."""
+        its prompt's earlier chunks wrote (``PrefillChunk.start``). ``last_only``: only each chunk's last row's
+        output is needed (a path may skip the rest's work after their keys and values)."""
         ...
 
     def counters(self) -> dict[str, int]: ...
@@ -170,8 +171,8 @@ class TrunkDecode:
         # torch paths keep overlapping as before; not measured wide.
         return True
 
-    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
-        return torch_prefill(prefiller, chunks)
+    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk], last_only: bool = False) -> Pieces:
+        return torch_prefill(prefiller, chunks, last_only)
 
     def decode(self, step: DecodeStep) -> Decoded:
         heads, sampler = self.parts.heads, self.parts.sampler

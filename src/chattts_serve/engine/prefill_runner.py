@@ -84,8 +84,9 @@ class KindPrefill:
 
 
 Pieces = list[tuple[dict[int, int], torch.Tensor]]
-"""A prefill's trunk output: pieces of (seq id -> its chunk's first row, final-norm hidden states ``[rows, hidden]``
-fp32)."""
+"""A prefill's trunk output: pieces of (seq id -> the row of its chunk's last position, final-norm hidden states
+``[rows, hidden]`` fp32). Asked for the last rows only (``last_only``), a path may return just those: the rows
+before a chunk's last are then not in its piece."""
 
 
 def whole(seqs: list[Sequence]) -> list[PrefillChunk]:
@@ -101,11 +102,12 @@ class Prefiller:
         trunk,
         pad_rows_to: int,
         max_prefill_tokens: int,
-        trunk_rows: Callable[[Prefiller, list[PrefillChunk]], Pieces],
+        trunk_rows: Callable[[Prefiller, list[PrefillChunk], bool], Pieces],
         block: int = 0,
     ) -> None:
         """``trunk``: the ``ort-*`` session (None in the torch modes); ``cache``: the runner's slot cache;
-        ``trunk_rows``: how the prompt chunks go through the trunk (the decode path's ``prefill``); ``block``:
+        ``trunk_rows``: how the prompt chunks go through the trunk (the decode path's ``prefill``; its flag: only
+        each chunk's last row is needed); ``block``:
         the torch prefill attention's query block (module docstring; ``SchedulerConfig.prefill_chunk``; 0: one call
         per prompt)."""
         if max_prefill_tokens < 1:
@@ -125,22 +127,23 @@ class Prefiller:
     def run(self, chunks: list[PrefillChunk]) -> dict[str, KindPrefill]:
         """Prefill ``chunks`` (their sequences' slots assigned): per kind with a last chunk, the last hidden
         states and logits of the sequences whose prompt they complete."""
-        flat, starts = self._trunk_rows(chunks)
-        ends = {c.seq.seq_id: starts[c.seq.seq_id] + c.length for c in chunks}
+        # The heads on the last rows: only those are needed (the reference's matmul takes every position).
+        flat, lasts = self._trunk_rows(chunks, last_only=self.last_rows_heads)
+        lengths = {c.seq.seq_id: c.length for c in chunks}
         embed = self.model.embed
         out: dict[str, KindPrefill] = {}
         for kind in ("code", "text"):
             group = [c.seq for c in chunks if c.last and c.seq.kind == kind]
             if not group:
                 continue
-            last_at = np.fromiter((ends[s.seq_id] - 1 for s in group), dtype=np.int64, count=len(group))
+            last_at = np.fromiter((lasts[s.seq_id] for s in group), dtype=np.int64, count=len(group))
             last = flat.index_select(0, self._to_device(torch.from_numpy(last_at)))
             if self.last_rows_heads:
                 logits = embed.code_logits(last) if kind == "code" else embed.text_logits(last)
             else:  # the reference's matmul: every position of one prompt, the last kept
                 parts = []
                 for s in group:
-                    h = flat[starts[s.seq_id] : ends[s.seq_id]]
+                    h = flat[lasts[s.seq_id] + 1 - lengths[s.seq_id] : lasts[s.seq_id] + 1]
                     parts.append(embed.code_logits(h)[-self.num_vq :] if kind == "code" else embed.text_logits(h)[-1:])
                 logits = torch.cat(parts) if len(parts) > 1 else parts[0]
             out[kind] = KindPrefill(group, last, logits)
@@ -149,19 +152,20 @@ class Prefiller:
     def trunk_outputs(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
         """Trunk outputs ``[prompt_len, hidden]`` (all positions through the final norm, as the reference
         computes them before taking the last) of every sequence in ``seqs``, by seq id."""
-        flat, starts = self._trunk_rows(whole(seqs))
-        return {s.seq_id: flat[starts[s.seq_id] : starts[s.seq_id] + s.prompt_len] for s in seqs}
+        flat, lasts = self._trunk_rows(whole(seqs), last_only=False)
+        return {s.seq_id: flat[lasts[s.seq_id] + 1 - s.prompt_len : lasts[s.seq_id] + 1] for s in seqs}
 
-    def _trunk_rows(self, chunks: list[PrefillChunk]) -> tuple[torch.Tensor, dict[int, int]]:
-        """Every chunk's trunk output in one fp32 tensor ``[rows, hidden]``, and where each starts."""
-        pieces = self.trunk_rows(self, chunks)
-        starts: dict[int, int] = {}
+    def _trunk_rows(self, chunks: list[PrefillChunk], last_only: bool) -> tuple[torch.Tensor, dict[int, int]]:
+        """The chunks' trunk outputs in one fp32 tensor ``[rows, hidden]`` (``last_only``: at least each chunk's
+        last row), and the row of each chunk's last position."""
+        pieces = self.trunk_rows(self, chunks, last_only)
+        lasts: dict[int, int] = {}
         base = 0
-        for piece_starts, h in pieces:
-            starts.update((i, base + at) for i, at in piece_starts.items())
+        for piece_lasts, h in pieces:
+            lasts.update((i, base + at) for i, at in piece_lasts.items())
             base += h.shape[0]
         flat = torch.cat([h for _, h in pieces]) if len(pieces) > 1 else pieces[0][1]
-        return flat, starts
+        return flat, lasts
 
     def calls(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
         """``chunks`` in order, cut into runs of at most ``max_prefill_tokens`` positions (a longer one alone)."""
@@ -210,24 +214,28 @@ class Prefiller:
         return emb
 
 
-def torch_prefill(pf: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
-    """Chunks packed into calls of at most ``max_prefill_tokens`` positions."""
+def torch_prefill(pf: Prefiller, chunks: list[PrefillChunk], last_only: bool = False) -> Pieces:
+    """Chunks packed into calls of at most ``max_prefill_tokens`` positions; ``last_only``: each chunk's last
+    row alone (``prefill_prompts``' ``out_rows``)."""
     pieces = []
     for call in pf.calls(chunks):
         lengths = [c.length for c in call]
         emb = pf.embed_chunks(call).to(pf.dtype)
         slots = [c.seq.slot for c in call]
         starts = [c.start for c in call]
-        h = prefill_prompts(pf.model.gpt, emb, pf.cache, slots, lengths, pf.pad_rows_to, starts, pf.block).float()
-        firsts = np.cumsum([0, *lengths[:-1]]).tolist()
-        pieces.append((dict(zip((c.seq.seq_id for c in call), firsts, strict=True)), h))
+        lasts = (np.cumsum(lengths) - 1).tolist()
+        out_rows = lasts if last_only else None
+        h = prefill_prompts(pf.model.gpt, emb, pf.cache, slots, lengths, pf.pad_rows_to, starts, pf.block, out_rows)
+        at = range(len(call)) if last_only else lasts
+        pieces.append((dict(zip((c.seq.seq_id for c in call), at, strict=True)), h.float()))
     return pieces
 
 
-def onnx_prefill(pf: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
+def onnx_prefill(pf: Prefiller, chunks: list[PrefillChunk], last_only: bool = False) -> Pieces:
     """One ORT call per run of consecutive slots, rows right-padded to the run's longest chunk
     (padding is zeros: it never enters a row's keys, and int8's per-call activation scale does not
-    see it); each call's output flattened to ``[run * longest, hidden]``. A chunk after the first goes
+    see it); each call's output flattened to ``[run * longest, hidden]``, every row (``last_only`` unused: the
+    graph computes them all). A chunk after the first goes
     to the positions after its slot's cached ones (``seqlens_k``: its end - 1)."""
     by_slot = sorted(chunks, key=lambda c: c.seq.slot)
     runs: list[list[PrefillChunk]] = []
@@ -245,5 +253,5 @@ def onnx_prefill(pf: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
         for b, chunk in enumerate(run):
             x[b, : chunk.length] = pf.embed_chunks([chunk])
         h = pf.trunk.run(x, pf.cache, run[0].seq.slot, ends - 1, lens)
-        pieces.append(({c.seq.seq_id: b * width for b, c in enumerate(run)}, h.reshape(-1, h.shape[-1])))
+        pieces.append(({c.seq.seq_id: b * width + c.length - 1 for b, c in enumerate(run)}, h.reshape(-1, h.shape[-1])))
     return pieces

@@ -146,8 +146,8 @@ class StepGraph:
             tokens += [t[k.kind] for t in (first, decoded) if k.kind in t]
         return Decoded(tokens, hidden)
 
-    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk]) -> Pieces:
-        return torch_prefill(prefiller, chunks)
+    def prefill(self, prefiller: Prefiller, chunks: list[PrefillChunk], last_only: bool = False) -> Pieces:
+        return torch_prefill(prefiller, chunks, last_only)
 
     def audio_beside(self, rows: int) -> bool:
         return True  # a CUDA graph: the audio has a stream of its own

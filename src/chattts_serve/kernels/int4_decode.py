@@ -117,9 +117,12 @@ class Int4Decode:
         slots: torch.Tensor,  # [n] int64
         positions: torch.Tensor,  # [n] int64: where each row's key and value go; it attends to 0..there
         normed: bool = False,
+        keep: torch.Tensor | None = None,  # [k] int64: real rows whose output is wanted (None: every row)
     ) -> torch.Tensor:
         """The residual stream after every layer, each row's key and value written; with ``normed``, through
-        the final norm (``final_norm``, which must be set)."""
+        the final norm (``final_norm``, which must be set). With ``keep``, only those rows' (in its order): the
+        last layer's attention, o projection and MLP run on them alone (a prefill's last rows), with the bits
+        they get when every row runs."""
         if normed and self.final_norm is None:
             raise ValueError("normed=True needs the step's final_norm")
         ks, vs = scales if scales is not None else (None, None)
@@ -145,4 +148,5 @@ class Int4Decode:
             self.narrow_threads if h.shape[0] <= NARROW_ROWS else 0,
             ROW_BLOCK,
             self.final_norm if normed else None,
+            keep,
         )

@@ -460,18 +460,19 @@ class GPT(nn.Module):
         sin: torch.Tensor,
         cache: KVCache,
         where: tuple[torch.Tensor, torch.Tensor],  # each real row's slot and position
+        keep: torch.Tensor | None = None,  # [k] int64: the real rows wanted (None: all)
     ) -> torch.Tensor | None:
         """``int4``'s C++ step (``fused_decode``) over rows each at its own slot and position, keys and values
         written into ``cache``: final-norm hidden states (the step applies the norm where it holds its weight,
-        with ``self.norm``'s bits). None where the step does not run: no step, or a cache its attention cannot
-        read (the caller runs the torch ops)."""
+        with ``self.norm``'s bits), of ``keep``'s rows only where it is given (``Int4Decode.run``). None where the
+        step does not run: no step, or a cache its attention cannot read (the caller runs the torch ops)."""
         fused = self.fused_decode
         if fused is None or not fused.applies(cache.k):
             return None
         scales = None if cache.k_scale is None else (cache.k_scale, cache.v_scale)
         if fused.final_norm is not None:
-            return fused.run(h, cos, sin, cache.k, cache.v, scales, *where, normed=True)
-        return self.norm(fused.run(h, cos, sin, cache.k, cache.v, scales, *where))
+            return fused.run(h, cos, sin, cache.k, cache.v, scales, *where, normed=True, keep=keep)
+        return self.norm(fused.run(h, cos, sin, cache.k, cache.v, scales, *where, keep=keep))
 
     def decode_static(
         self, embeds: torch.Tensor, cache: KVCache, positions: torch.Tensor, ctx: int, attention: str = "sdpa"
