@@ -20,6 +20,7 @@ import torch
 
 from ...kernels.linear import pack_linears_, packing_available
 from ...kernels.quant import PrecisionSpec, apply_precision_, check_supported
+from ...kernels.split_linear import split_linears_
 from .checkpoint import LoadedModel
 from .gpt import fuse_projections_, use_int4_decode_, use_int4_row_blocks_
 from .onnx_auto import AutoTrunk, resolve_crossover
@@ -57,7 +58,8 @@ def prepare_model(
 ) -> ModelLayout:
     """Prepare ``model`` in place for ``num_slots`` sequences decoding together in precision ``spec``.
 
-    With one slot in fp32 nothing changes (bit-exact with chattts). With more, a request's result
+    With one slot in fp32 the ops are chattts's (bit-exact; its one-row matmuls split across threads with the
+    same bits: ``kernels.split_linear``). With more, a request's result
     must not depend on its neighbours: the projections are packed for oneDNN (whose per-row result is
     the same at any row count), or fp32 matmuls run on a multiple of 4 rows where packing is missing.
     ``compile``: the decode step will be compiled (inductor cannot lower packed weights; it packs its own).
@@ -81,6 +83,10 @@ def prepare_model(
         use_int4_row_blocks_(model.gpt)
     packed, pad_rows_to = False, 1
     dtype = model.gpt.norm.weight.dtype
+    if spec.name == "fp32" and num_slots == 1 and device.type == "cpu" and not compile:
+        # The reference's F.linear, its one-row calls on every core with the same bits (kernels.split_linear;
+        # an op inductor cannot trace, so not under compile).
+        logger.info("fp32: %d one-row matmuls split across threads", split_linears_(model.gpt.layers))
     if num_slots > 1 and device.type == "cpu":
         # int8 modes have swapped the projections already: only float linears pack, then the heads.
         if packing_available(device, dtype) and not compile:
