@@ -130,6 +130,15 @@ def module_tiers(path) -> set[str]:
     return tiers
 
 
+@pytest.fixture
+def two_threads():
+    """torch on 2 threads for one test (the harness keeps 1), then back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """The tiny random checkpoint (official layout), written once per test run."""

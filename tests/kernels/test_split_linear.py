@@ -13,14 +13,6 @@ from chattts_serve.kernels import cpp_build, split_linear
 needs_op = pytest.mark.skipif(cpp_build.find_compiler() is None, reason="the op is built with a C++ compiler")
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @needs_op
 @pytest.mark.parametrize("out_in", [(768, 768), (3072, 768), (768, 3072), (128, 64), (200, 48)])
 @pytest.mark.parametrize("parts", [2, 3, 4])

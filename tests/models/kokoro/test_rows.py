@@ -20,14 +20,6 @@ from chattts_serve.sampling_params import SamplingParams
 from .test_model import _make, _utterances
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_rows_run_in_order_one_torch_thread_each_and_a_lone_row_on_the_caller(two_threads):
     pool = RowPool(2)
     try:
