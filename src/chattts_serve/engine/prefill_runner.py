@@ -107,9 +107,8 @@ class Prefiller:
     ) -> None:
         """``trunk``: the ``ort-*`` session (None in the torch modes); ``cache``: the runner's slot cache;
         ``trunk_rows``: how the prompt chunks go through the trunk (the decode path's ``prefill``; its flag: only
-        each chunk's last row is needed); ``block``:
-        the torch prefill attention's query block (module docstring; ``SchedulerConfig.prefill_chunk``; 0: one call
-        per prompt)."""
+        each chunk's last row is needed); ``block``: the torch prefill attention's query block (module docstring;
+        ``SchedulerConfig.prefill_chunk``; 0: one call per prompt)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens!r}")
         self.model, self.cache, self.trunk, self.trunk_rows = model, cache, trunk, trunk_rows
