@@ -8,6 +8,8 @@ from chattts_serve.cpu import parse_cpuinfo, probe
 
 ZEN4 = """processor\t: 0
 vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
 model name\t: AMD EPYC 9B14
 flags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16
 
@@ -22,13 +24,35 @@ def test_the_first_processor_is_read():
     assert cpu.model == "AMD EPYC 9B14" and cpu.cores == 2
     assert cpu.avx2 and cpu.avx512 and cpu.vnni and cpu.bf16 and not cpu.amx and not cpu.arm
     assert cpu.kind == "avx512_vnni"
+    assert (cpu.vendor, cpu.family, cpu.model_number, cpu.core) == ("AuthenticAMD", 25, 17, "zen4")
     assert cpu.describe() == {
         "model": "AMD EPYC 9B14",
         "arch": "x86_64",
         "kind": "avx512_vnni",
         "units": ["avx2", "avx512", "vnni", "bf16"],
+        "vendor": "AuthenticAMD",
+        "family": 25,
+        "model_number": 17,
+        "core": "zen4",
         "cores": 2,
     }
+
+
+@pytest.mark.parametrize(
+    ("vendor", "family", "flags", "core"),
+    [
+        ("AuthenticAMD", "25", "avx2 avx512f", "zen4"),  # a VM's "AMD EPYC": the family tells Zen 4 ...
+        ("AuthenticAMD", "26", "avx2 avx512f", "zen5"),  # ... from Zen 5
+        ("AuthenticAMD", "25", "avx2", ""),  # Zen 3: no AVX-512
+        ("GenuineIntel", "6", "avx2 avx512f amx_int8", ""),
+        ("AuthenticAMD", "", "avx2 avx512f", ""),  # no family field
+    ],
+)
+def test_the_family_names_the_amd_core(vendor, family, flags, core):
+    text = f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nflags\t\t: {flags}\n"
+    cpu = parse_cpuinfo(text, arch="x86_64")
+    assert cpu.core == core and cpu.family == (int(family) if family else None)
+    assert ("core" in cpu.describe()) is bool(core)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,12 @@ class CpuInfo:
     """The kernel's feature flags (/proc/cpuinfo), empty where not readable."""
     cores: int
     """CPUs this process may run on."""
+    vendor: str = ""
+    """``vendor_id``: "AuthenticAMD", "GenuineIntel" ("" where not readable)."""
+    family: int | None = None
+    """``cpu family`` (AMD: 25 = Zen 3/4, 26 = Zen 5); None where not readable."""
+    model_number: int | None = None
+    """``model`` (the number within the family); None where not readable."""
 
     @property
     def avx2(self) -> bool:
@@ -54,6 +60,16 @@ class CpuInfo:
         return self.arch.lower() in ("aarch64", "arm64")
 
     @property
+    def core(self) -> str:
+        """The AMD core where the family says it (a VM's model name often does not: "AMD EPYC"): "zen4" (family 25
+        with AVX-512, whose units run a 512-bit instruction as two 256-bit halves), "zen5" (family 26); else ""."""
+        if self.vendor != "AuthenticAMD":
+            return ""
+        if self.family == 25 and self.avx512:
+            return "zen4"
+        return "zen5" if self.family == 26 else ""
+
+    @property
     def kind(self) -> str:
         """The CPU's class for per-CPU tables: "amx", "avx512_vnni", "avx2" or "other"."""
         if self.amx:
@@ -67,7 +83,13 @@ class CpuInfo:
     def describe(self) -> dict[str, object]:
         """What a benchmark records with its figures."""
         units = [u for u in ("avx2", "avx512", "vnni", "bf16", "amx") if getattr(self, u)]
-        return {"model": self.model, "arch": self.arch, "kind": self.kind, "units": units, "cores": self.cores}
+        out: dict[str, object] = {"model": self.model, "arch": self.arch, "kind": self.kind, "units": units}
+        if self.vendor:
+            out.update(vendor=self.vendor, family=self.family, model_number=self.model_number)
+        if self.core:
+            out["core"] = self.core
+        out["cores"] = self.cores
+        return out
 
 
 def parse_cpuinfo(text: str, arch: str | None = None, cores: int | None = None) -> CpuInfo:
@@ -86,7 +108,14 @@ def parse_cpuinfo(text: str, arch: str | None = None, cores: int | None = None) 
         arch=arch if arch is not None else platform.machine(),
         flags=frozenset(fields.get("flags", "").split()),
         cores=cores if cores is not None else _cores(),
+        vendor=fields.get("vendor_id", ""),
+        family=_number(fields.get("cpu family")),
+        model_number=_number(fields.get("model")),
     )
+
+
+def _number(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
 
 
 def _cores() -> int:
