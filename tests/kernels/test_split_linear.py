@@ -45,7 +45,9 @@ def test_only_one_row_calls_on_more_than_one_thread_split(two_threads, monkeypat
 def _swapped(lin: nn.Linear) -> list[tuple[str, nn.Module]]:
     holder = nn.Sequential(lin)
     n = split_linear.split_linears_(holder)
-    return [(name, m) for name, m in holder.named_children() if isinstance(m, split_linear.SplitLinear)][:n]
+    swapped = [(name, m) for name, m in holder.named_children() if isinstance(m, split_linear.SplitLinear)]
+    assert len(swapped) == n
+    return swapped
 
 
 @needs_op

@@ -7,7 +7,7 @@ call is MKL's GEMV. On our AMD CPUs that GEMV runs on one thread whatever torch'
 dotted with x, computed the same way wherever the row sits: the rows cut into one slice per thread (at multiples
 of ``ALIGN``), each slice the same ``F.linear`` on its own thread, give the whole call's bits from every core.
 That is checked, not assumed: ``split_linears_`` runs each weight shape both ways (on the weights themselves, two
-and three slices) and keeps ``F.linear`` for any shape whose bits differ.
+and three slices and those of this thread count) and keeps ``F.linear`` for any shape whose bits differ.
 
 Only one-row calls split (the decode step); a prompt's calls are MKL's GEMM, threaded already. The op is plain
 C++ over ATen (``split_linear.cpp``), built at first use on any x86 CPU; without a compiler nothing changes.
@@ -60,7 +60,7 @@ class SplitLinear(nn.Linear):
     and any call on one thread, is ``F.linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = min(torch.get_num_threads(), self.out_features // ALIGN)
+        parts = _parts(self.out_features)
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         if parts < 2 or x.numel() != self.in_features or x.dtype != torch.float32 or grad:
             return F.linear(x, self.weight)
@@ -68,11 +68,17 @@ class SplitLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+def _parts(out_features: int) -> int:
+    """Slices of a one-row call now: one a thread, each at least ``ALIGN`` rows (< 2: no split)."""
+    return min(torch.get_num_threads(), out_features // ALIGN)
+
+
 def _splits_exactly(weight: torch.Tensor) -> bool:
-    """Whether ``split_linear`` gives ``F.linear``'s bits for this weight (two and three slices)."""
+    """Whether ``split_linear`` gives ``F.linear``'s bits for this weight: two and three slices, and the slices a
+    call makes at this thread count (a bigger machine's more slices start at other rows)."""
     gen = torch.Generator().manual_seed(0)
-    for parts in (2, 3):
-        if weight.shape[0] // ALIGN < parts:
+    for parts in sorted({2, 3, _parts(weight.shape[0])}):
+        if parts < 2 or weight.shape[0] // ALIGN < parts:
             continue
         x = torch.randn(1, weight.shape[1], generator=gen)
         if not torch.equal(split_linear(x, weight, parts), F.linear(x, weight)):
