@@ -1,18 +1,20 @@
 // Decode attention over a bf16 or int8 slot KV cache, one new token per row (see decode_attention.py).
 //
 // Keys and values are read once, as bf16 or int8, straight from each row's slot of the layer's cache
-// [slots, kv_heads, positions, head_dim]; dots, softmax and the weighted sum run in fp32. An int8 cache
-// has one fp32 scale per vector ([slots, kv_heads, positions]): the int8 numbers are converted to fp32 in
-// registers, the key's scale multiplies its dot (q . s k = s (q . k)) and the value's scale its softmax
-// weight in the weighted sum (w s v), so nothing is dequantized into memory. The work is
+// [slots, kv_heads, positions, head_dim]; a bf16 cache's dots, softmax and weighted sum run in fp32. An
+// int8 cache has one fp32 scale per vector ([slots, kv_heads, positions]): its dots and weighted sums run
+// in integers (int16 query and weights against the int8 numbers, Online8), the key's scale multiplies its
+// dot (q . s k = s (q . k)) and the value's scale its softmax weight (w s v), so nothing is dequantized
+// into memory. The work is
 // split flash-decoding style into (row, kv head, chunk of kChunk positions) items, each one pass over
 // its keys and values together with an online softmax local to the chunk; the chunks of a row and head
 // are then combined in order. The chunk size is a constant, so a row's result never depends on the
 // number of threads or on which other rows run in the same step (the engine's batch invariance).
 // A prefill's rows (one slot's tokens at consecutive positions) go in groups that widen each block of
-// keys and values to fp32 once for all of them (group_item), each row with the same arithmetic.
+// keys and values once for all of them (group_item), each row with the same arithmetic.
 //
-// Built at first use by torch.utils.cpp_extension with AVX-512 flags; only loaded on CPUs that have it.
+// Built at first use by torch.utils.cpp_extension with AVX-512 flags (and VNNI's where the CPU has it);
+// only loaded on CPUs that have AVX-512.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -176,60 +178,140 @@ struct Row {
   }
 };
 
-// 16 int8 -> 16 fp32 (exact).
-inline __m512 load_int8(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+// The bf16 cache's sources of a block of 16 positions for Online: the cache itself (chunk_item) or the
+// block widened to fp32 once for a group of a prompt's rows (group_item). Both give the same products.
+template <int D>
+struct Bf16Cache {
+  const at::BFloat16* k;
+  const at::BFloat16* v;
+  int64_t k_pos, v_pos;
+  __m512 dot(const Row<D>& q, int i) const { return q.dot_lanes(k + i * k_pos); }
+  void add(Row<D>& acc, __m512 w, int i) const { acc.add_scaled(w, v + i * v_pos); }
+};
+
+template <int D>
+struct Bf16Wide {
+  alignas(64) float k[16 * D];
+  alignas(64) float v[16 * D];
+  void fill(const Bf16Cache<D>& c, int width) {
+    for (int j = 0; j < width; ++j) Row<D>::widen(c.k + j * c.k_pos, k + j * D), Row<D>::widen(c.v + j * c.v_pos, v + j * D);
+  }
+  __m512 dot(const Row<D>& q, int i) const { return q.dot_lanes(k + i * D); }
+  void add(Row<D>& acc, __m512 w, int i) const { acc.add_scaled(w, v + i * D); }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// The int8 cache in integers. Widening int8 keys and values to fp32 costs two conversions a 16 numbers
+// before each FMA: on a Zen 4 (512-bit work double-pumped on 256-bit units) that was ~16 ns a (head,
+// position) at head_dim 64 on one core, most of a 32-row step's attention. Instead the query is rounded
+// once to int16 (q * scale over its largest |value| times 32767: 15 bits, 1/258 of the int8 key's own
+// step) and each dot is an exact int32 sum of int16 x int8 products (vpdpwssd, or vpmaddwd + vpaddd
+// without VNNI: the same integers); each block's softmax weights times the values' scales are rounded
+// to int16 over the block's largest (same 15 bits) and multiply pairs of positions' values the same
+// way, the block's int32 sums then scaled into the fp32 output once. Integer sums are exact, so any
+// order and any path (the cache or a group's widened block) gives the same bits; what changes against
+// fp32 arithmetic is the two roundings, ~4e-6 of a score's and a weight's size (tests/kernels).
+inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
 }
 
-// The int8 cache's row: D / 16 vectors in natural order (int8 widens 16 at a time, no even/odd split).
-template <int D>
-struct Row8 {
-  static constexpr int W = D / 16;
-  __m512 x[W];
+// sum16 in int32 (exact): the same shuffles on the lanes' bits.
+inline __m512i sum16i(const __m512i* a) {
+  const auto ps = [](__m512i x) { return _mm512_castsi512_ps(x); };
+  const auto si = [](__m512 x) { return _mm512_castps_si512(x); };
+  __m512i b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_epi32(si(_mm512_shuffle_ps(ps(c[2 * i]), ps(c[2 * i + 1]), 0x44)),
+                            si(_mm512_shuffle_ps(ps(c[2 * i]), ps(c[2 * i + 1]), 0xEE)));
+  const __m512i e = _mm512_add_epi32(si(_mm512_shuffle_ps(ps(d[0]), ps(d[1]), 0x88)), si(_mm512_shuffle_ps(ps(d[0]), ps(d[1]), 0xDD)));
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
 
-  void zero() {
-    for (int w = 0; w < W; ++w) x[w] = _mm512_setzero_ps();
+// Shapes of a head_dim-D row in int16: C full 32-number vectors and, when D is an odd multiple of 16, a
+// tail of 16 (upper half zero). A pair of positions' values takes two vectors per 32 numbers (each lane
+// one number of both positions) and one for the tail.
+template <int D>
+struct Shape16 {
+  static constexpr int C = D / 32;
+  static constexpr bool kTail = D % 32 != 0;
+  static constexpr int KW = C + (kTail ? 1 : 0);      // a key's vectors
+  static constexpr int VW = 2 * C + (kTail ? 1 : 0);  // a pair of values' vectors
+};
+
+// Key row at p (int8) as KW int16 vectors, natural order.
+template <int D>
+inline __m512i key16(const int8_t* p, int w) {
+  if (w < Shape16<D>::C) return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * w)));
+  return _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 * w))));
+}
+
+// Values at a and b (int8) as VW vectors of int16 pairs (a's number, b's number) per 32-bit lane. Per 32
+// numbers the bytes interleave within 128-bit lanes: vector 2c holds numbers 0-7 and 16-23, 2c + 1 8-15
+// and 24-31 (Online8 puts them back in order once a chunk); the tail's 16 are in order.
+template <int D>
+inline __m512i value_pair(const int8_t* a, const int8_t* b, int w) {
+  constexpr int C = Shape16<D>::C;
+  if (w < 2 * C) {
+    const int c = w / 2;
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * c));
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * c));
+    return _mm512_cvtepi8_epi16(w % 2 == 0 ? _mm256_unpacklo_epi8(x, y) : _mm256_unpackhi_epi8(x, y));
   }
-  void load_split(const float* p) {
-    for (int w = 0; w < W; ++w) x[w] = _mm512_loadu_ps(p + 16 * w);
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 32 * C));
+  const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 * C));
+  return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(x, y), _mm_unpacklo_epi8(x, y)));
+}
+
+// The int8 cache's sources of a block for Online8: the cache, or the block widened to int16 once for a
+// group (its pairs made for positions 2j, 2j + 1; past the block's width, the last position twice).
+template <int D>
+struct Int8Cache {
+  const int8_t* k;
+  const int8_t* v;
+  int64_t k_pos, v_pos;
+  __m512i dot(const __m512i* q, int i) const {
+    __m512i acc = _mm512_setzero_si512();
+    for (int w = 0; w < Shape16<D>::KW; ++w) acc = dpwssd(acc, q[w], key16<D>(k + i * k_pos, w));
+    return acc;
   }
-  void store_joined(float* p) const {
-    for (int w = 0; w < W; ++w) _mm512_storeu_ps(p + 16 * w, x[w]);
+  // acc += positions i0 and i1's values weighted by the int16 pair `w` (i1 == i0 when the block's last
+  // position is alone: its weight is then 0).
+  void add_pair(__m512i* acc, __m512i w, int i0, int i1) const {
+    for (int x = 0; x < Shape16<D>::VW; ++x) acc[x] = dpwssd(acc[x], w, value_pair<D>(v + i0 * v_pos, v + i1 * v_pos, x));
   }
-  // Two chains of FMAs (even and odd vectors), as the bf16 row's even/odd halves; `at(w)`: the other row's
-  // vector w in fp32.
-  template <class At>
-  __m512 dot_lanes_with(At at) const {
-    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    int w = 0;
-    for (; w + 2 <= W; w += 2) {
-      a = _mm512_fmadd_ps(x[w], at(w), a);
-      b = _mm512_fmadd_ps(x[w + 1], at(w + 1), b);
+};
+
+template <int D>
+struct Int8Wide {
+  static constexpr int KW = Shape16<D>::KW, VW = Shape16<D>::VW;
+  __m512i k[16 * KW];
+  __m512i v[8 * VW];
+  void fill(const Int8Cache<D>& c, int width) {
+    for (int j = 0; j < width; ++j)
+      for (int w = 0; w < KW; ++w) k[j * KW + w] = key16<D>(c.k + j * c.k_pos, w);
+    for (int j = 0; 2 * j < width; ++j) {
+      const int8_t* a = c.v + 2 * j * c.v_pos;
+      const int8_t* b = 2 * j + 1 < width ? a + c.v_pos : a;
+      for (int w = 0; w < VW; ++w) v[j * VW + w] = value_pair<D>(a, b, w);
     }
-    if (w < W) a = _mm512_fmadd_ps(x[w], at(w), a);
-    return _mm512_add_ps(a, b);
   }
-  __m512 dot_lanes(const int8_t* p) const {
-    return dot_lanes_with([p](int w) { return load_int8(p + 16 * w); });
+  __m512i dot(const __m512i* q, int i) const {
+    __m512i acc = _mm512_setzero_si512();
+    for (int w = 0; w < KW; ++w) acc = dpwssd(acc, q[w], k[i * KW + w]);
+    return acc;
   }
-  void add(const Row8& o) {
-    for (int w = 0; w < W; ++w) x[w] = _mm512_add_ps(x[w], o.x[w]);
-  }
-  void scale(__m512 f) {
-    for (int w = 0; w < W; ++w) x[w] = _mm512_mul_ps(x[w], f);
-  }
-  void add_scaled(__m512 s, const int8_t* p) {  // this += s * (int8 row at p)
-    for (int w = 0; w < W; ++w) x[w] = _mm512_fmadd_ps(s, load_int8(p + 16 * w), x[w]);
-  }
-  // The int8 row at p widened once into D floats, and the same two over that copy (as Row's).
-  static void widen(const int8_t* p, float* y) {
-    for (int w = 0; w < W; ++w) _mm512_storeu_ps(y + 16 * w, load_int8(p + 16 * w));
-  }
-  __m512 dot_lanes(const float* y) const {
-    return dot_lanes_with([y](int w) { return _mm512_loadu_ps(y + 16 * w); });
-  }
-  void add_scaled(__m512 s, const float* y) {
-    for (int w = 0; w < W; ++w) x[w] = _mm512_fmadd_ps(s, _mm512_loadu_ps(y + 16 * w), x[w]);
+  // A row whose block ends at i0 weighs i0 + 1 by 0: the widened pair's second number then adds 0, as
+  // the cache's duplicate does.
+  void add_pair(__m512i* acc, __m512i w, int i0, int) const {
+    for (int x = 0; x < VW; ++x) acc[x] = dpwssd(acc[x], w, v[i0 / 2 * VW + x]);
   }
 };
 
@@ -315,14 +397,13 @@ inline void combine(const float* base, int64_t chunks, int64_t stride, float* o)
 }
 
 // One query head's online softmax over a span's positions, a block of at most 16 at a time: the block's
-// dots (times the keys' scales for an int8 cache), its max, what was summed rescaled when the max grows,
-// then its weights times the values (times the values' scales; the softmax's sum takes the weights
-// alone) added in. `dot_at(q, i)` gives the lanes of the block's key i's dot with q, `add_at(acc, w, i)`
-// adds w times its value i: read from the cache (chunk_item) or from a block widened once for a group of
-// rows (group_item). Either way the same products and sums in the same order: the same bits.
-template <class R, bool kScaled>
+// dots, its max, what was summed rescaled when the max grows, then its weights times the values added
+// in. `src` gives the lanes of the block's key i's dot with q (`dot`) and adds w times its value i
+// (`add`): read from the cache (chunk_item) or from a block widened once for a group of rows
+// (group_item). Either way the same products and sums in the same order: the same bits.
+template <int D>
 struct Online {
-  R q, out, odd_out;  // odd_out: the odd positions' sum, a second chain of FMAs
+  Row<D> q, out, odd_out;  // odd_out: the odd positions' sum, a second chain of FMAs
   float m;
   __m512 sum;
 
@@ -333,15 +414,12 @@ struct Online {
     m = -std::numeric_limits<float>::infinity();
     sum = _mm512_setzero_ps();
   }
-  // `ks`, `vs`: the block's key and value scales (int8), else unused.
-  template <class Dot, class Add>
-  inline void block(int cnt, const float* ks, const float* vs, Dot dot_at, Add add_at) {
+  template <class Src>
+  inline void block(int cnt, const float*, const float*, const Src& src) {
     const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
     __m512 lanes[16];
-    for (int i = 0; i < 16; ++i) lanes[i] = i < cnt ? dot_at(q, i) : _mm512_setzero_ps();
-    __m512 dots = sum16(lanes);
-    if constexpr (kScaled) dots = _mm512_mul_ps(dots, _mm512_maskz_loadu_ps(live, ks));
-    const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, dots);
+    for (int i = 0; i < 16; ++i) lanes[i] = i < cnt ? src.dot(q, i) : _mm512_setzero_ps();
+    const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sum16(lanes));
     const float block_max = _mm512_reduce_max_ps(scores);
     if (block_max > m) {  // rescale what was summed under the old max (m = -inf: nothing yet, factor 0)
       const __m512 factor = exp_nonpositive(_mm512_set1_ps(m - block_max));
@@ -352,17 +430,13 @@ struct Online {
     const __m512 w = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(m)));  // masked lanes: 0
     sum = _mm512_add_ps(sum, w);
     alignas(64) float e[16];
-    if constexpr (kScaled) {
-      _mm512_store_ps(e, _mm512_mul_ps(w, _mm512_maskz_loadu_ps(live, vs)));
-    } else {
-      _mm512_store_ps(e, w);
-    }
+    _mm512_store_ps(e, w);
     int i = 0;
     for (; i + 2 <= cnt; i += 2) {
-      add_at(out, _mm512_set1_ps(e[i]), i);
-      add_at(odd_out, _mm512_set1_ps(e[i + 1]), i + 1);
+      src.add(out, _mm512_set1_ps(e[i]), i);
+      src.add(odd_out, _mm512_set1_ps(e[i + 1]), i + 1);
     }
-    if (i < cnt) add_at(out, _mm512_set1_ps(e[i]), i);
+    if (i < cnt) src.add(out, _mm512_set1_ps(e[i]), i);
   }
   // The part: max score, sum of exp, weighted value sum (D floats).
   void finish(float* dst) {
@@ -371,6 +445,99 @@ struct Online {
     dst[1] = _mm512_reduce_add_ps(sum);
     out.store_joined(dst + 2);
   }
+};
+
+// Online for the int8 cache: the same softmax, the dots and the weighted sum in integers (see Int8Cache).
+// A block's dots: the int32 sums to fp32, times the query's scale, times the keys' scales. Its weights
+// times the values' scales (`e`, the softmax's sum takes the weights alone) become int16 over their
+// largest, and each pair of positions' values is added in by one vpdpwssd a vector; the block's sums
+// then go into the fp32 output times the weights' scale.
+template <int D>
+struct Online8 {
+  static constexpr int KW = Shape16<D>::KW, VW = Shape16<D>::VW;
+  __m512i q[KW];
+  float qs;
+  __m512 out[VW];  // in value_pair's lane order
+  float m;
+  __m512 sum;
+
+  void start(const float* qp, float scale) {
+    alignas(64) float x[KW * 32] = {};
+    const __m512 f = _mm512_set1_ps(scale);
+    __m512 big = _mm512_setzero_ps();
+    for (int j = 0; j < D; j += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(qp + j), f);  // q * scale rounded once, as fp32's
+      _mm512_store_ps(x + j, v);
+      big = _mm512_max_ps(big, _mm512_abs_ps(v));
+    }
+    const float amax = _mm512_reduce_max_ps(big);
+    qs = amax > 0.0f ? amax / 32767.0f : 0.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    for (int w = 0; w < KW; ++w) {  // |x| * inv <= 32767 (+ rounding): the codes fit int16
+      const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x + 32 * w), inv));
+      const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x + 32 * w + 16), inv));
+      q[w] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(lo)), _mm512_cvtsepi32_epi16(hi), 1);
+    }
+    for (int x2 = 0; x2 < VW; ++x2) out[x2] = _mm512_setzero_ps();
+    m = -std::numeric_limits<float>::infinity();
+    sum = _mm512_setzero_ps();
+  }
+  template <class Src>
+  inline void block(int cnt, const float* ks, const float* vs, const Src& src) {
+    const __mmask16 live = static_cast<__mmask16>((1u << cnt) - 1);
+    __m512i lanes[16];
+    for (int i = 0; i < 16; ++i) lanes[i] = i < cnt ? src.dot(q, i) : _mm512_setzero_si512();
+    const __m512 dots = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum16i(lanes)), _mm512_set1_ps(qs)),
+                                      _mm512_maskz_loadu_ps(live, ks));
+    const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, dots);
+    const float block_max = _mm512_reduce_max_ps(scores);
+    if (block_max > m) {
+      const __m512 factor = exp_nonpositive(_mm512_set1_ps(m - block_max));
+      for (int x = 0; x < VW; ++x) out[x] = _mm512_mul_ps(out[x], factor);
+      sum = _mm512_mul_ps(sum, factor);
+      m = block_max;
+    }
+    const __m512 w = exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(m)));  // masked lanes: 0
+    sum = _mm512_add_ps(sum, w);
+    const __m512 e = _mm512_mul_ps(w, _mm512_maskz_loadu_ps(live, vs));
+    const float emax = _mm512_reduce_max_ps(e);
+    if (!(emax > 0.0f)) return;  // every weight 0 (underflow, or zero values' scales): nothing to add
+    const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(e, _mm512_set1_ps(32767.0f / emax)));
+    alignas(32) int32_t pairs[8];  // pair j: positions 2j and 2j + 1's int16 weights
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), _mm512_cvtsepi32_epi16(codes));
+    __m512i acc[2][VW];  // even and odd pairs: two chains
+    for (int x = 0; x < VW; ++x) acc[0][x] = acc[1][x] = _mm512_setzero_si512();
+    for (int j = 0; 2 * j < cnt; ++j)
+      src.add_pair(acc[j & 1], _mm512_set1_epi32(pairs[j]), 2 * j, 2 * j + 1 < cnt ? 2 * j + 1 : 2 * j);
+    const __m512 s = _mm512_set1_ps(emax / 32767.0f);
+    for (int x = 0; x < VW; ++x) out[x] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][x], acc[1][x])), out[x]);
+  }
+  void finish(float* dst) {
+    dst[0] = m;
+    dst[1] = _mm512_reduce_add_ps(sum);
+    constexpr int C = Shape16<D>::C;
+    for (int c = 0; c < C; ++c) {  // numbers 0-7 | 16-23 and 8-15 | 24-31 back in order, by 128-bit quarters
+      _mm512_storeu_ps(dst + 2 + 32 * c, _mm512_shuffle_f32x4(out[2 * c], out[2 * c + 1], 0x44));
+      _mm512_storeu_ps(dst + 2 + 32 * c + 16, _mm512_shuffle_f32x4(out[2 * c], out[2 * c + 1], 0xEE));
+    }
+    if constexpr (Shape16<D>::kTail) _mm512_storeu_ps(dst + 2 + 32 * C, out[2 * C]);
+  }
+};
+
+// What each cache's loop uses: its online state, its cache source and its widened block.
+template <int D, class T>
+struct Kind;
+template <int D>
+struct Kind<D, at::BFloat16> {
+  using State = Online<D>;
+  using Cache = Bf16Cache<D>;
+  using Wide = Bf16Wide<D>;
+};
+template <int D>
+struct Kind<D, int8_t> {
+  using State = Online8<D>;
+  using Cache = Int8Cache<D>;
+  using Wide = Int8Wide<D>;
 };
 
 // One item: row `row` (cache slot `slot`), kv head `g`, positions [p0, p1). Writes for each of the
@@ -387,7 +554,7 @@ struct Online {
 // prefetched while this one computes. `final`: where the kv head's query heads' outputs go when this item
 // is its row's only chunk (else null): the item combines its one part itself (`combine`, as `run` would),
 // so a prompt's thousands of rows are not combined one after another on one thread.
-template <int D, class R, class T>
+template <int D, class T>
 void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_t p0, int64_t p1, float* part,
                 const Span<T>& next, float* final) {
   constexpr bool kScaled = std::is_same_v<T, int8_t>;
@@ -398,7 +565,7 @@ void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_
   const float* ks0 = cur.ks;
   const float* vs0 = cur.vs;
   for (int64_t r = 0; r < L.rep; ++r) {
-    Online<R, kScaled> s;
+    typename Kind<D, T>::State s;
     s.start(L.q + row * L.q_row + (g * L.rep + r) * D, L.scale);
     if (r == 0) {  // the kv head's other query heads find the chunk in cache
       prefetch<D>(L, cur, 0, kAhead);
@@ -417,10 +584,8 @@ void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_
           _mm_prefetch(reinterpret_cast<const char*>(vs0 + p + kAhead), _MM_HINT_T0);
         }
       }
-      s.block(
-          static_cast<int>(std::min<int64_t>(16, n - p)), kScaled ? ks0 + p : nullptr, kScaled ? vs0 + p : nullptr,
-          [&](const R& q, int i) { return q.dot_lanes(k0 + (p + i) * L.k_pos); },
-          [&](R& acc, __m512 w, int i) { acc.add_scaled(w, v0 + (p + i) * L.v_pos); });
+      s.block(static_cast<int>(std::min<int64_t>(16, n - p)), kScaled ? ks0 + p : nullptr, kScaled ? vs0 + p : nullptr,
+              typename Kind<D, T>::Cache{k0 + p * L.k_pos, v0 + p * L.v_pos, L.k_pos, L.v_pos});
     }
     alignas(64) float one[D + 2];
     float* dst = final ? one : part + r * (D + 2);
@@ -433,17 +598,17 @@ constexpr int64_t kGroup = 8;  // rows of one prompt that share a widened block 
 
 // Rows row0 .. row0 + G - 1 (G <= kGroup) of one slot at consecutive positions, each its only chunk: a
 // prompt's tokens in a prefill, row i attending over positions 0 .. last[row0] + i. Each block of 16
-// positions is widened to fp32 once (keys and values) and read by every row of the group that reaches
+// positions is widened once (keys and values: to fp32, or an int8 cache's to int16) and read by every row of the group that reaches
 // it, instead of each row converting the same keys and values again; each row's arithmetic is
-// chunk_item's (Online), so its bits are the ones it gets alone. Writes the rows' outputs (combined as
+// chunk_item's (Online, Online8), so its bits are the ones it gets alone. Writes the rows' outputs (combined as
 // a one-chunk row's) into out.
-template <int D, class R, class T>
+template <int D, class T>
 void group_item(const Layout<T>& L, int64_t row0, int64_t G, int64_t slot, int64_t g, const int64_t* last,
                 const Span<T>& next, float* out) {
   constexpr bool kScaled = std::is_same_v<T, int8_t>;
   const Span<T> cur = span(L, slot, g, 0, last[row0 + G - 1] + 1);  // the longest row's positions
-  alignas(64) float kf[16 * D], vf[16 * D];
-  Online<R, kScaled> s[kGroup];
+  typename Kind<D, T>::Wide wide;
+  typename Kind<D, T>::State s[kGroup];
   for (int64_t r = 0; r < L.rep; ++r) {
     for (int64_t i = 0; i < G; ++i) s[i].start(L.q + (row0 + i) * L.q_row + (g * L.rep + r) * D, L.scale);
     if (r == 0) {
@@ -455,17 +620,12 @@ void group_item(const Layout<T>& L, int64_t row0, int64_t G, int64_t slot, int64
     for (int64_t p = 0; p < cur.n; p += 16) {
       if (r == 0) prefetch<D>(L, cur, p + kAhead, p + kAhead + 16), prefetch_scales(cur, p + kAhead, p + kAhead + 16);
       const int64_t width = std::min<int64_t>(16, cur.n - p);
-      for (int64_t j = 0; j < width; ++j) {
-        R::widen(cur.k + (p + j) * L.k_pos, kf + j * D);
-        R::widen(cur.v + (p + j) * L.v_pos, vf + j * D);
-      }
+      wide.fill({cur.k + p * L.k_pos, cur.v + p * L.v_pos, L.k_pos, L.v_pos}, static_cast<int>(width));
       for (int64_t i = 0; i < G; ++i) {
         const int64_t n = last[row0 + i] + 1;
         if (p >= n) continue;  // this row ends before the block
-        s[i].block(
-            static_cast<int>(std::min<int64_t>(16, n - p)), kScaled ? cur.ks + p : nullptr,
-            kScaled ? cur.vs + p : nullptr, [&](const R& q, int j) { return q.dot_lanes(kf + j * D); },
-            [&](R& acc, __m512 w, int j) { acc.add_scaled(w, vf + j * D); });
+        s[i].block(static_cast<int>(std::min<int64_t>(16, n - p)), kScaled ? cur.ks + p : nullptr,
+                   kScaled ? cur.vs + p : nullptr, wide);
       }
     }
     for (int64_t i = 0; i < G; ++i) {
@@ -494,7 +654,7 @@ inline std::vector<int64_t> units_of(const int64_t* slots, const int64_t* last, 
   return unit;
 }
 
-template <int D, class R, class T>
+template <int D, class T>
 void run(const Layout<T>& L, const int64_t* slots, const int64_t* last, int64_t rows, int64_t kv_heads, float* out) {
   const std::vector<int64_t> unit = units_of(slots, last, rows);
   const int64_t units = static_cast<int64_t>(unit.size()) - 1;
@@ -536,10 +696,10 @@ void run(const Layout<T>& L, const int64_t* slots, const int64_t* last, int64_t 
         }
         const int64_t row = unit[u], G = unit[u + 1] - row;
         if (G > 1) {
-          group_item<D, R, T>(L, row, G, slots[row], g, last, next, out);
+          group_item<D, T>(L, row, G, slots[row], g, last, next, out);
         } else {
           const bool alone = last[row] < kChunk;  // the row's only chunk
-          chunk_item<D, R, T>(L, row, slots[row], g, p0, p1, parts.get() + it * part_size, next,
+          chunk_item<D, T>(L, row, slots[row], g, p0, p1, parts.get() + it * part_size, next,
                               alone ? out + (row * L.heads + g * L.rep) * D : nullptr);
         }
       }
@@ -585,7 +745,7 @@ at::Tensor check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   return q.stride(2) == 1 && q.stride(1) == d ? q : q.contiguous();
 }
 
-template <template <int> class R, class T>
+template <class T>
 at::Tensor dispatch(const Layout<T>& L, const at::Tensor& q, const at::Tensor& k, const at::Tensor& slots,
                     const at::Tensor& last) {
   const int64_t rows = q.size(0), d = q.size(2), kv_heads = k.size(1);
@@ -596,14 +756,14 @@ at::Tensor dispatch(const Layout<T>& L, const at::Tensor& q, const at::Tensor& k
   const int64_t* lp = ls.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   switch (d / 16) {
-    case 1: run<16, R<16>, T>(L, sp, lp, rows, kv_heads, o); break;
-    case 2: run<32, R<32>, T>(L, sp, lp, rows, kv_heads, o); break;
-    case 3: run<48, R<48>, T>(L, sp, lp, rows, kv_heads, o); break;
-    case 4: run<64, R<64>, T>(L, sp, lp, rows, kv_heads, o); break;
-    case 5: run<80, R<80>, T>(L, sp, lp, rows, kv_heads, o); break;
-    case 6: run<96, R<96>, T>(L, sp, lp, rows, kv_heads, o); break;
-    case 7: run<112, R<112>, T>(L, sp, lp, rows, kv_heads, o); break;
-    default: run<128, R<128>, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 1: run<16, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 2: run<32, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 3: run<48, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 4: run<64, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 5: run<80, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 6: run<96, T>(L, sp, lp, rows, kv_heads, o); break;
+    case 7: run<112, T>(L, sp, lp, rows, kv_heads, o); break;
+    default: run<128, T>(L, sp, lp, rows, kv_heads, o); break;
   }
   return out;
 }
@@ -616,7 +776,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                          k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                          q.size(1), q.size(1) / k.size(1)};
   L.q_row = qs.stride(0), L.scale = static_cast<float>(scale);  // ATen's q * scale: a float times float(scale)
-  return dispatch<Row, at::BFloat16>(L, qs, k, slots, last);
+  return dispatch<at::BFloat16>(L, qs, k, slots, last);
 }
 
 at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -637,7 +797,7 @@ at::Tensor decode_attention_int8(const at::Tensor& q, const at::Tensor& k, const
   L.ks = k_scale.data_ptr<float>(), L.vs = v_scale.data_ptr<float>();
   L.ks_slot = k_scale.stride(0), L.ks_head = k_scale.stride(1);
   L.vs_slot = v_scale.stride(0), L.vs_head = v_scale.stride(1);
-  return dispatch<Row8, int8_t>(L, qs, k, slots, last);
+  return dispatch<int8_t>(L, qs, k, slots, last);
 }
 
 }  // namespace

@@ -10,10 +10,15 @@ softmax and weighted sum in fp32, split into fixed chunks of positions across th
 deterministic: chunks are combined in order whatever the thread count.
 
 An int8 cache (``--kv-cache-dtype int8``, ``kernels.kv_int8``: int8 vectors with one fp32 scale each) has
-its own op over the same loop: the int8 numbers widened to fp32 in registers, each key's scale folded into
-its dot and each value's into its softmax weight, so it reads 68 bytes a vector where bf16 reads 128 (at
-head_dim 64) and dequantizes nothing into memory. Where the op cannot run, ``Attention._attend_rows``
-dequantizes each row's keys to fp32 in torch (the same math, slower).
+its own op over the same loop, in integers: the query rounded once to int16 (15 bits over its largest
+value), each dot an exact int32 sum of int16 x int8 products, each block's softmax weights (times the
+values' scales) rounded to int16 and multiplying pairs of positions' values the same way; each key's
+scale folded into its dot and each value's into its weight. It reads 68 bytes a vector where bf16 reads
+128 (at head_dim 64) and dequantizes nothing into memory; the two int16 roundings add ~1/65534 of a
+query's and a block's largest weight, 1/258 of the int8 numbers' own step (widening int8 to fp32 instead
+cost two conversions a 16 numbers before each FMA: on a Zen 4 most of a 32-row step's attention). Where
+the op cannot run, ``Attention._attend_rows`` dequantizes each row's keys to fp32 in torch (fp32 math,
+slower: the op's result up to those two roundings).
 
 Where it runs: a CPU with AVX-512 (torch's own probe, ``torch.backends.cpu.get_cpu_capability``), a
 bf16 or int8 cache, and a C++ compiler and ninja to build it (the first build takes ~30-60 s and is cached
@@ -37,7 +42,9 @@ from . import cpp_build
 MODE_ENV = "CHATTTS_DECODE_ATTENTION"
 """"auto" (default): the C++ kernel where it applies; "torch": always torch's SDPA."""
 _SOURCE = Path(__file__).with_name("decode_attention.cpp")
-# The kernel is written with AVX-512F intrinsics only (no BF16 instructions): any AVX-512 CPU runs it.
+# The kernel is written with AVX-512 F/BW/VL/DQ intrinsics (no BF16 instructions): any AVX-512 CPU runs it.
+# The int8 cache's integer dots take VNNI's vpdpwssd where the CPU has it (else vpmaddwd + vpaddd: the
+# same integers); the flag is chosen per machine, as the build is (cached per user).
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
 _lock = threading.Lock()
 
@@ -52,7 +59,8 @@ def cpu_supported() -> bool:
 def _load() -> bool:
     """Build (or load the cached build of) the op once per process; False with one warning when it
     cannot be built, and the caller keeps torch's attention."""
-    why = cpp_build.build("chattts_decode_attention", _SOURCE, _CFLAGS)
+    flags = _CFLAGS + (["-mavx512vnni"] if torch.cpu._is_vnni_supported() else [])
+    why = cpp_build.build("chattts_decode_attention", _SOURCE, flags)
     if why is not None:
         warnings.warn(
             f"decode attention over the bf16/int8 KV cache runs on torch (slower): {why}", RuntimeWarning, stacklevel=2
@@ -111,8 +119,11 @@ def reference(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``attend`` in plain torch, row by row in float64 (the tests' oracle; slow); an int8 cache dequantized
-    in float64."""
+    in float64, its query rounded to int16 as the op rounds it (``int16_query``). What is left against the op
+    is fp32 rounding and, for int8, the rounding of each block's weights to int16."""
     rep = q.shape[1] // k_cache.shape[1]
+    if scales is not None:
+        q, scale = int16_query(q, scale), 1.0
     outs = []
     for row, (slot, end) in enumerate(zip(slots.tolist(), last.tolist(), strict=True)):
         keys = k_cache[slot, :, : end + 1].double()
@@ -124,3 +135,14 @@ def reference(
         weights = torch.softmax((q[row].double()[:, None] @ keys.transpose(-1, -2)) * scale, dim=-1)
         outs.append((weights @ values)[:, 0])
     return torch.stack(outs).float()
+
+
+def int16_query(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q * scale`` as the int8 op reads it, in float64: each head's fp32 ``q * scale`` rounded to int16 codes
+    over its largest |value| (``code = round(x * (32767 / amax))``, half to even, in fp32) times ``amax /
+    32767``."""
+    x = q.float() * torch.tensor(scale, dtype=torch.float32)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros(()))
+    codes = torch.round(x * inv)
+    return codes.double() * (amax / 32767.0).double()
