@@ -45,7 +45,15 @@ constexpr int64_t kBlock = 4;    // items a thread takes at once (consecutive: a
 // 20 layers 15.8 -> 13.6 ms (2 threads), one row's 0.53 -> 0.44 ms inside the int4 step (1 thread); a bf16
 // cache (two lines a position) unchanged. An int8 cache's scales come along (prefetch_scales): without
 // them the one-row step's attention was 0.68-0.79 ms, with them 0.44-0.52 (Zen 5, ctx ~195, 1 thread).
-constexpr int64_t kAhead = 32;
+// The int8 cache's distance is the build's (decode_attention.py picks it by CPU): on a Zen 4, with the
+// integer dots, 16 positions (1 KB a stream) against 32: 32 rows x 150 positions, 20 layers, cold, 5
+// alternating runs each, all lower: 1 thread 17.5-19.7 ms against 19.8-23.1, 2 threads 10.0-11.8 against
+// 10.7-14.8.
+#ifndef CHATTTS_INT8_AHEAD
+#define CHATTTS_INT8_AHEAD 32
+#endif
+template <class T>
+constexpr int64_t kAhead = std::is_same_v<T, int8_t> ? CHATTTS_INT8_AHEAD : 32;
 
 // exp(x) for a vector of x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln2 in
 // [-ln2/2, ln2/2], p the degree-6 Taylor polynomial (relative error < 2e-7, below fp32's rounding
@@ -568,20 +576,20 @@ void chunk_item(const Layout<T>& L, int64_t row, int64_t slot, int64_t g, int64_
     typename Kind<D, T>::State s;
     s.start(L.q + row * L.q_row + (g * L.rep + r) * D, L.scale);
     if (r == 0) {  // the kv head's other query heads find the chunk in cache
-      prefetch<D>(L, cur, 0, kAhead);
-      prefetch<D>(L, next, 0, kAhead);
-      prefetch_scales(cur, 0, kAhead);
-      prefetch_scales(next, 0, kAhead);
+      prefetch<D>(L, cur, 0, kAhead<T>);
+      prefetch<D>(L, next, 0, kAhead<T>);
+      prefetch_scales(cur, 0, kAhead<T>);
+      prefetch_scales(next, 0, kAhead<T>);
     }
     for (int64_t p = 0; p < n; p += 16) {
-      if (r == 0) prefetch<D>(L, cur, p + kAhead, p + kAhead + 16);
+      if (r == 0) prefetch<D>(L, cur, p + kAhead<T>, p + kAhead<T> + 16);
       if constexpr (kScaled) {
         // The line of the block ahead's first scales (its second line, where it straddles, is the next
         // block's first). Two plain prefetches: the same through prefetch_scales ran ~0.3 ms slower a
         // step, reason not found.
-        if (r == 0 && p + kAhead < n) {
-          _mm_prefetch(reinterpret_cast<const char*>(ks0 + p + kAhead), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(vs0 + p + kAhead), _MM_HINT_T0);
+        if (r == 0 && p + kAhead<T> < n) {
+          _mm_prefetch(reinterpret_cast<const char*>(ks0 + p + kAhead<T>), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vs0 + p + kAhead<T>), _MM_HINT_T0);
         }
       }
       s.block(static_cast<int>(std::min<int64_t>(16, n - p)), kScaled ? ks0 + p : nullptr, kScaled ? vs0 + p : nullptr,
@@ -612,13 +620,13 @@ void group_item(const Layout<T>& L, int64_t row0, int64_t G, int64_t slot, int64
   for (int64_t r = 0; r < L.rep; ++r) {
     for (int64_t i = 0; i < G; ++i) s[i].start(L.q + (row0 + i) * L.q_row + (g * L.rep + r) * D, L.scale);
     if (r == 0) {
-      prefetch<D>(L, cur, 0, kAhead);
-      prefetch<D>(L, next, 0, kAhead);
-      prefetch_scales(cur, 0, kAhead);
-      prefetch_scales(next, 0, kAhead);
+      prefetch<D>(L, cur, 0, kAhead<T>);
+      prefetch<D>(L, next, 0, kAhead<T>);
+      prefetch_scales(cur, 0, kAhead<T>);
+      prefetch_scales(next, 0, kAhead<T>);
     }
     for (int64_t p = 0; p < cur.n; p += 16) {
-      if (r == 0) prefetch<D>(L, cur, p + kAhead, p + kAhead + 16), prefetch_scales(cur, p + kAhead, p + kAhead + 16);
+      if (r == 0) prefetch<D>(L, cur, p + kAhead<T>, p + kAhead<T> + 16), prefetch_scales(cur, p + kAhead<T>, p + kAhead<T> + 16);
       const int64_t width = std::min<int64_t>(16, cur.n - p);
       wide.fill({cur.k + p * L.k_pos, cur.v + p * L.v_pos, L.k_pos, L.v_pos}, static_cast<int>(width));
       for (int64_t i = 0; i < G; ++i) {
