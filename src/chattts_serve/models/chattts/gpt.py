@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ... import malloc
 from ...kernels import decode_attention, flex_decode, int4_gemv, kv_int8
 from ...kernels.int4_decode import Int4Decode, Int4Layer
 from ...kernels.quant import Int4GemvLinear
@@ -62,6 +63,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def _cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A cache buffer, uninitialised: positions are read only after they are written, and untouched pages
+    of a large cache cost no memory on the host. On the CPU in a mapping advised for huge pages
+    (``malloc.huge_pages``): a decode step reads each (slot, head)'s keys and values in runs of a few KB
+    spread over the whole cache, three 4 KB pages a run; on 2 MB pages the int8 attention of 32 rows x 150
+    positions, 20 layers, cold, took 10.5-12.7 ms against 11.5-13.3 (Zen 4, 2 threads, 3 alternating runs).
+    A slot's pages are then touched 2 MB at a time (its layer's heads lie together): within the size
+    the memory budget already counts for the whole cache."""
+    if torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    n = 1
+    for size in shape:
+        n *= size
+    return malloc.huge_pages(n * dtype.itemsize).view(dtype).view(shape)
+
+
 class KVCache(nn.Module):
     """Static cache: one ``[slots, kv_heads, max_len, head_dim]`` buffer pair per layer, written in place.
 
@@ -82,14 +99,12 @@ class KVCache(nn.Module):
     ) -> None:
         super().__init__()
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        # empty, not zeros: positions are read only after they are written, and untouched pages of a
-        # large cache cost no memory on the host.
-        self.register_buffer("k", torch.empty(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.empty(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", _cache_buffer(shape, dtype, device), persistent=False)
+        self.register_buffer("v", _cache_buffer(shape, dtype, device), persistent=False)
         # int8: one scale per vector (None otherwise).
         int8 = dtype == torch.int8
         for name in ("k_scale", "v_scale"):
-            scale = torch.empty(shape[:-1], dtype=kv_int8.SCALE_DTYPE, device=device) if int8 else None
+            scale = _cache_buffer(shape[:-1], kv_int8.SCALE_DTYPE, device) if int8 else None
             self.register_buffer(name, scale, persistent=False)
 
     @staticmethod
