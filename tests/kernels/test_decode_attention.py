@@ -3,7 +3,6 @@ its batch invariance, and the fallback to torch's SDPA where it cannot be built.
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import pytest
@@ -172,7 +171,7 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpp_build, "find_compiler", lambda: None)
     # A fresh once-per-process loader, as in a new process (the loaded op is never loaded twice: a
     # second load of its library would register its namespace again).
-    monkeypatch.setattr(da, "_load", functools.cache(da._load.__wrapped__))
+    monkeypatch.setattr(da, "_library", da._library.fresh())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fallback = _decode_bf16(gpt)

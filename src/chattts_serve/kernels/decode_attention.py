@@ -29,10 +29,7 @@ fp32 mode stays bit-exact with its own attention). ``CHATTTS_DECODE_ATTENTION=to
 
 from __future__ import annotations
 
-import functools
 import os
-import threading
-import warnings
 from pathlib import Path
 
 import torch
@@ -47,7 +44,6 @@ _SOURCE = Path(__file__).with_name("decode_attention.cpp")
 # The int8 cache's integer dots take VNNI's vpdpwssd where the CPU has it (else vpmaddwd + vpaddd: the
 # same integers); the flag is chosen per machine, as the build is (cached per user).
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
-_lock = threading.Lock()
 
 
 def cpu_supported() -> bool:
@@ -65,16 +61,9 @@ def _flags() -> list[str]:
     return flags
 
 
-@functools.cache
-def _load() -> bool:
-    """Build (or load the cached build of) the op once per process; False with one warning when it
-    cannot be built, and the caller keeps torch's attention."""
-    why = cpp_build.build("chattts_decode_attention", _SOURCE, _flags())
-    if why is not None:
-        warnings.warn(
-            f"decode attention over the bf16/int8 KV cache runs on torch (slower): {why}", RuntimeWarning, stacklevel=2
-        )
-    return why is None
+_library = cpp_build.Library(
+    "chattts_decode_attention", _SOURCE, _flags, "decode attention over the bf16/int8 KV cache runs on torch (slower)"
+)
 
 
 def applies(k_cache: torch.Tensor) -> bool:
@@ -86,8 +75,7 @@ def applies(k_cache: torch.Tensor) -> bool:
     d = k_cache.shape[-1]
     if d % 16 or d > 128 or os.environ.get(MODE_ENV, "auto") == "torch" or not cpu_supported():
         return False
-    with _lock:
-        return _load()
+    return _library.loaded()
 
 
 def prepare(k_cache: torch.Tensor) -> bool:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,7 +46,6 @@ _SOURCE = Path(__file__).with_name("int4_gemv.cpp")
 # -ffp-contract=off: int4_decode's elementwise loops round as torch's separate ops do (no fused multiply-add).
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-fopenmp"]
 _CFLAGS += ["-ffp-contract=off"]
-_lock = threading.Lock()
 
 
 def cpu_supported() -> bool:
@@ -56,23 +53,18 @@ def cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and torch.cpu._is_vnni_supported()
 
 
-@functools.cache
-def _load() -> bool:
-    """Build (or load the cached build of) the op once per process; False with one warning."""
-    why = (
-        "this CPU has no AVX-512 VNNI"
-        if not cpu_supported()
-        else cpp_build.build("chattts_int4_gemv", _SOURCE, _CFLAGS)
-    )
-    if why is not None:
-        warnings.warn(f"the int4 GEMV runs as a dequantised fp32 matmul (slower): {why}", RuntimeWarning, stacklevel=2)
-    return why is None
+_library = cpp_build.Library(
+    "chattts_int4_gemv",
+    _SOURCE,
+    lambda: _CFLAGS,
+    "the int4 GEMV runs as a dequantised fp32 matmul (slower)",
+    lambda: None if cpu_supported() else "this CPU has no AVX-512 VNNI",
+)
 
 
 def available() -> bool:
     """Whether the C++ op runs here (built on the first call)."""
-    with _lock:
-        return _load()
+    return _library.loaded()
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,10 +15,7 @@ C++ over ATen (``split_linear.cpp``), built at first use on any x86 CPU; without
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
-import warnings
 from pathlib import Path
 
 import torch
@@ -33,20 +30,15 @@ ALIGN = 64
 """Slices start at multiples of this many rows (a GEMV that handles rows in blocks keeps its blocks)."""
 _SOURCE = Path(__file__).with_name("split_linear.cpp")
 _CFLAGS = ["-O2", "-fopenmp"]
-_lock = threading.Lock()
 
 
-@functools.cache
-def _load() -> bool:
-    why = cpp_build.build("chattts_split_linear", _SOURCE, _CFLAGS)
-    if why is not None:
-        warnings.warn(f"the fp32 one-row matmuls stay on one core: {why}", RuntimeWarning, stacklevel=2)
-    return why is None
+_library = cpp_build.Library(
+    "chattts_split_linear", _SOURCE, lambda: _CFLAGS, "the fp32 one-row matmuls stay on one core"
+)
 
 
 def available() -> bool:
-    with _lock:
-        return _load()
+    return _library.loaded()
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
