@@ -3,6 +3,9 @@ its batch invariance, and the fallback to torch's SDPA where it cannot be built.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -284,3 +287,33 @@ def test_int8_torch_fallback_is_the_same_math(monkeypatch):
     torch.testing.assert_close(fallback, with_kernel, atol=1e-5, rtol=1e-5)
     fp32 = _decode(gpt, torch.float32)
     torch.testing.assert_close(fallback, fp32, atol=5e-2, rtol=5e-2)  # int8 keys: close to fp32, not equal
+
+
+_NO_VNNI_CHILD = r"""
+import sys, torch
+from chattts_serve.kernels import cpp_build, decode_attention as da
+flags = [f for f in da._flags() if f != "-mavx512vnni"] + ["-mno-avx512vnni"]
+why = cpp_build.build("chattts_decode_attention_no_vnni", da._SOURCE, flags)
+assert why is None, why
+args = torch.load(sys.argv[1])
+torch.save(torch.ops.chattts_decode_attention.int8(*args), sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_int8_without_vnni_gives_the_same_bits(tmp_path):
+    """An AVX-512 CPU without VNNI builds the int8 op with vpmaddwd + vpaddd instead of vpdpwssd: the same
+    integers, so the same bits. Built here without the flag in a child process (one op library a process)."""
+    _kernel_or_skip()
+    k, v, (sk, sv) = _int8_cache(5, 4, 600, 48, seed=11)
+    q = 30 * torch.randn(6, 8, 48, generator=torch.Generator().manual_seed(12))
+    slots, last = torch.tensor([4, 0, 0, 2, 2, 2]), torch.tensor([599, 3, 4, 511, 512, 100])
+    args = (q, k, v, sk, sv, slots, last, 48**-0.5)
+    torch.save(args, tmp_path / "args.pt")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    run = subprocess.run(
+        [sys.executable, "-c", _NO_VNNI_CHILD, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert torch.equal(torch.load(tmp_path / "out.pt"), da.attend(q, k, v, slots, last, 48**-0.5, (sk, sv)))
