@@ -145,6 +145,25 @@ def test_profile_stages_add_up(tiny_ckpt, tmp_path, capsys):
     assert r["trunk_ms_p50"] > 0
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"prefill", "decode", "sampling", "vocoder"} <= names
+    # The audio stage however it runs: here eager, on the engine thread (1 thread: no overlap worker).
+    audio = r["audio_stage"]
+    assert audio["calls"] >= 1 and audio["windows"] >= 2 and audio["engine_s"] > 0 and audio["worker_s"] == 0
+    assert audio["x_real_time"] == pytest.approx(r["audio_s"] / audio["engine_s"], rel=0.02)
+
+
+def test_profile_times_an_audio_stage_the_module_wrappers_never_see(tiny_ckpt, capsys):
+    """An OpenVINO audio dtype runs its own graphs, never the eager Decoder and Vocos the decoder/vocoder stages
+    wrap: the audio stage is still timed, and the tool puts ``decode_on_device`` back when it ends."""
+    pytest.importorskip("openvino")
+    from chattts_serve.audio import overlap
+
+    before = overlap.decode_on_device
+    r = run_cli(capsys, "profile", "--model", str(tiny_ckpt), "--threads", "1", "--steps", "20", "--format", "pcm",
+                "--audio-dtype", "ov-bf16")
+    assert r["stages"]["decoder"]["calls"] == 0 and r["stages"]["vocoder"]["calls"] == 0
+    audio = r["audio_stage"]
+    assert audio["calls"] >= 1 and audio["windows"] >= 1 and audio["engine_s"] + audio["worker_s"] > 0
+    assert overlap.decode_on_device is before
 
 
 def test_profile_reads_its_floor_between_the_timed_steps(tiny_ckpt, capsys, monkeypatch):

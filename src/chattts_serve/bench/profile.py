@@ -14,6 +14,9 @@ trunk once a step: the eager paths); ``rtf_floor`` is that floor as a real-time 
 ``rtf`` is one (wall per second of audio of all streams together; times ``streams`` for one stream's).
 The bandwidth is measured during the timed pass itself (``FloorProbe``): on a shared host it moves by
 up to 2x between minutes, so a floor read before or after the pass could not judge the step.
+``audio_stage`` times the Decoder + Vocos however they run (``AudioStage``: an ``ov-*`` or graph audio dtype
+never calls the eager modules the decoder/vocoder stages wrap), on the engine thread or beside it on the
+overlap worker, with the real-time factor of the timed pass's audio over it.
 ``--trace PATH`` writes the torch.profiler trace (open it in chrome://tracing or
 https://ui.perfetto.dev). ``--ops`` (ort-* precisions) runs the same requests once more under ONNX
 Runtime's profiler and splits the trunk's decode step by op type (``ort_ops``): the matmuls against the
@@ -26,9 +29,10 @@ import argparse
 import functools
 import statistics
 import tempfile
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -100,6 +104,49 @@ class StageTimer:
         setattr(obj, name, timed)
 
 
+class AudioStage:
+    """The Decoder + Vocos stage however it runs (eager, CUDA graphs, OpenVINO or ONNX Runtime graphs; the
+    decoder/vocoder stages see only the eager modules, so an ``ov-*`` audio dtype showed none), timed at the
+    audio decoder's one call into ``decode_on_device`` (``audio.overlap``), on whichever thread runs it: the
+    engine's, or the overlap worker's beside the step. The worker's time ran alongside the engine's stages,
+    so it is reported beside the breakdown, not in it. On CUDA a call's time is what its host side took."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)  # "engine" / "worker"
+        self.calls = 0
+        self.windows = 0
+        self._lock = threading.Lock()
+
+    def install(self, module: Any) -> Callable[[], None]:
+        """Time ``module.decode_on_device`` from now on; returns what puts it back."""
+        real = module.decode_on_device
+
+        @functools.wraps(real)
+        def timed(model: Any, windows: list, *a: Any, **k: Any) -> list:
+            t0 = time.perf_counter()
+            batches = list(real(model, windows, *a, **k))  # a generator: its work happens as it is read
+            where = "engine" if threading.current_thread() is threading.main_thread() else "worker"
+            with self._lock:
+                self.seconds[where] += time.perf_counter() - t0
+                self.calls += 1
+                self.windows += len(windows)
+            return batches
+
+        module.decode_on_device = timed
+        return lambda: setattr(module, "decode_on_device", real)
+
+    def snapshot(self, audio_s: float) -> dict[str, Any]:
+        with self._lock:
+            total = sum(self.seconds.values())
+            return {
+                "engine_s": round(self.seconds.get("engine", 0.0), 4),
+                "worker_s": round(self.seconds.get("worker", 0.0), 4),
+                "calls": self.calls,
+                "windows": self.windows,
+                "x_real_time": round(audio_s / total, 2) if total else None,
+            }
+
+
 def weight_bytes(gpt) -> int:
     """Bytes of GPT projection weights one decode step reads (int8 modes: 1 byte per weight; int4: the
     GEMV's packed stream, codes and scales)."""
@@ -155,14 +202,10 @@ def probe_interval(steps: int) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import numpy as np
-    from torch.profiler import ProfilerActivity, profile
-
+    from ..audio import overlap as audio_overlap
     from ..audio.encode import FORMATS, encode_whole
-    from ..audio.policy import StreamPolicy
     from ..engine.engine import Engine
     from ..kernels.quant import parse_precision
-    from ..models.chattts.config import TOKENS_PER_SECOND
     from ..sampling_params import SamplingParams
 
     set_threads(args)
@@ -186,6 +229,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timer.wrap(engine.model.vocos, "forward", "vocoder")
     response = SimpleNamespace(encode=encode_whole)  # what the server does with the audio
     timer.wrap(response, "encode", "encode")
+    audio_stage = AudioStage()
+    restore = audio_stage.install(audio_overlap)
+    try:
+        return _profile(args, engine, timer, audio_stage, response, slots, sync)
+    finally:
+        restore()
+
+
+def _profile(
+    args: argparse.Namespace,
+    engine: Any,
+    timer: StageTimer,
+    audio_stage: AudioStage,
+    response: SimpleNamespace,
+    slots: int,
+    sync: Callable[[], None],
+) -> dict[str, Any]:
+    """``run``'s passes on the engine it set up (its audio stage timed until ``run`` puts it back)."""
+    import numpy as np
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..audio.policy import StreamPolicy
+    from ..models.chattts.config import TOKENS_PER_SECOND
+    from ..sampling_params import SamplingParams
+
+    core, dev = engine.core, engine.device
 
     def params(i: int) -> SamplingParams:
         return SamplingParams(seed=1 + i, min_new_tokens=args.steps, max_new_tokens=args.steps, refine_text=args.refine)
@@ -247,6 +316,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The timed pass runs without torch.profiler (its per-op bookkeeping would inflate every stage);
     # its numbers are taken now, before --trace adds a second, profiled pass.
     wall, first, steps, audio = one_pass(timed=True)
+    timed_audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / engine.sample_rate
+    audio_stage_result = audio_stage.snapshot(timed_audio_s)  # the timed pass's alone
     if not probe.seconds:  # a pass too short to read between its steps
         for _ in range(3):
             probe.read()
@@ -323,6 +394,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "real_time_step_ms": round(1000 / TOKENS_PER_SECOND, 2),
         "rtf_floor": round(step_floor_ms / (1000 / TOKENS_PER_SECOND) / args.streams, 3),
         "stages": breakdown,
+        "audio_stage": audio_stage_result,
         "ort_ops": ort_ops,
         "trace": args.trace,
         "top_ops": top,
