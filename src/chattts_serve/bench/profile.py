@@ -316,8 +316,8 @@ def _profile(
     # The timed pass runs without torch.profiler (its per-op bookkeeping would inflate every stage);
     # its numbers are taken now, before --trace adds a second, profiled pass.
     wall, first, steps, audio = one_pass(timed=True)
-    timed_audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / engine.sample_rate
-    audio_stage_result = audio_stage.snapshot(timed_audio_s)  # the timed pass's alone
+    audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / engine.sample_rate
+    audio_stage_result = audio_stage.snapshot(audio_s)  # the timed pass's alone
     if not probe.seconds:  # a pass too short to read between its steps
         for _ in range(3):
             probe.read()
@@ -342,7 +342,6 @@ def _profile(
             one_pass()
         prof.export_chrome_trace(args.trace)
         top = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-    audio_s = sum(sum(len(c) for c in chunks) for chunks in audio.values()) / engine.sample_rate
     weight_floor_ms = 1000 * probe.median_s()
     # The decode step's memory floor: its weights plus the keys and values it reads, at the bandwidth
     # just measured; real time for a stream is one step per 21.3 ms (46.875 steps per audio second).
