@@ -87,18 +87,32 @@ inline __m512 even_bf16(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi3
 inline __m512 odd_bf16(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536))); }
 
 // Sixteen vectors to the vector of their sums, in order: a transposing add tree, ~2 shuffles and one
-// add per vector instead of a full horizontal reduction each.
-inline __m512 sum16(const __m512* a) {
+// add per vector instead of a full horizontal reduction each. `add` adds two vectors' lanes: fp32 (sum16),
+// or int32 on the same bits (sum16i): the shuffles only move lanes.
+template <class Add>
+inline __m512 sum16_by(const __m512* a, Add add) {
   __m512 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)  // 128-bit quarters: b[i] = positions 2i (q0, q1) and 2i+1 (q2, q3)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    b[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)  // quarter j of c[i]: position 4i + j
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    c[i] = add(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; ++i)  // quarter j of d[i]: lanes 0-1 position 8i + j, lanes 2-3 position 8i + 4 + j
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    d[i] = add(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
   // lane 4j + i: position 4i + j
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  const __m512 e = add(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
+
+inline __m512 sum16(const __m512* a) {
+  return sum16_by(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+}
+
+inline __m512i sum16i(const __m512i* a) {  // exact
+  __m512 bits[16];
+  for (int i = 0; i < 16; ++i) bits[i] = _mm512_castsi512_ps(a[i]);
+  return _mm512_castps_si512(sum16_by(bits, [](__m512 x, __m512 y) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
+  }));
 }
 
 // A head_dim-D row held as W = D / 32 even/odd pairs plus, when D is an odd multiple of 16, a plain tail.
@@ -225,22 +239,6 @@ inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
 #else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
-}
-
-// sum16 in int32 (exact): the same shuffles on the lanes' bits.
-inline __m512i sum16i(const __m512i* a) {
-  const auto ps = [](__m512i x) { return _mm512_castsi512_ps(x); };
-  const auto si = [](__m512 x) { return _mm512_castps_si512(x); };
-  __m512i b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_i32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_epi32(si(_mm512_shuffle_ps(ps(c[2 * i]), ps(c[2 * i + 1]), 0x44)),
-                            si(_mm512_shuffle_ps(ps(c[2 * i]), ps(c[2 * i + 1]), 0xEE)));
-  const __m512i e = _mm512_add_epi32(si(_mm512_shuffle_ps(ps(d[0]), ps(d[1]), 0x88)), si(_mm512_shuffle_ps(ps(d[0]), ps(d[1]), 0xDD)));
-  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
 }
 
 // Shapes of a head_dim-D row in int16: C full 32-number vectors and, when D is an odd multiple of 16, a
@@ -606,10 +604,10 @@ constexpr int64_t kGroup = 8;  // rows of one prompt that share a widened block 
 
 // Rows row0 .. row0 + G - 1 (G <= kGroup) of one slot at consecutive positions, each its only chunk: a
 // prompt's tokens in a prefill, row i attending over positions 0 .. last[row0] + i. Each block of 16
-// positions is widened once (keys and values: to fp32, or an int8 cache's to int16) and read by every row of the group that reaches
-// it, instead of each row converting the same keys and values again; each row's arithmetic is
-// chunk_item's (Online, Online8), so its bits are the ones it gets alone. Writes the rows' outputs (combined as
-// a one-chunk row's) into out.
+// positions is widened once (keys and values: to fp32, or an int8 cache's to int16) and read by every row
+// of the group that reaches it, instead of each row converting the same keys and values again; each row's
+// arithmetic is chunk_item's (Online, Online8), so its bits are the ones it gets alone. Writes the rows'
+// outputs (combined as a one-chunk row's) into out.
 template <int D, class T>
 void group_item(const Layout<T>& L, int64_t row0, int64_t G, int64_t slot, int64_t g, const int64_t* last,
                 const Span<T>& next, float* out) {
