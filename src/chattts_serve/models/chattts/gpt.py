@@ -8,6 +8,7 @@ same causal/mask arguments), because the fidelity tests require identical sample
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -73,10 +74,7 @@ def _cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     the memory budget already counts for the whole cache."""
     if torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    n = 1
-    for size in shape:
-        n *= size
-    return malloc.huge_pages(n * dtype.itemsize).view(dtype).view(shape)
+    return malloc.huge_pages(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 class KVCache(nn.Module):
