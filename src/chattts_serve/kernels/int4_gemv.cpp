@@ -280,13 +280,19 @@ void rotate(float* x, const float* cos, const float* sin, int64_t vectors, int64
 // where mean is ATen's sum then a true division, in fp32. The row sums stay ATen's (one op, its own
 // reduction order); the rest is the same fp32 operations in the same order, so the bits are at::rms_norm's
 // (tested against it) for one dispatched op instead of six: ~8 us -> ~2 us a call at one row, 40 a step.
+// Rows [r0, r1) of t: t itself when that is all of it (a decode step's buffers are whole: no view to make).
+inline at::Tensor rows_of(const at::Tensor& t, int64_t r0, int64_t r1) {
+  return r0 == 0 && r1 == t.size(0) ? t : t.slice(0, r0, r1);
+}
+
 // Into y [rows, hidden] (contiguous), with sq [>= rows, hidden] and sums [>= rows] as scratch: the step passes
 // buffers made once a call (two allocations and their frees less per norm, 40 norms a step).
-void rms_norm_into(const at::Tensor& x, const float* wp, double eps, at::Tensor& sq, at::Tensor& sums, float* yp) {
+void rms_norm_into(const at::Tensor& x, const float* wp, double eps, const at::Tensor& sq, const at::Tensor& sums,
+                   float* yp) {
   const int64_t rows = x.size(0), hidden = x.size(1);
   const float* xp = x.data_ptr<float>();
-  at::Tensor sqr = sq.size(0) == rows ? sq : sq.slice(0, 0, rows);
-  at::Tensor sr = sums.size(0) == rows ? sums : sums.slice(0, 0, rows);
+  const at::Tensor sqr = rows_of(sq, 0, rows);
+  at::Tensor sr = rows_of(sums, 0, rows);
   float* qp = sqr.data_ptr<float>();
   at::parallel_for(0, rows, kElementwiseRows, [&](int64_t a, int64_t b) {
     for (int64_t i = a * hidden; i < b * hidden; ++i) qp[i] = xp[i] * xp[i];
@@ -463,11 +469,6 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& norms, double
   const at::Tensor gate = gu.slice(1, 0, intermediate), up = gu.slice(1, intermediate, 2 * intermediate);
   const at::Tensor q_all = qkv.as_strided({n, heads, d}, {width, d, 1});  // every real row's query heads
   const float* norm_w = norms.data_ptr<float>();  // [layers, 2, hidden]
-  // The first `rows` rows of a row block's buffer (itself when the block is whole: no view).
-  const auto first = [](const at::Tensor& t, int64_t rows) { return t.size(0) == rows ? t : t.slice(0, 0, rows); };
-  const auto rows_of = [](const at::Tensor& t, int64_t r0, int64_t r1) {
-    return r0 == 0 && r1 == t.size(0) ? t : t.slice(0, r0, r1);
-  };
   float* qp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
@@ -486,15 +487,15 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& norms, double
     const int64_t rows_all = x.size(0);
     for (int64_t r0 = 0; r0 < rows_all; r0 += rb) {
       const int64_t r1 = std::min(rows_all, r0 + rb), rows = r1 - r0;
-      const at::Tensor xnb = first(xn, rows);
-      at::Tensor actb = first(act, rows);
+      const at::Tensor xnb = rows_of(xn, 0, rows);
+      at::Tensor actb = rows_of(act, 0, rows);
       int4_gemv(rows_of(a, r0, r1), blobs[4 * l + 1], hidden, blocks[1], bf16_scales, prefetch, o.data_ptr<float>());
       add_rows(x, o, r0, r1);
       rms_norm_into(rows_of(x, r0, r1), norm_w + (2 * l + 1) * hidden, eps, sq, sums, xnb.data_ptr<float>());
       int4_gemv(xnb, blobs[4 * l + 2], 2 * intermediate, blocks[2], bf16_scales, prefetch, gu.data_ptr<float>());
       // silu(gate) * up, written into act: no temporary the size of a row block's gate (1.5 MB in a prefill)
-      at::silu_out(actb, first(gate, rows));
-      actb.mul_(first(up, rows));
+      at::silu_out(actb, rows_of(gate, 0, rows));
+      actb.mul_(rows_of(up, 0, rows));
       int4_gemv(actb, blobs[4 * l + 3], hidden, blocks[3], bf16_scales, prefetch, dn.data_ptr<float>());
       add_rows(x, dn, r0, r1);
     }
@@ -504,7 +505,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, const at::Tensor& norms, double
     // each row over its slot's keys up to its position (so a prompt's tokens see each other causally)
     for (int64_t r0 = 0; r0 < m; r0 += rb) {
       const int64_t r1 = std::min(m, r0 + rb);
-      const at::Tensor x = first(xn, r1 - r0);
+      const at::Tensor x = rows_of(xn, 0, r1 - r0);
       rms_norm_into(rows_of(h, r0, r1), norm_w + 2 * l * hidden, eps, sq, sums, x.data_ptr<float>());
       int4_gemv(x, blobs[4 * l], width, blocks[0], bf16_scales, prefetch, qp + r0 * width);
       at::parallel_for(r0, r1, kElementwiseRows, [&](int64_t a, int64_t b) {
