@@ -163,6 +163,20 @@ def test_model_work_never_runs_on_the_event_loop(aengine):
     assert threads and loop_thread not in threads
 
 
+def test_the_building_thread_gives_up_its_openmp_pool(tiny_engine, monkeypatch):
+    """The loop thread steps from construction on: the thread that built the engine frees its OpenMP pool
+    there (``openmp``: two pools on 2 CPUs throttle every barrier of every step)."""
+    from chattts_serve import openmp
+
+    calls: list[int] = []
+    monkeypatch.setattr(openmp, "release_pool", lambda: calls.append(threading.get_ident()) or True)
+    engine = AsyncEngine(tiny_engine)
+    try:
+        assert calls == [threading.get_ident()]
+    finally:
+        engine.shutdown()
+
+
 def test_queue_full_is_refused(tiny_ckpt):
     engine = AsyncEngine.from_pretrained(
         tiny_ckpt, config=EngineConfig(scheduler=SchedulerConfig(max_num_seqs=1, max_waiting=2))

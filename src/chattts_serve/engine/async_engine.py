@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import openmp
 from ..audio.policy import StreamPolicy
 from ..device import bind_thread
 from ..models.chattts.config import DEFAULT_MODEL
@@ -172,6 +173,9 @@ class AsyncEngine:
         """Requests added to the core whose final output is not yet delivered (the engine thread's only)."""
         self._lock = threading.Lock()
         self.dead_error: BaseException | None = None
+        # The loop thread takes every step from here: the OpenMP pool the building thread used for the load
+        # goes, or libgomp counts both pools and throttles every barrier of every step (``openmp``).
+        openmp.release_pool()
 
     @classmethod
     def from_pretrained(
