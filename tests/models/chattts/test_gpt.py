@@ -276,3 +276,18 @@ def test_multi_token_chunk_after_prefill_equals_full_sequence():
     gpt(emb[:, :4], pos[:, :4], cache, torch.arange(1), 0, None, last_only=False)
     chunk = gpt(emb[:, 4:], pos[:, 4:], cache, torch.arange(1), 4, None, last_only=False)
     torch.testing.assert_close(chunk, full[:, 4:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_a_cpu_cache_is_not_mapped_for_huge_pages(monkeypatch, dtype):
+    """A slot's keys and values are faulted in 4 KB at a time as its positions fill: on 2 MB pages its first
+    prompt paid ~3.5 ms a page in the kernel and made every page its heads span resident at once."""
+    from chattts_serve import malloc
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the KV cache maps nothing of its own")
+
+    monkeypatch.setattr(malloc, "huge_pages", refused)
+    monkeypatch.setattr(malloc.mmap, "mmap", refused)
+    cache = make_gpt(small_cfg()).new_cache(2, 64, dtype=dtype)
+    assert cache.k.is_contiguous() and cache.k.dtype == dtype

@@ -8,14 +8,12 @@ same causal/mask arguments), because the fidelity tests require identical sample
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ... import malloc
 from ...kernels import decode_attention, flex_decode, int4_gemv, kv_int8
 from ...kernels.int4_decode import Int4Decode, Int4Layer
 from ...kernels.quant import Int4GemvLinear
@@ -66,15 +64,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A cache buffer, uninitialised: positions are read only after they are written, and untouched pages
-    of a large cache cost no memory on the host. On the CPU in a mapping advised for huge pages
-    (``malloc.huge_pages``): a decode step reads each (slot, head)'s keys and values in runs of a few KB
-    spread over the whole cache, three 4 KB pages a run; on 2 MB pages the int8 attention of 32 rows x 150
-    positions, 20 layers, cold, took 10.5-12.7 ms against 11.5-13.3 (Zen 4, 2 threads, 3 alternating runs).
-    A slot's pages are then touched 2 MB at a time (its layer's heads lie together): within the size
-    the memory budget already counts for the whole cache."""
-    if torch.device(device).type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
-    return malloc.huge_pages(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+    of a large cache cost no memory on the host.
+
+    On the CPU in ordinary 4 KB pages, not the huge pages the ``int4`` step's weights use: those are faulted
+    in 2 MB at a time, each ~3.5 ms of kernel time on a 2-core Zen 4 VM (400 MB first touched: 0.7-0.8 s on
+    huge pages, 0.12-0.13 s on 4 KB ones), so a slot's first prompt paid for every page its heads span (a
+    32-prompt burst's first prefill +0.7-1.1 s, its p99 first chunk 2.23-2.81 s against 1.78-2.22 s on 4 KB
+    pages) and made them resident at once. On 4 KB pages a slot costs memory as its positions fill; the
+    attention's page walks (~8 % of its cold time in a kernel-alone run) did not show in the engine's
+    32-stream rounds (BENCHMARKS.md, fourteenth session)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 class KVCache(nn.Module):
