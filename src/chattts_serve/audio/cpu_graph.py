@@ -11,6 +11,7 @@ masks (``audio.decode._padding_masked``), so the caller decodes ragged rows apar
 
 from __future__ import annotations
 
+import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -40,12 +41,13 @@ def require(runtime: str) -> None:
         raise ValueError(f"audio dtype {runtime} needs {exc.name}: {_INSTALL[kind]}") from None
 
 
-def graph_for(model: Any, runtime: str) -> AudioGraph:
+def graph_for(model: Any, runtime: str, cache_dir: str | os.PathLike | None = None) -> AudioGraph:
     """The model's graph in ``runtime``, built on first use (seconds) and kept with the model's Vocos
-    module (so it goes when the model does)."""
+    module (so it goes when the model does). ``cache_dir``: OpenVINO graphs are read from there, or stored
+    there once built (``audio.graph_cache``)."""
     graphs = model.vocos.__dict__.setdefault("_runtime_graphs", {})
     if runtime not in graphs:
-        graphs[runtime] = AudioGraph(model, runtime)
+        graphs[runtime] = AudioGraph(model, runtime, cache_dir=cache_dir)
     return graphs[runtime]
 
 
@@ -81,22 +83,40 @@ def compile_graph(graph: Any, precision: str, threads: int, extra: dict[str, Any
     return lambda x: request.infer({0: x})[0]
 
 
+def _ov_graph(model: Any, runtime: str) -> Any:
+    """``runtime``'s OpenVINO model of the convolutions, as built (not yet compiled)."""
+    graph = convert(model)
+    if runtime == "ov-int8":
+        from .quantize import int8_graph
+
+        graph = int8_graph(model, graph)
+    return graph
+
+
 class AudioGraph:
     """``decode(h)``: hidden states [G, S, hidden] fp32 -> waveform [G, 512 S - 256] fp32 (torch)."""
 
-    def __init__(self, model: Any, runtime: str, threads: int | None = None) -> None:
+    def __init__(
+        self, model: Any, runtime: str, threads: int | None = None, cache_dir: str | os.PathLike | None = None
+    ) -> None:
+        """``cache_dir``: an OpenVINO graph is read from there when it holds this checkpoint's, else built and
+        stored there (``audio.graph_cache``); None: built every time."""
         if runtime not in RUNTIMES:
             raise ValueError(f"audio runtime must be one of {', '.join(RUNTIMES)}; got {runtime!r}")
         require(runtime)
         self.runtime, self.model = runtime, model
         threads = threads or torch.get_num_threads()
         if runtime.startswith("ov-"):
-            graph, precision = convert(model), "f32" if runtime == "ov-fp32" else "bf16"
-            if runtime == "ov-int8":
-                from ..cpu import probe
-                from .quantize import int8_graph
+            from ..cpu import probe
+            from .graph_cache import cached_graph
 
-                graph = int8_graph(model, graph)
+            if cache_dir is None:
+                graph = _ov_graph(model, runtime)
+            else:
+                root = getattr(model, "root", None)
+                graph = cached_graph(root, runtime, lambda: _ov_graph(model, runtime), cache_dir)
+            precision = "f32" if runtime == "ov-fp32" else "bf16"
+            if runtime == "ov-int8":
                 precision = "bf16" if probe().bf16 else "f32"  # what int8 leaves out
             self._run = compile_graph(graph, precision, threads)
         else:

@@ -48,7 +48,8 @@ class RunnerConfig:
     """``torch.compile`` the static step (inductor; fuses the elementwise ops between matmuls)."""
     onnx_cache_dir: str | None = None
     """Where the ``ort-*`` precisions keep their ONNX exports of the trunk, one per checkpoint and
-    mode (None: ``onnx`` in the user cache directory)."""
+    mode (None: ``onnx`` in the user cache directory), and ChatTTS's ``ov-*`` audio dtypes their OpenVINO
+    graphs (``audio.graph_cache``; None: ``openvino`` in the user cache directory)."""
     ort_auto_crossover: int = 0
     """``ort-auto``: trunk calls of this many rows or more run the int8 export, narrower ones the
     4-bit one (0: from the table for this CPU, ``models.chattts.onnx_auto.CROSSOVER_TABLE``)."""
@@ -178,7 +179,8 @@ _HELP = {
     "cuda_graphs": "capture the static decode step in CUDA graphs (CUDA only); Kokoro's and VITS's decoders per "
     "length bucket",
     "compile": "torch.compile the static decode step (ChatTTS), the decoder's AdaIN + snake (Kokoro)",
-    "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports (default: the user cache directory)",
+    "onnx_cache_dir": "where the ort-* precisions cache their ONNX exports and the ov-* audio dtypes their "
+    "OpenVINO graphs (default: the user cache directory)",
     "ort_auto_crossover": "ort-auto: trunk calls of this many rows or more run int8, narrower ones 4-bit "
     "(0: from a table by CPU)",
     "kv_cache_dtype": "KV cache dtype: auto (the trunk's; int4: int8 on AVX-512 CPUs), bf16 (half the bytes; "

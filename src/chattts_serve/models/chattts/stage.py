@@ -16,6 +16,7 @@ import torch
 
 from ...audio.cpu_graph import RUNTIMES as GRAPH_RUNTIMES
 from ...audio.cpu_graph import graph_for
+from ...audio.graph_cache import default_cache_dir
 from ...audio.graphs import AudioGraphs, stream_buckets
 from ...audio.overlap import AudioDecoder, Entry, Event, split_failed
 from ...audio.policy import StreamPolicy
@@ -90,7 +91,8 @@ class ChatTTSStage:
         if self.audio_dtype in ("bf16", "ov-bf16") and self.device.type == "cpu" and not probe().bf16:
             logger.warning("audio_dtype %s on a CPU without AVX-512 BF16 or AMX: emulated, slower", self.audio_dtype)
         if self.audio_dtype in GRAPH_RUNTIMES:
-            graph_for(model, self.audio_dtype)  # built now (seconds), not in the first request
+            # Built now (seconds; read back from the cache at later starts), not in the first request.
+            graph_for(model, self.audio_dtype, cache_dir=config.runner.onnx_cache_dir or default_cache_dir())
         self.decoder = AudioDecoder(
             model,
             self.device,
