@@ -17,12 +17,12 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ..disk_cache import publish
 
 logger = logging.getLogger(__name__)
 
@@ -113,29 +113,20 @@ def cached_graph(root: Path | None, runtime: str, build: Callable[[], Any], cach
     start = time.perf_counter()
     graph = build()
     try:
-        _store(graph, base, final, runtime)
+        _store(graph, final, runtime)
         logger.info("built the audio graph (%s) in %.1f s, cached in %s", runtime, time.perf_counter() - start, final)
     except OSError as exc:  # a read-only or full disk costs the next start its build, nothing else
         logger.warning("could not cache the audio graph in %s: %s", base, exc)
     return graph
 
 
-def _store(graph: Any, base: Path, final: Path, runtime: str) -> None:
+def _store(graph: Any, final: Path, runtime: str) -> None:
     import openvino as ov
 
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".audio-", dir=base))
-    try:
-        ov.save_model(graph, str(tmp / GRAPH), compress_to_fp16=False)
+    def write(directory: Path) -> None:
+        ov.save_model(graph, str(directory / GRAPH), compress_to_fp16=False)
         manifest = {"runtime": runtime, "files": list(_files(runtime)), **_versions(runtime)}
-        manifest["weights_sha256"] = _digest(tmp / WEIGHTS)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if final.exists():  # the damaged entry it replaces
-            shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.replace(tmp, final)  # atomic: a reader sees a whole entry or none
-        except OSError:
-            if not (final / MANIFEST).exists():  # not a concurrent writer that got there first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        manifest["weights_sha256"] = _digest(directory / WEIGHTS)
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+    publish(final, write, MANIFEST)

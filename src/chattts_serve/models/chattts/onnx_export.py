@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ...disk_cache import publish
 from ...kernels.onnx_quant import int8_reduce_range, quantize
 from ...kernels.onnx_runtime import DATA_FILE, MODEL_FILE, WEIGHT_KINDS, require_onnxruntime, save_model
 from .checkpoint import LoadedModel
@@ -84,15 +84,5 @@ def cached_export(model: LoadedModel, weights: str, cache_dir: str | os.PathLike
     if (final / MANIFEST).exists():
         logger.info("ONNX export from the cache: %s", final)
         return final
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=base))
-    try:
-        export(model, tmp, weights, digest, reduce_range)
-        try:
-            os.replace(tmp, final)  # atomic: a reader sees a whole export or none
-        except OSError:
-            if not (final / MANIFEST).exists():  # not a concurrent writer that got there first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish(final, lambda directory: export(model, directory, weights, digest, reduce_range), MANIFEST)
     return final
