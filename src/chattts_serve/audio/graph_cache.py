@@ -101,7 +101,7 @@ def cached_graph(root: Path | None, runtime: str, build: Callable[[], Any], cach
     final = base / key
     if (final / MANIFEST).exists():
         try:
-            # The weights' digest first: OpenVINO maps the file, and a short one would fault at run time.
+            # The weights against their digest first: a damaged file of the right size would load, and be wrong.
             want = json.loads((final / MANIFEST).read_text())["weights_sha256"]
             if _digest(final / WEIGHTS) != want:
                 raise ValueError("its weights do not match their digest")
