@@ -54,3 +54,18 @@ def test_a_concurrent_writers_whole_entry_is_kept_and_a_partial_one_is_an_error(
         with pytest.raises(OSError):
             disk_cache.publish(final, _write, "manifest.json")
     assert [p.name for p in tmp_path.iterdir()] == ["entry"]  # its own copy dropped either way
+
+
+def test_files_digest_follows_contents_and_reads_an_unchanged_file_once(tmp_path):
+    for root in (tmp_path / "a", tmp_path / "b"):
+        (root / "sub").mkdir(parents=True)
+        (root / "sub" / "w.bin").write_bytes(b"\1" * 5000)
+        (root / "c.json").write_text("{}")
+    rels = ("sub/w.bin", "c.json", "missing.txt")
+    disk_cache._content_digest.cache_clear()
+    a = disk_cache.files_digest(tmp_path / "a", rels)
+    assert disk_cache.files_digest(tmp_path / "a", rels) == a
+    assert disk_cache._content_digest.cache_info().misses == 2  # each present file read once
+    assert disk_cache.files_digest(tmp_path / "b", rels) == a  # the same contents elsewhere
+    (tmp_path / "b" / "c.json").write_text('{"x": 1}')
+    assert disk_cache.files_digest(tmp_path / "b", rels) != a

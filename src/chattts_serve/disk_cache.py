@@ -1,4 +1,5 @@
-"""An entry of an on-disk cache (the trunk's ONNX exports, the OpenVINO audio graphs) written whole or not at all.
+"""An entry of an on-disk cache (the trunk's ONNX exports, the OpenVINO audio graphs): keyed by the files it was
+made from (``files_digest``) and written whole or not at all (``publish``).
 
 The entry is written into a temporary directory beside its place and renamed into it: a reader (another engine
 starting on the same cache) sees a whole entry or none. Two writers of the same entry may race; the second
@@ -7,11 +8,33 @@ rename fails on the first one's entry, which is as good as its own, and its copy
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+
+def files_digest(root: Path, rels: Iterable[str]) -> str:
+    """sha256 over the files ``rels`` under ``root`` (each its relative path, then its content's sha256; a missing
+    one is skipped). A file is read once a process while its size and modification time stay: an engine with an
+    ``ort-*`` trunk and ``ov-int8`` audio keys both caches on the GPT's weights, ~1 GB at full size."""
+    h = hashlib.sha256()
+    for rel in rels:
+        path = Path(root) / rel
+        if path.exists():
+            st = path.stat()
+            h.update(rel.encode())
+            h.update(_content_digest(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino))
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _content_digest(path: str, size: int, mtime_ns: int, inode: int) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").digest()
 
 
 def publish(final: Path, write: Callable[[Path], None], complete: str) -> None:

@@ -107,16 +107,14 @@ class AudioGraph:
         self.runtime, self.model = runtime, model
         threads = threads or torch.get_num_threads()
         if runtime.startswith("ov-"):
-            from ..cpu import probe
             from .graph_cache import cached_graph
 
-            if cache_dir is None:
-                graph = _ov_graph(model, runtime)
-            else:
-                root = getattr(model, "root", None)
-                graph = cached_graph(root, runtime, lambda: _ov_graph(model, runtime), cache_dir)
+            root = getattr(model, "root", None)
+            graph = cached_graph(root, runtime, lambda: _ov_graph(model, runtime), cache_dir)
             precision = "f32" if runtime == "ov-fp32" else "bf16"
             if runtime == "ov-int8":
+                from ..cpu import probe
+
                 precision = "bf16" if probe().bf16 else "f32"  # what int8 leaves out
             self._run = compile_graph(graph, precision, threads)
         else:

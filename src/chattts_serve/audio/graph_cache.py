@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..disk_cache import publish
+from ..disk_cache import files_digest, publish
 
 logger = logging.getLogger(__name__)
 
@@ -80,19 +80,15 @@ def _digest(path: Path) -> str:
 
 def cache_key(root: Path, runtime: str) -> str:
     """The entry's directory name for ``runtime``'s graph of the checkpoint at ``root``."""
-    h = hashlib.sha256()
-    for rel in _files(runtime):
-        path = Path(root) / rel
-        if path.exists():
-            h.update(rel.encode() + _digest(path).encode())
+    h = hashlib.sha256(files_digest(root, _files(runtime)).encode())
     h.update(json.dumps(_versions(runtime), sort_keys=True).encode())
     return f"audio-{runtime}-{h.hexdigest()[:32]}"
 
 
-def cached_graph(root: Path | None, runtime: str, build: Callable[[], Any], cache_dir: str | os.PathLike) -> Any:
+def cached_graph(root: Path | None, runtime: str, build: Callable[[], Any], cache_dir: str | os.PathLike | None) -> Any:
     """``runtime``'s OpenVINO model of the checkpoint at ``root``: read from ``cache_dir``, or ``build()`` and
-    stored there first (``root`` None: a model not loaded from files, built and not stored)."""
-    if root is None:
+    stored there first (``cache_dir`` None, or ``root`` None for a model not loaded from files: built, not stored)."""
+    if root is None or cache_dir is None:
         return build()
     import openvino as ov
 

@@ -9,11 +9,11 @@ checkpoint, the weight kind, the graph format or ONNX Runtime changed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ...disk_cache import files_digest
 from .checkpoint import GPT_CONFIG, GPT_WEIGHTS
 from .config import GPTConfig
 
@@ -69,14 +69,7 @@ class Manifest:
 
 def checkpoint_digest(root: Path) -> str:
     """sha256 over the GPT trunk's files (weights + config.json): what an export depends on."""
-    h = hashlib.sha256()
-    for rel in (GPT_CONFIG, GPT_WEIGHTS):
-        path = Path(root) / rel
-        if path.exists():
-            h.update(rel.encode())
-            with open(path, "rb") as f:
-                h.update(hashlib.file_digest(f, "sha256").digest())
-    return h.hexdigest()
+    return files_digest(root, (GPT_CONFIG, GPT_WEIGHTS))
 
 
 def default_cache_dir() -> Path:
