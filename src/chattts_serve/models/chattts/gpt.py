@@ -62,20 +62,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def _cache_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A cache buffer, uninitialised: positions are read only after they are written, and untouched pages
-    of a large cache cost no memory on the host.
-
-    On the CPU in ordinary 4 KB pages, not the huge pages the ``int4`` step's weights use: those are faulted
-    in 2 MB at a time, each ~3.5 ms of kernel time on a 2-core Zen 4 VM (400 MB first touched: 0.7-0.8 s on
-    huge pages, 0.12-0.13 s on 4 KB ones), so a slot's first prompt paid for every page its heads span (a
-    32-prompt burst's first prefill +0.7-1.1 s, its p99 first chunk 2.23-2.81 s against 1.78-2.22 s on 4 KB
-    pages) and made them resident at once. On 4 KB pages a slot costs memory as its positions fill; the
-    attention's page walks (~8 % of its cold time in a kernel-alone run) did not show in the engine's
-    32-stream rounds (BENCHMARKS.md, fourteenth session)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 class KVCache(nn.Module):
     """Static cache: one ``[slots, kv_heads, max_len, head_dim]`` buffer pair per layer, written in place.
 
@@ -96,12 +82,16 @@ class KVCache(nn.Module):
     ) -> None:
         super().__init__()
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.register_buffer("k", _cache_buffer(shape, dtype, device), persistent=False)
-        self.register_buffer("v", _cache_buffer(shape, dtype, device), persistent=False)
+        # empty, not zeros: positions are read only after they are written, and untouched pages of a large cache
+        # cost no memory on the host. Ordinary 4 KB pages, not huge ones: a 2 MB page is faulted in whole at a
+        # slot's first prompt, ~3.5 ms of kernel time each on a Zen 4 VM (a 32-prompt burst's first prefill
+        # +0.7-1.1 s), with no gain the engine's 32-stream rounds could resolve (BENCHMARKS.md, fourteenth session).
+        self.register_buffer("k", torch.empty(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.empty(shape, dtype=dtype, device=device), persistent=False)
         # int8: one scale per vector (None otherwise).
         int8 = dtype == torch.int8
         for name in ("k_scale", "v_scale"):
-            scale = _cache_buffer(shape[:-1], kv_int8.SCALE_DTYPE, device) if int8 else None
+            scale = torch.empty(shape[:-1], dtype=kv_int8.SCALE_DTYPE, device=device) if int8 else None
             self.register_buffer(name, scale, persistent=False)
 
     @staticmethod
